@@ -1,0 +1,139 @@
+"""``ServerArgs``: every radixserve option, its default, its validation and its CLI flag.
+
+One frozen dataclass; the CLI is generated from its fields (flag = ``--`` + field name with ``-``),
+so ``--help`` and ``Engine(**kwargs)`` can never drift apart. "auto" values stay "auto" here and
+are resolved by the component that owns them (e.g. the model runner picks the dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, group: str = "engine") -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "group": group})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # --- model -------------------------------------------------------------------------------
+    model_path: str | None = _opt(
+        None, "Local GGUF file or safetensors directory. Default: the bundled SmolLM2-135M-Instruct GGUF.", group="model"
+    )
+    served_model_name: str | None = _opt(None, "Model name reported by the API (default: derived from the path).", group="model")
+    dtype: str = _opt("auto", "Weights/activations/KV dtype; auto picks the measured-fastest on this device.", ("auto", "float32", "bfloat16"), group="model")
+    context_length: int | None = _opt(None, "Maximum context length (prompt + output); default: the model's.", group="model")
+    attention_backend: str = _opt("torch_native", "Attention implementation.", ("torch_native",), group="model")
+    random_seed: int = _opt(0, "Seed of the global sampler generator.", group="model")
+    num_threads: int | None = _opt(None, "torch intra-op threads (default: torch's choice).", group="model")
+
+    # --- memory ------------------------------------------------------------------------------
+    max_total_tokens: int | None = _opt(
+        None, "KV pool size in tokens. Default: sized from --mem-fraction-static of system memory.", group="memory"
+    )
+    mem_fraction_static: float = _opt(
+        0.15, "Fraction of system memory given to the KV pool when --max-total-tokens is unset.", group="memory"
+    )
+    page_size: int = _opt(1, "Tokens per KV page; the radix cache matches whole pages only.", group="memory")
+    disable_radix_cache: bool = _opt(False, "Use a ChunkCache that shares nothing instead of the RadixCache.", group="memory")
+    radix_eviction_policy: str = _opt("lru", "Order in which unlocked radix leaves are evicted.", ("lru", "lfu"), group="memory")
+
+    # --- scheduling --------------------------------------------------------------------------
+    schedule_policy: str = _opt("fcfs", "Order of the waiting queue.", SCHEDULE_POLICIES)
+    max_running_requests: int | None = _opt(None, "Most requests in the running batch (default: from pool sizes).")
+    max_queued_requests: int | None = _opt(None, "Most requests waiting; past it new requests are rejected (429).")
+    max_prefill_tokens: int = _opt(16384, "Most new prompt tokens in one prefill batch (rem_input_tokens).")
+    prefill_max_requests: int | None = _opt(None, "Most requests admitted in one prefill batch.")
+    chunked_prefill_size: int = _opt(
+        2048, "Most prompt tokens of one request per prefill step (rem_chunk_tokens); -1 disables chunking."
+    )
+    schedule_conservativeness: float = _opt(1.0, "Scales the reserve held for running requests' future tokens.")
+    init_new_token_ratio: float = _opt(0.7, "Initial fraction of max_new_tokens reserved per running request.")
+    min_new_token_ratio_factor: float = _opt(0.14, "new_token_ratio floor = init_new_token_ratio * this.")
+    new_token_ratio_decay_steps: int = _opt(600, "Decode steps for new_token_ratio to decay from init to the floor.")
+    retract_decode_steps: int = _opt(20, "Decode steps of headroom the survivors of a retraction must have.")
+    clip_max_new_tokens: int = _opt(4096, "Cap on one request's max_new_tokens when reserving budget.")
+    idle_self_check: bool = _opt(True, "Assert the KV memory invariant every time the engine goes idle.")
+
+    def __post_init__(self) -> None:
+        errors: list[str] = []
+
+        def positive(name: str, allow_none: bool = True) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, int) or v <= 0:
+                errors.append(f"{name} must be a positive integer, got {v!r}")
+
+        for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
+                     "prefill_max_requests", "num_threads"):
+            positive(name)
+        for name in ("page_size", "max_prefill_tokens", "new_token_ratio_decay_steps", "clip_max_new_tokens"):
+            positive(name, allow_none=False)
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size <= 0:
+            errors.append("chunked_prefill_size must be positive or -1 (disabled)")
+        if self.chunked_prefill_size > 0 and self.chunked_prefill_size % self.page_size:
+            errors.append("chunked_prefill_size must be a multiple of page_size")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            errors.append("mem_fraction_static must be in (0, 1)")
+        if not 0.0 <= self.init_new_token_ratio <= 1.0:
+            errors.append("init_new_token_ratio must be in [0, 1]")
+        if self.retract_decode_steps < 0:
+            errors.append("retract_decode_steps must be >= 0")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                errors.append(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+        if errors:
+            raise ValueError("invalid server arguments: " + "; ".join(errors))
+
+    @property
+    def chunk_size(self) -> int | None:
+        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    # --- CLI -----------------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        hints = get_type_hints(cls)
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            gname = f.metadata.get("group", "engine")
+            group = groups.setdefault(gname, parser.add_argument_group(f"{gname} options"))
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f.metadata.get("help", "")
+            hint = hints[f.name]
+            if hint is bool:
+                group.add_argument(flag, action="store_true", default=None, help=help_)
+                continue
+            base = _base_type(hint)
+            default_txt = "" if f.default is None else f" (default: {f.default})"
+            group.add_argument(
+                flag, type=base, default=None, choices=f.metadata.get("choices"), help=help_ + default_txt,
+                metavar=None if f.metadata.get("choices") else f.name.upper(),
+            )
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            v = getattr(ns, f.name, None)
+            if v is not None:
+                kwargs[f.name] = v
+        return cls(**kwargs)
+
+
+def _base_type(hint: Any) -> type:
+    for t in (int, float, str):
+        if hint is t or t in getattr(hint, "__args__", ()):
+            return t
+    return str

@@ -1,0 +1,103 @@
+"""``TokenToKVPoolAllocator``: hands out KV slot indices, a page at a time.
+
+The pool has ``size`` usable slots in ``size // page_size`` pages; page 0 (slots
+``0 .. page_size-1``) is the reserved padding page and is never handed out, so usable pages are
+``1 .. num_pages``. A request owns whole pages: its token ``i`` lives in its
+``i // page_size``-th page at offset ``i % page_size``, which is what lets the radix cache share
+page-aligned prefixes.
+
+    slots  | pad page | page 1 | page 2 | ... | page N |
+           |  never   |   free pages are kept in a stack, smallest id on top   |
+
+Exact accounting: every slot is either free here, held by a request, or held by the cache.
+"""
+
+from __future__ import annotations
+
+
+class OutOfKVSlots(RuntimeError):
+    pass
+
+
+class TokenToKVPoolAllocator:
+    def __init__(self, size: int, page_size: int = 1) -> None:
+        if size <= 0 or page_size <= 0 or size % page_size:
+            raise ValueError(f"pool size {size} must be a positive multiple of page_size {page_size}")
+        self.size = size
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self.clear()
+
+    def clear(self) -> None:
+        # Descending, so pop() from the end hands out the smallest page id first (deterministic).
+        self._free_pages: list[int] = list(range(self.num_pages, 0, -1))
+        self._released: list[int] = []
+        self._is_free = bytearray(b"\x01") * (self.num_pages + 1)
+        self._is_free[0] = 0
+
+    def available_size(self) -> int:
+        return (len(self._free_pages) + len(self._released)) * self.page_size
+
+    def _take_pages(self, n: int) -> list[int]:
+        if n > len(self._free_pages):
+            if n > len(self._free_pages) + len(self._released):
+                raise OutOfKVSlots(f"need {n} pages, {self.available_size() // self.page_size} free")
+            self._free_pages.extend(self._released)
+            self._released = []
+            self._free_pages.sort(reverse=True)
+        pages = self._free_pages[len(self._free_pages) - n :]
+        del self._free_pages[len(self._free_pages) - n :]
+        pages.reverse()
+        for p in pages:
+            self._is_free[p] = 0
+        return pages
+
+    def alloc(self, need: int) -> list[int]:
+        """``need`` fresh slots (a multiple of page_size when paged), whole pages, ascending."""
+        if need % self.page_size:
+            raise ValueError(f"alloc({need}) is not page aligned (page_size={self.page_size})")
+        ps = self.page_size
+        return [p * ps + o for p in self._take_pages(need // ps) for o in range(ps)]
+
+    def pages_needed(self, cur_len: int, new_tokens: int) -> int:
+        """Pages a request holding ``cur_len`` tokens needs to grow by ``new_tokens``."""
+        ps = self.page_size
+        return -(-(cur_len + new_tokens) // ps) - -(-cur_len // ps)
+
+    def alloc_extend(self, last_slot: int | None, cur_len: int, new_tokens: int) -> list[int]:
+        """Slots for tokens ``cur_len .. cur_len+new_tokens-1`` of one request.
+
+        The first ones fill the request's last, partly used page (which holds ``last_slot``),
+        the rest come from fresh pages::
+
+            page k (owned)          fresh pages
+            [x x x . ]  ->  [x x x n] [n n n n] [n . . .]
+                   ^ last_slot
+        """
+        ps = self.page_size
+        out: list[int] = []
+        if ps > 1 and cur_len % ps:
+            if last_slot is None:
+                raise ValueError("a partly used page needs last_slot")
+            room = min(ps - cur_len % ps, new_tokens)
+            out.extend(range(last_slot + 1, last_slot + 1 + room))
+        rest = new_tokens - len(out)
+        if rest > 0:
+            pages = self._take_pages(-(-rest // ps))
+            slots = [p * ps + o for p in pages for o in range(ps)]
+            out.extend(slots[:rest])
+        return out
+
+    def free(self, slots: list[int]) -> None:
+        """Return the pages that ``slots`` lie in. The caller frees whole pages only."""
+        if not slots:
+            return
+        ps = self.page_size
+        pages = sorted({s // ps for s in slots}) if ps > 1 else slots
+        for p in pages:
+            if p <= 0 or p > self.num_pages:
+                raise RuntimeError(f"slot of page {p} is not in this pool")
+            if self._is_free[p]:
+                raise RuntimeError(f"page {p} freed twice")
+            self._is_free[p] = 1
+        self._released.extend(pages)

@@ -1,0 +1,89 @@
+"""The one description of a model step that every scheduler produces and every runner consumes.
+
+A ``ForwardBatch`` is a flat list of new tokens plus, per request, how long its cached prefix is
+and how many new tokens it extends by. Prefill is an extend with a short (or empty) prefix, decode
+is an extend of length one, and mixed batches are just both at once: the runner never learns
+which scheduler or which phase built the batch.
+
+NOTE: it lives in ``mem`` because it is, at heart, a map of KV slots to write and read, and both
+``sched`` (which builds it) and ``model`` (which consumes it) may import ``mem``.
+
+Layout of one batch with two requests, A (prefix 3, extend 2) and B (decode, prefix 5)::
+
+    input_ids      [a3 a4 | b5]        flat, T = sum(extend_seq_lens) = 3
+    positions      [ 3  4 |  5]
+    out_cache_loc  [s  s  |  s]        KV slot each new token's K/V is written to
+    req_pool_indices [rA, rB]          rows of ReqToTokenPool.req_to_token
+    seq_lens         [ 5,  6]          prefix + extend: KV the attention reads per request
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-request sampling parameters, one entry per request in batch order."""
+
+    temperatures: list[float]
+    top_ps: list[float]
+    top_ks: list[int]  # -1 (or <= 0) disables top-k
+    min_ps: list[float]
+    seeds: list[int | None]  # None: draw from the runner's global generator
+    steps: list[int]  # tokens generated so far; with a seed, makes sampling batch-independent
+    return_logprob: list[bool] = field(default_factory=list)
+    top_logprobs_nums: list[int] = field(default_factory=list)
+
+    @property
+    def is_all_greedy(self) -> bool:
+        return all(t <= 1e-6 for t in self.temperatures) or all(k == 1 for k in self.top_ks)
+
+    @classmethod
+    def greedy(cls, n: int) -> SamplingBatchInfo:
+        return cls([0.0] * n, [1.0] * n, [-1] * n, [0.0] * n, [None] * n, [0] * n)
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64
+    req_pool_indices: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64, prefix + extend
+    extend_prefix_lens: list[int]  # [B]
+    extend_seq_lens: list[int]  # [B]
+    sampling: SamplingBatchInfo
+    capture_logits: bool = False  # return each request's last-position logits (tests, parity)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.extend_seq_lens)
+
+
+@dataclass
+class ForwardOutput:
+    next_token_ids: list[int]  # one sampled token per request
+    logprobs: list[float] | None = None  # log-probability of the sampled token, where asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    logits: torch.Tensor | None = None  # [B, vocab] float32 when capture_logits
+
+
+class Runner(Protocol):
+    """What the scheduler needs from a model: one forward over a ForwardBatch.
+
+    The real ``ModelRunner``, the simulator's cost-model runner and test doubles all fit.
+    """
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput: ...

@@ -1,0 +1,71 @@
+"""The real KV tensors and the request -> token-slot table.
+
+``KVPool`` holds, per layer, a K and a V buffer of shape ``[num_slots, num_kv_heads, head_dim]``.
+Slot ids come from ``TokenToKVPoolAllocator``; the first page (slots ``0 .. page_size-1``) is
+reserved as a padding target and is never handed out, so a padded gather never touches live KV.
+
+``ReqToTokenPool`` maps a request slot (one row per running request) to the KV slot of each of its
+tokens: ``req_to_token[req_pool_idx, pos]`` is where token ``pos`` of that request lives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.size = size
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.dtype = dtype
+        rows = size + page_size  # + the reserved padding page
+        self.k_buffers = [
+            torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+        self.v_buffers = [
+            torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * elem
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer][loc] = k.to(self.dtype)
+        self.v_buffers[layer][loc] = v.to(self.dtype)
+
+
+class ReqToTokenPool:
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int64, device=device)
+        self._free: list[int] = list(range(size - 1, -1, -1))  # pop() hands out 0 first
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, idx: int) -> None:
+        if idx in self._free:  # NOTE: O(size) but size is small; a double free is a bug to catch
+            raise RuntimeError(f"request slot {idx} freed twice")
+        self._free.append(idx)
+
+    def write(self, idx: int, start: int, slots: list[int]) -> None:
+        if slots:
+            self.req_to_token[idx, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int64)

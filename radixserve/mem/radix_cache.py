@@ -1,0 +1,345 @@
+"""``RadixCache``: a radix tree of token ids whose nodes own the KV slots of their tokens.
+
+A node's ``key`` is a run of token ids and its ``value`` the KV slots holding them; the path from
+the root to a node spells a cached prefix. Children are keyed by their first token (first page
+when ``page_size > 1``); children of the root also carry the ``extra_key`` namespace, so two
+namespaces never share a node. With pages, keys are cut to whole pages: a partial page is never
+cached, so a match always ends on a page boundary and a request's own pages start fresh after it.
+
+Sizes: every node's tokens count once, as evictable (``lock_ref == 0``) or protected. A lock on a
+node pins its whole path, so ``lock_ref`` never decreases going up the tree.
+
+Eviction frees unlocked leaves in the order the eviction strategy gives (LRU by default); a parent
+whose last child went becomes a leaf and a candidate in turn. The set of evictable leaves is kept
+up to date on every change, so ``evict`` never walks the whole tree.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+from radixserve.mem.allocator import TokenToKVPoolAllocator
+from radixserve.mem.base_cache import BasePrefixCache, CacheableReq, MatchResult, RadixKey
+from radixserve.mem.evict_policy import EvictionStrategy, get_eviction_strategy
+from radixserve.mem.kv_pool import ReqToTokenPool
+
+
+class TreeNode:
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "hit_count", "extra_key", "id")
+
+    _next_id = 0
+
+    def __init__(self, parent: TreeNode | None = None, extra_key: str | None = None) -> None:
+        self.children: dict[Any, TreeNode] = {}
+        self.parent = parent
+        self.key: list[int] = []
+        self.value: list[int] = []
+        self.lock_ref = 0
+        self.last_access_time = 0
+        self.hit_count = 0
+        self.extra_key = extra_key
+        TreeNode._next_id += 1
+        self.id = TreeNode._next_id
+
+    def __lt__(self, other: TreeNode) -> bool:  # heap tie-break: stable and deterministic
+        return self.id < other.id
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock={self.lock_ref})"
+
+
+def _match_len(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case, compared in C
+        return n
+    lo, hi = 0, n  # the first mismatch lies in [lo, hi)
+    while hi - lo > 16:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
+class RadixCache(BasePrefixCache):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        eviction_policy: str | EvictionStrategy = "lru",
+    ) -> None:
+        super().__init__(req_to_token_pool, allocator)
+        self.strategy = (
+            get_eviction_strategy(eviction_policy) if isinstance(eviction_policy, str) else eviction_policy
+        )
+        self.reset()
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._root = TreeNode()
+        self._root.lock_ref = 1  # the root is never evicted
+        self._evictable = 0
+        self._protected = 0
+        self._clock = 0
+        self._leaves: set[TreeNode] = set()  # unlocked, childless, non-root nodes
+
+    @property
+    def root(self) -> TreeNode:
+        return self._root
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _refresh_leaf(self, node: TreeNode) -> None:
+        if node is not self._root and node.lock_ref == 0 and not node.children:
+            self._leaves.add(node)
+        else:
+            self._leaves.discard(node)
+
+    def _child_key(self, node: TreeNode, key: list[int] | tuple[int, ...], extra_key: str | None) -> Any:
+        first: Any = key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+        return (extra_key, first) if node is self._root else first
+
+    def _aligned(self, key: RadixKey) -> list[int] | tuple[int, ...]:
+        ids = key.token_ids
+        if self.page_size > 1:
+            ids = ids[: len(ids) // self.page_size * self.page_size]
+        return ids
+
+    # --- match / insert --------------------------------------------------------------------------
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        ids = self._aligned(key)
+        node = self._root
+        now = self._tick()
+        node.last_access_time = now
+        indices: list[int] = []
+        pos = 0
+        while pos < len(ids):
+            child = node.children.get(self._child_key(node, ids[pos:], key.extra_key))
+            if child is None:
+                break
+            n = self._page_floor(_match_len(child.key, ids[pos:]))
+            child.last_access_time = now
+            child.hit_count += 1
+            if n < len(child.key):
+                if n == 0:
+                    break
+                node = self._split(child, n)
+                indices.extend(node.value)
+                break
+            indices.extend(child.value)
+            node = child
+            pos += n
+        return MatchResult(indices, node)
+
+    def _page_floor(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut ``child`` after ``n`` tokens; returns the new upper node (same locks, same sizes)."""
+        parent = child.parent
+        assert parent is not None
+        upper = TreeNode(parent, child.extra_key)
+        upper.key, upper.value = child.key[:n], child.value[:n]
+        upper.lock_ref = child.lock_ref
+        upper.last_access_time = child.last_access_time
+        upper.hit_count = child.hit_count
+        ck = self._child_key(parent, child.key, child.extra_key)
+        parent.children[ck] = upper
+        child.key, child.value = child.key[n:], child.value[n:]
+        child.parent = upper
+        upper.children[self._child_key(upper, child.key, child.extra_key)] = child
+        return upper
+
+    def insert(self, key: RadixKey, value: list[int]) -> int:
+        ids = self._aligned(key)
+        if len(value) < len(ids):
+            raise ValueError("insert: fewer values than key tokens")
+        node = self._root
+        now = self._tick()
+        pos = 0
+        while pos < len(ids):
+            ck = self._child_key(node, ids[pos:], key.extra_key)
+            child = node.children.get(ck)
+            if child is None:
+                leaf = TreeNode(node, key.extra_key)
+                leaf.key, leaf.value = list(ids[pos:]), list(value[pos : len(ids)])
+                leaf.last_access_time = now
+                node.children[ck] = leaf
+                self._evictable += len(leaf.key)
+                self._refresh_leaf(node)
+                self._refresh_leaf(leaf)
+                return pos
+            n = self._page_floor(_match_len(child.key, ids[pos:]))
+            child.last_access_time = now
+            if n < len(child.key):
+                child = self._split(child, n)
+            node = child
+            pos += n
+        return pos
+
+    # --- locks ---------------------------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        delta = 0
+        while node is not self._root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+                delta -= len(node.key)
+                self._leaves.discard(node)
+            node.lock_ref += 1
+            assert node.parent is not None
+            node = node.parent
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        delta = 0
+        while node is not self._root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref on unlocked {node}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node.key)
+                self._protected -= len(node.key)
+                delta += len(node.key)
+                self._refresh_leaf(node)
+            assert node.parent is not None
+            node = node.parent
+        return delta
+
+    # --- eviction ------------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        if num_tokens <= 0 or not self._leaves:
+            return 0
+        prio = self.strategy.priority
+        heap = [(prio(n), n) for n in self._leaves]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, node = heapq.heappop(heap)
+            if node not in self._leaves:  # stale entry
+                continue
+            self.allocator.free(node.value)
+            freed += len(node.value)
+            self._delete_leaf(node)
+            parent = node.parent
+            if parent in self._leaves:
+                heapq.heappush(heap, (prio(parent), parent))
+        return freed
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[self._child_key(parent, node.key, node.extra_key)]
+        self._evictable -= len(node.key)
+        self._leaves.discard(node)
+        self._refresh_leaf(parent)
+
+    # --- requests ------------------------------------------------------------------------------
+    def cache_finished_req(self, req: CacheableReq) -> None:
+        """Give a finished (or retracted) request's computed KV to the tree and release the request.
+
+        ``kv_indices`` of the request, by region::
+
+            [0, protected)        the tree's already (pinned by last_node): nothing to do
+            [protected, dup_end)  computed here, but someone inserted the same tokens meanwhile: free
+            [dup_end, aligned)    new to the tree: now owned by it (evictable)
+            [aligned, len)        a partial trailing page: free
+        """
+        kv = req.kv_indices
+        aligned = len(kv) - len(kv) % self.page_size
+        dup_end = self.insert(RadixKey(req.kv_token_ids[:aligned], req.extra_key), kv[:aligned])
+        self.allocator.free(kv[req.cache_protected_len : dup_end])
+        self.allocator.free(kv[aligned:])
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        self._release(req)
+
+    def cache_unfinished_req(self, req: CacheableReq) -> None:
+        """After a prefill chunk: cache what was computed so far and move the request's lock down.
+
+        The request keeps its KV, but the slots of tokens the tree already had (inserted by
+        someone else) are swapped for the tree's and its own copies are freed.
+        """
+        kv = req.kv_indices
+        aligned = len(kv) - len(kv) % self.page_size
+        key = RadixKey(req.kv_token_ids[:aligned], req.extra_key)
+        dup_end = self.insert(key, kv[:aligned])
+        self.allocator.free(kv[req.cache_protected_len : dup_end])
+        match = self.match_prefix(key)
+        new = match.device_indices
+        assert len(new) == aligned, (len(new), aligned)
+        start = req.cache_protected_len
+        if req.req_pool_idx is not None and dup_end > start:
+            self.req_to_token_pool.write(req.req_pool_idx, start, new[start:dup_end])
+        kv[:aligned] = new
+        self.inc_lock_ref(match.last_node)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        req.last_node = match.last_node
+        req.cache_protected_len = aligned
+
+    # --- checks & views ------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        evictable = protected = 0
+        leaves: set[TreeNode] = set()
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            for ck, child in node.children.items():
+                if child.parent is not node:
+                    raise AssertionError(f"{child} has a wrong parent")
+                if self._child_key(node, child.key, child.extra_key) != ck:
+                    raise AssertionError(f"{child} filed under a wrong key")
+                if len(child.key) != len(child.value) or not child.key:
+                    raise AssertionError(f"{child} key/value lengths differ or are empty")
+                if self.page_size > 1 and len(child.key) % self.page_size:
+                    raise AssertionError(f"{child} is not page aligned")
+                if child.lock_ref > node.lock_ref and node is not self._root:
+                    raise AssertionError(f"{child} is locked more than its parent")
+                if child.lock_ref == 0:
+                    evictable += len(child.key)
+                else:
+                    protected += len(child.key)
+                if child.lock_ref == 0 and not child.children:
+                    leaves.add(child)
+                stack.append(child)
+        if (evictable, protected) != (self._evictable, self._protected):
+            raise AssertionError(
+                f"sizes drifted: counted evictable={evictable} protected={protected}, "
+                f"kept {self._evictable}/{self._protected}"
+            )
+        if leaves != self._leaves:
+            raise AssertionError("the evictable-leaf set drifted")
+
+    def all_values(self) -> list[int]:
+        out: list[int] = []
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            out.extend(node.value)
+            stack.extend(node.children.values())
+        return out
+
+    def pretty(self) -> str:
+        lines: list[str] = []
+
+        def walk(node: TreeNode, depth: int) -> None:
+            for child in node.children.values():
+                lines.append(f"{'  ' * depth}{child.key[:8]}{'...' if len(child.key) > 8 else ''} "
+                             f"len={len(child.key)} lock={child.lock_ref}")
+                walk(child, depth + 1)
+
+        walk(self._root, 0)
+        return "\n".join(lines)

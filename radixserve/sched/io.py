@@ -1,0 +1,21 @@
+"""What the scheduler emits: one ``ReqOutput`` per request per step that produced something."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixserve.sched.finish import BaseFinishReason
+
+
+@dataclass
+class ReqOutput:
+    rid: str
+    new_token_ids: list[int]
+    finished_reason: BaseFinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    queue_time: float = 0.0  # arrival -> first scheduled
+    num_retractions: int = 0

@@ -1,0 +1,94 @@
+"""``KVManager``: the scheduler's one door to KV memory (request slots, KV slots, the prefix cache).
+
+The scheduler never reaches into pool internals: it asks this manager to admit a request's prefix,
+grow a request by N tokens (evicting cache leaves when the free list runs dry), release a request
+into the cache, and check the accounting invariant.
+"""
+
+from __future__ import annotations
+
+from radixserve.mem.allocator import OutOfKVSlots, TokenToKVPoolAllocator
+from radixserve.mem.base_cache import BasePrefixCache
+from radixserve.mem.kv_pool import ReqToTokenPool
+from radixserve.sched.req import Req
+
+
+class KVManager:
+    def __init__(
+        self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, tree_cache: BasePrefixCache
+    ) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.page_size = allocator.page_size
+
+    @property
+    def total_tokens(self) -> int:
+        return self.allocator.size
+
+    def available_size(self) -> int:
+        return self.allocator.available_size()
+
+    def reclaimable_size(self) -> int:
+        """Slots that could be had now: free ones plus unlocked cache leaves."""
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def usage(self) -> float:
+        """Fraction of the pool not free and not evictable (held by running requests)."""
+        return 1.0 - self.reclaimable_size() / self.total_tokens
+
+    def admit(self, req: Req) -> None:
+        """Give a newly admitted request a request slot and its cached prefix (already locked)."""
+        if req.req_pool_idx is None:
+            idx = self.req_to_token_pool.alloc()
+            if idx is None:
+                raise RuntimeError("no free request slot (max_running_requests exceeds the request pool)")
+            req.req_pool_idx = idx
+        req.kv_indices = list(req.prefix_indices)
+        req.cache_protected_len = len(req.prefix_indices)
+        self.req_to_token_pool.write(req.req_pool_idx, 0, req.kv_indices)
+
+    def grow(self, req: Req, n: int) -> list[int]:
+        """KV slots for the next ``n`` tokens of ``req``, evicting cache leaves if needed."""
+        last = req.kv_indices[-1] if req.kv_indices else None
+        cur = len(req.kv_indices)
+        need = self.allocator.pages_needed(cur, n) * self.page_size
+        if need > self.allocator.available_size():
+            self.tree_cache.evict(need - self.allocator.available_size())
+        try:
+            slots = self.allocator.alloc_extend(last, cur, n)
+        except OutOfKVSlots as e:
+            raise OutOfKVSlots(f"{e} (request {req.rid}: the budget check should have prevented this)") from e
+        assert req.req_pool_idx is not None
+        self.req_to_token_pool.write(req.req_pool_idx, cur, slots)
+        req.kv_indices.extend(slots)
+        return slots
+
+    def decode_tokens_needed(self, reqs: list[Req], steps: int = 1) -> int:
+        """Slots the running requests need for ``steps`` more decode steps."""
+        ps = self.page_size
+        return sum(self.allocator.pages_needed(len(r.kv_indices), steps) for r in reqs) * ps
+
+    def release(self, req: Req) -> None:
+        """A request ends (or is retracted): its computed KV goes to the cache, the rest is freed."""
+        if req.req_pool_idx is None:  # matched while waiting but never admitted: holds no lock
+            req.last_node = None
+            req.prefix_indices = []
+            return
+        self.tree_cache.cache_finished_req(req)
+
+    def check_invariant(self, running: int = 0) -> None:
+        """At idle: every KV slot is free or cached, nothing is locked, every request slot free."""
+        avail = self.allocator.available_size()
+        ev, prot = self.tree_cache.evictable_size(), self.tree_cache.protected_size()
+        if avail + ev + prot != self.total_tokens:
+            raise AssertionError(
+                f"KV leak: available {avail} + evictable {ev} + protected {prot} != total {self.total_tokens}"
+            )
+        if prot != 0:
+            raise AssertionError(f"{prot} cached tokens still locked at idle")
+        if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
+            raise AssertionError(
+                f"request slot leak: {self.req_to_token_pool.size - self.req_to_token_pool.available_size()} in use at idle"
+            )
+        self.tree_cache.check_integrity()

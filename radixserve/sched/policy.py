@@ -1,0 +1,122 @@
+"""Waiting-queue ordering: one small class per ``--schedule-policy``, registered by name.
+
+A policy returns the waiting queue in the order the ``PrefillAdder`` should try to admit it.
+Cache-aware policies (``lpm``, ``dfs-weight``) look at the radix tree; when the queue is longer
+than ``lpm_fallback_threshold`` (SGLang hard-codes 128) they fall back to ``fcfs``, because
+matching every waiting request each step would cost more than the cache hits save.
+
+With ``--enable-priority-scheduling`` the request priority is the first sort key of every policy
+(larger value first, or smaller with ``--schedule-low-priority-values-first``), arrival time
+breaks ties. To add a policy: subclass ``SchedulePolicy``, decorate with ``@register_policy``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from radixserve.mem.base_cache import BasePrefixCache
+from radixserve.sched.req import Req
+
+
+@dataclass
+class PolicyContext:
+    tree_cache: BasePrefixCache
+    now: float
+    enable_priority: bool = False
+    low_priority_values_first: bool = False
+    default_priority: int = 0
+    lpm_fallback_threshold: int = 128
+    rng: random.Random | None = None
+
+    def priority_key(self, req: Req) -> int:
+        """Smaller sorts first."""
+        if not self.enable_priority:
+            return 0
+        p = req.priority if req.priority is not None else self.default_priority
+        return p if self.low_priority_values_first else -p
+
+
+class SchedulePolicy:
+    name: ClassVar[str] = ""
+    cache_aware: ClassVar[bool] = False  # needs prefix matches of the waiting requests
+
+    def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, type[SchedulePolicy]] = {}
+
+
+def register_policy(cls: type[SchedulePolicy]) -> type[SchedulePolicy]:
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_policy(name: str) -> SchedulePolicy:
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ValueError(f"unknown schedule policy {name!r}; choose from {sorted(_REGISTRY)}") from None
+
+
+def policy_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _sorted(waiting: list[Req], ctx: PolicyContext, key: Callable[[Req], Any]) -> list[Req]:
+    return sorted(waiting, key=lambda r: (ctx.priority_key(r), key(r), r.arrival_time))
+
+
+@register_policy
+class FCFS(SchedulePolicy):
+    """First come, first served (by arrival; a retracted request keeps its place)."""
+
+    name = "fcfs"
+
+    def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
+        return _sorted(waiting, ctx, lambda r: 0)
+
+
+@register_policy
+class LongestPrefixMatch(SchedulePolicy):
+    """Longest cached prefix first: requests that reuse the most KV go first."""
+
+    name = "lpm"
+    cache_aware = True
+
+    def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
+        if ctx.lpm_fallback_threshold and len(waiting) > ctx.lpm_fallback_threshold:
+            return FCFS().order(waiting, ctx)
+        for r in waiting:
+            r.init_next_round_input(ctx.tree_cache)
+        return _sorted(waiting, ctx, lambda r: -len(r.prefix_indices))
+
+
+@register_policy
+class LongestOutputFirst(SchedulePolicy):
+    """Largest max_new_tokens first."""
+
+    name = "lof"
+
+    def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
+        return _sorted(waiting, ctx, lambda r: -r.max_new_tokens)
+
+
+@register_policy
+class RandomOrder(SchedulePolicy):
+    """A random order (priority classes still first)."""
+
+    name = "random"
+
+    def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
+        rng = ctx.rng or random.Random(0)
+        shuffled = list(waiting)
+        rng.shuffle(shuffled)
+        if not ctx.enable_priority:
+            return shuffled
+        return sorted(shuffled, key=ctx.priority_key)  # stable: random within a class

@@ -1,0 +1,106 @@
+"""``PrefillAdder``: builds one prefill batch within SGLang's token budgets.
+
+Budgets (all in tokens):
+- ``rem_total_tokens``: KV the batch may still take: ``available + evictable`` minus what running
+  requests are expected to still decode (``min(remaining, clip) * new_token_ratio`` each) minus
+  what this round already admitted (its prompt tokens plus its clipped max_new_tokens).
+- ``rem_input_tokens``: new prompt tokens left in this batch (``--max-prefill-tokens``).
+- ``rem_chunk_tokens``: tokens left for chunking (``--chunked-prefill-size``); a prompt longer
+  than that is cut and finishes over later steps as the ``chunked_req``.
+
+Each ``add_*`` answers with an ``AddReqResult``: CONTINUE (try the next request), NO_TOKEN (KV
+memory is the limit: stop), OTHER (another budget is the limit: stop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum, auto
+
+from radixserve.mem.base_cache import BasePrefixCache
+from radixserve.sched.req import Req
+
+
+class AddReqResult(Enum):
+    CONTINUE = auto()
+    NO_TOKEN = auto()
+    OTHER = auto()
+
+
+class PrefillAdder:
+    def __init__(
+        self,
+        tree_cache: BasePrefixCache,
+        available_tokens: int,
+        running_reqs: Sequence[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None,
+        page_size: int = 1,
+        clip_max_new_tokens: int = 4096,
+    ) -> None:
+        self.tree_cache = tree_cache
+        self.available_tokens = available_tokens
+        self.new_token_ratio = new_token_ratio
+        self.rem_input_tokens = max_prefill_tokens
+        self.rem_chunk_tokens = chunked_prefill_size
+        self.page_size = page_size
+        self.clip = clip_max_new_tokens
+        self.rem_total_token_offset = sum(
+            min(r.remaining_new_tokens, self.clip) * new_token_ratio for r in running_reqs
+        )
+        self.can_run_list: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    @property
+    def rem_total_tokens(self) -> float:
+        return self.available_tokens + self.tree_cache.evictable_size() - self.rem_total_token_offset
+
+    def budget_state(self) -> AddReqResult:
+        if self.rem_total_tokens <= 0:
+            return AddReqResult.NO_TOKEN
+        if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
+            return AddReqResult.OTHER
+        return AddReqResult.CONTINUE
+
+    def _take(self, extend_len: int, reserve_new: int) -> None:
+        self.rem_total_token_offset += extend_len + reserve_new
+        self.rem_input_tokens -= extend_len
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend_len
+
+    def add_chunked_req(self, req: Req) -> Req | None:
+        """Continue the request whose prompt was cut last round. Returns it while still chunked."""
+        n = req.extend_input_len
+        if self.rem_chunk_tokens is not None and n > self.rem_chunk_tokens:
+            n = self.rem_chunk_tokens - self.rem_chunk_tokens % self.page_size
+        req.is_chunked = n < req.extend_input_len
+        req.extend_input_len = n
+        self.can_run_list.append(req)
+        self._take(n, 0 if req.is_chunked else min(req.remaining_new_tokens, self.clip))
+        return req if req.is_chunked else None
+
+    def add_one_req(self, req: Req) -> AddReqResult:
+        extend = req.extend_input_len
+        reserve = min(req.remaining_new_tokens, self.clip)
+        self.tree_cache.inc_lock_ref(req.last_node)  # the prefix must survive evictions from here on
+        if extend + reserve >= self.rem_total_tokens:
+            self.tree_cache.dec_lock_ref(req.last_node)
+            return AddReqResult.NO_TOKEN
+        if extend > self.rem_input_tokens and self.can_run_list:
+            self.tree_cache.dec_lock_ref(req.last_node)
+            return AddReqResult.OTHER
+        if self.rem_chunk_tokens is None or extend <= self.rem_chunk_tokens:
+            self.can_run_list.append(req)
+            self._take(extend, reserve)
+        else:
+            trunc = self.rem_chunk_tokens - self.rem_chunk_tokens % self.page_size
+            if trunc <= 0:
+                self.tree_cache.dec_lock_ref(req.last_node)
+                return AddReqResult.OTHER
+            req.extend_input_len = trunc
+            req.is_chunked = True
+            self.can_run_list.append(req)
+            self.new_chunked_req = req
+            self._take(trunc, 0)
+        return self.budget_state()

@@ -1,0 +1,127 @@
+"""``Req``: one request as the scheduler sees it: a few integer counters, the rest derived.
+
+    fill_ids = origin_input_ids + output_ids          (num_tokens of them)
+    kv_indices[i] = KV slot of token i                 (num_computed_tokens of them)
+
+Prefill, chunked prefill, decode, a prefix-cache hit and recompute after retraction are all the
+same thing: a gap between ``num_computed_tokens`` and ``num_tokens`` that the next extend closes
+(all of it, or a chunk of it).
+
+    [0 .. cache_protected_len)      KV owned by the radix cache, pinned through last_node
+    [cache_protected_len .. num_computed_tokens)   KV this request owns
+    [num_computed_tokens .. num_tokens)            still to compute (the last sampled token's KV
+                                                   is written by the next decode step)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixserve.mem.base_cache import BasePrefixCache, RadixKey
+from radixserve.sched.finish import FINISH_ABORT, BaseFinishReason
+from radixserve.sched.sampling_params import SamplingParams
+
+
+class Req:
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        arrival_time: float = 0.0,
+        priority: int | None = None,
+        extra_key: str | None = None,
+        eos_token_ids: tuple[int, ...] | frozenset[int] = (),
+    ) -> None:
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.output_ids: list[int] = []
+        self.sampling_params = sampling_params or SamplingParams()
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.extra_key = extra_key
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+        # memory
+        self.req_pool_idx: int | None = None
+        self.kv_indices: list[int] = []
+        self.cache_protected_len = 0
+        self.last_node: Any = None
+
+        # this round's plan (set by init_next_round_input / the adder)
+        self.prefix_indices: list[int] = []
+        self.extend_input_len = 0
+        self.is_chunked = False
+
+        # outcome & stats
+        self.finished_reason: BaseFinishReason | None = None
+        self.to_abort: FINISH_ABORT | None = None
+        self.cached_tokens = 0
+        self.num_retractions = 0
+        self.num_preemptions = 0
+        self.admitted_before = False
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        self.sent_len = 0  # output tokens already streamed out
+
+    # --- derived counters --------------------------------------------------------------------
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return len(self.kv_indices)
+
+    @property
+    def kv_token_ids(self) -> list[int]:
+        n = len(self.kv_indices)
+        k = len(self.origin_input_ids)
+        return self.origin_input_ids[:n] if n <= k else self.origin_input_ids + self.output_ids[: n - k]
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.origin_input_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.max_new_tokens - len(self.output_ids), 0)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    # --- scheduling --------------------------------------------------------------------------
+    def init_next_round_input(self, tree_cache: BasePrefixCache) -> None:
+        """Plan the next extend: match the radix cache (for a request holding no KV yet) and set
+        ``extend_input_len`` to the gap left. At least one token is always computed, since its
+        logits give the next token."""
+        if self.kv_indices:  # a chunked request continuing: its prefix is its own KV
+            self.extend_input_len = self.num_tokens - self.num_computed_tokens
+            return
+        fill = self.fill_ids
+        match = tree_cache.match_prefix(RadixKey(fill[: len(fill) - 1], self.extra_key))
+        self.prefix_indices = match.device_indices
+        self.last_node = match.last_node
+        self.extend_input_len = len(fill) - len(self.prefix_indices)
+
+    def reset_for_retract(self) -> None:
+        """Back to a waiting request; its outputs so far stay and are recomputed as prompt."""
+        self.prefix_indices = []
+        self.extend_input_len = 0
+        self.is_chunked = False
+
+    def __repr__(self) -> str:
+        return (f"Req(rid={self.rid!r}, prompt={self.prompt_len}, out={len(self.output_ids)}, "
+                f"computed={self.num_computed_tokens})")

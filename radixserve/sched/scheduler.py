@@ -1,0 +1,439 @@
+"""``Scheduler``: the event loop that turns a waiting queue into model steps (SGLang's shape).
+
+Each step, ``get_next_batch_to_run``:
+1. merges the last prefill batch into ``running_batch`` (all but the still-chunked request);
+2. tries to build a new prefill batch (``get_new_batch_prefill``): the policy orders
+   ``waiting_queue``, the ``PrefillAdder`` admits requests within its budgets; prefill goes first;
+3. otherwise decodes ``running_batch`` one token (``update_running_batch``), retracting requests
+   back to the waiting queue when the next step cannot get KV slots.
+
+The scheduler talks to three things only: the policy, the ``KVManager`` and a runner with
+``forward(ForwardBatch) -> ForwardOutput``; outputs leave as ``ReqOutput`` records.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from radixserve.config import ServerArgs
+from radixserve.mem.forward_batch import ForwardOutput, Runner
+from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, BaseFinishReason
+from radixserve.sched.io import ReqOutput
+from radixserve.sched.kv_manager import KVManager
+from radixserve.sched.policy import PolicyContext, get_policy
+from radixserve.sched.prefill_adder import AddReqResult, PrefillAdder
+from radixserve.sched.req import Req
+from radixserve.sched.sampling_params import InvalidRequest
+from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    forward_steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
+    cached_tokens: int = 0  # of which came from the prefix cache
+    prefill_tokens: int = 0  # tokens actually computed in extends (recompute included)
+    generated_tokens: int = 0
+    num_retractions: int = 0
+    num_aborted: int = 0
+    num_finished: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        args: ServerArgs,
+        runner: Runner,
+        kv: KVManager,
+        *,
+        context_len: int,
+        vocab_size: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        detokenize: Callable[[list[int]], str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.args = args
+        self.runner = runner
+        self.kv = kv
+        self.tree_cache = kv.tree_cache
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.detokenize = detokenize
+        self.clock = clock
+        self.policy = get_policy(args.schedule_policy)
+        self.rng = random.Random(args.random_seed)
+
+        self.waiting_queue: list[Req] = []
+        self.running_batch = ScheduleBatch()
+        self.cur_batch: ScheduleBatch | None = None
+        self.last_batch: ScheduleBatch | None = None
+        self.chunked_req: Req | None = None
+        self.reqs: dict[str, Req] = {}  # every unfinished request by rid
+
+        pool_reqs = kv.req_to_token_pool.size
+        self.max_running_requests = min(args.max_running_requests or pool_reqs, pool_reqs)
+        self.init_new_token_ratio = min(args.init_new_token_ratio * args.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = min(self.init_new_token_ratio * args.min_new_token_ratio_factor, 1.0)
+        self.new_token_ratio_decay = (
+            self.init_new_token_ratio - self.min_new_token_ratio
+        ) / args.new_token_ratio_decay_steps
+        self.new_token_ratio = self.init_new_token_ratio
+
+        self.stats = SchedulerStats()
+        self.outputs: list[ReqOutput] = []
+        self._idle_checked = True
+
+    # --- intake --------------------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        """Queue a request, or finish it at once with an abort that says why it cannot run."""
+        if not req.eos_token_ids:
+            req.eos_token_ids = frozenset(self.eos_token_ids)
+        reason = self._validate(req)
+        if reason is not None:
+            self._finish(req, reason)
+            return
+        self.reqs[req.rid] = req
+        self.waiting_queue.append(req)
+        self._idle_checked = False
+
+    def _validate(self, req: Req) -> FINISH_ABORT | None:
+        if req.rid in self.reqs:
+            return FINISH_ABORT(f"duplicate request id {req.rid!r}", param="rid")
+        if not req.origin_input_ids:
+            return FINISH_ABORT("the prompt is empty", param="prompt")
+        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in req.origin_input_ids):
+            return FINISH_ABORT(f"input_ids must be in [0, {self.vocab_size})", param="input_ids")
+        try:
+            req.sampling_params.verify(self.vocab_size)
+        except InvalidRequest as e:
+            return FINISH_ABORT(str(e), param=e.param)
+        if req.prompt_len >= self.context_len:
+            return FINISH_ABORT(
+                f"the prompt has {req.prompt_len} tokens; this model's context is {self.context_len}",
+                code="context_length_exceeded", param="prompt",
+            )
+        # NOTE: max_new_tokens is clipped to what the context has room for, as SGLang does.
+        sp = req.sampling_params
+        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - req.prompt_len)
+        need = req.prompt_len + sp.max_new_tokens - 1
+        if need > self.kv.total_tokens:
+            return FINISH_ABORT(
+                f"the request needs up to {need} KV slots (prompt {req.prompt_len} + max_new_tokens "
+                f"{sp.max_new_tokens}); the whole KV pool has {self.kv.total_tokens}",
+                code="context_length_exceeded", param="max_tokens",
+            )
+        if self.args.max_queued_requests is not None and len(self.waiting_queue) >= self.args.max_queued_requests:
+            return FINISH_ABORT(
+                f"too many queued requests (max_queued_requests={self.args.max_queued_requests}); retry later",
+                status_code=429, err_type="rate_limit_error", code="queue_full",
+            )
+        return None
+
+    def abort_request(self, rid: str, message: str = "aborted by the client", status_code: int = 499) -> bool:
+        req = self.reqs.get(rid)
+        if req is None:
+            return False
+        reason = FINISH_ABORT(message, status_code=status_code, code="aborted")
+        if req in self.waiting_queue:
+            self.waiting_queue.remove(req)
+            self.kv.release(req)
+            self._finish(req, reason)
+        else:
+            req.to_abort = reason  # running or chunked: released at the start of the next step
+        return True
+
+    # --- one step ------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        last = self.last_batch
+        unmerged = last is not None and last.forward_mode.is_extend() and any(not r.finished() for r in last.reqs)
+        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req or unmerged)
+
+    def step(self) -> list[ReqOutput]:
+        batch = self.get_next_batch_to_run()
+        self.cur_batch = batch
+        if batch is not None:
+            out = self.run_batch(batch)
+            if out is not None:
+                self.process_batch_result(batch, out)
+        elif not self._idle_checked and not self.has_work():
+            self.on_idle()
+        self.last_batch = batch
+        outs, self.outputs = self.outputs, []
+        return outs
+
+    def on_idle(self) -> None:
+        self._idle_checked = True
+        self.new_token_ratio = self.init_new_token_ratio
+        if self.args.idle_self_check:
+            self.kv.check_invariant()
+
+    def event_loop_normal(
+        self,
+        recv: Callable[[bool], list[Req | tuple[str, str]]],
+        send: Callable[[list[ReqOutput]], None],
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """recv(block) returns new requests (or ("abort", rid) commands); block when idle."""
+        while not should_stop():
+            for item in recv(not self.has_work()):
+                if isinstance(item, Req):
+                    self.add_request(item)
+                else:
+                    self.abort_request(item[1])
+            outs = self.step()
+            if outs:
+                send(outs)
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        self._apply_aborts()
+        if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
+            done = [r for r in self.last_batch.reqs if not r.finished() and r is not self.chunked_req]
+            self.running_batch.reqs.extend(done)
+        self.running_batch.reqs = [r for r in self.running_batch.reqs if not r.finished()]
+        batch = self.get_new_batch_prefill()
+        if batch is not None:
+            return batch
+        return self.update_running_batch()
+
+    def _apply_aborts(self) -> None:
+        for req in [r for r in self.running_batch.reqs if r.to_abort is not None]:
+            self.running_batch.reqs.remove(req)
+            self.kv.release(req)
+            self._finish(req, req.to_abort)
+        if self.chunked_req is not None and self.chunked_req.to_abort is not None:
+            req, self.chunked_req = self.chunked_req, None
+            self.kv.release(req)
+            self._finish(req, req.to_abort)
+
+    # --- prefill -------------------------------------------------------------------------------
+    def policy_context(self) -> PolicyContext:
+        return PolicyContext(tree_cache=self.tree_cache, now=self.clock(), rng=self.rng)
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running_bs = len(self.running_batch.reqs)
+        if running_bs >= self.max_running_requests and self.chunked_req is None:
+            return None
+
+        adder = PrefillAdder(
+            self.tree_cache, self.kv.available_size(), self.running_batch.reqs, self.new_token_ratio,
+            self.args.max_prefill_tokens, self.args.chunk_size, self.kv.page_size, self.args.clip_max_new_tokens,
+        )
+        chunked = self.chunked_req
+        if chunked is not None:
+            chunked.init_next_round_input(self.tree_cache)
+            self.chunked_req = adder.add_chunked_req(chunked)
+
+        if self.waiting_queue:
+            self.waiting_queue = self.policy.order(self.waiting_queue, self.policy_context())
+        max_new_reqs = self.args.prefill_max_requests
+        for req in self.waiting_queue:
+            if running_bs + len(adder.can_run_list) >= self.max_running_requests:
+                break
+            if max_new_reqs is not None and len(adder.can_run_list) >= max_new_reqs:
+                break
+            if adder.budget_state() is not AddReqResult.CONTINUE:
+                break
+            req.init_next_round_input(self.tree_cache)
+            if adder.add_one_req(req) is not AddReqResult.CONTINUE:
+                break
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        can_run = adder.can_run_list
+        if not can_run:
+            return None
+
+        admitted = {id(r) for r in can_run}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        batch = ScheduleBatch(can_run, ForwardMode.EXTEND)
+        now = self.clock()
+        for req in can_run:
+            if req.req_pool_idx is None:
+                self.kv.admit(req)
+                if not req.admitted_before:
+                    req.admitted_before = True
+                    req.cached_tokens = len(req.prefix_indices)
+                    req.first_scheduled_time = now
+                    self.stats.prompt_tokens += req.prompt_len
+                    self.stats.cached_tokens += req.cached_tokens
+            batch.prefix_lens.append(req.num_computed_tokens)
+            batch.extend_lens.append(req.extend_input_len)
+            batch.out_slots.extend(self.kv.grow(req, req.extend_input_len))
+        self.stats.prefill_tokens += sum(batch.extend_lens)
+        return batch
+
+    # --- decode & retraction -------------------------------------------------------------------
+    def update_running_batch(self) -> ScheduleBatch | None:
+        batch = self.running_batch
+        if batch.is_empty():
+            return None
+        if self.kv.decode_tokens_needed(batch.reqs) > self.kv.reclaimable_size():
+            self.retract_decode(batch)
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        if batch.is_empty():
+            return None
+        batch.forward_mode = ForwardMode.DECODE
+        batch.prefix_lens = [r.num_computed_tokens for r in batch.reqs]
+        batch.extend_lens = [1] * len(batch.reqs)
+        batch.out_slots = [s for r in batch.reqs for s in self.kv.grow(r, 1)]
+        return batch
+
+    def retract_decode(self, batch: ScheduleBatch) -> list[Req]:
+        """Send requests back to the waiting queue until the rest can decode for
+        ``retract_decode_steps`` more steps. Victims as SGLang picks them: fewest output tokens
+        first, the longest prompt among equals. Their computed KV goes to the radix cache, so
+        the recompute is mostly a cache hit if it survives."""
+        reqs = sorted(batch.reqs, key=lambda r: (len(r.output_ids), -r.prompt_len), reverse=True)
+        retracted: list[Req] = []
+        steps = max(self.args.retract_decode_steps, 1)
+        first = True
+        while first or self.kv.decode_tokens_needed(reqs, steps) > self.kv.reclaimable_size():
+            if len(reqs) == 1:
+                if self.kv.decode_tokens_needed(reqs) > self.kv.reclaimable_size():
+                    victim = reqs.pop()
+                    self.kv.release(victim)
+                    self._finish(victim, FINISH_ABORT(
+                        "out of KV memory with a single request running", status_code=500,
+                        err_type="server_error", code="out_of_memory"))
+                break
+            first = False
+            victim = reqs.pop()
+            self.kv.release(victim)
+            victim.reset_for_retract()
+            victim.num_retractions += 1
+            retracted.append(victim)
+        self.stats.num_retractions += len(retracted)
+        batch.reqs = [r for r in batch.reqs if r in reqs]
+        self.waiting_queue.extend(retracted)
+        total_decoded = sum(len(r.output_ids) for r in batch.reqs)
+        total_max_new = sum(r.max_new_tokens for r in batch.reqs)
+        self.new_token_ratio = min(1.0, (total_decoded + steps * len(batch.reqs)) / (total_max_new + 1))
+        if retracted:
+            logger.info("retracted %d requests; new_token_ratio=%.3f", len(retracted), self.new_token_ratio)
+        return retracted
+
+    # --- running the model and its results -----------------------------------------------------
+    def run_batch(self, batch: ScheduleBatch) -> ForwardOutput | None:
+        try:
+            out = self.runner.forward(batch.to_forward_batch())
+        except Exception as e:  # one bad step must not take the engine down
+            logger.exception("forward failed; aborting the %d requests of this batch", len(batch.reqs))
+            for req in list(batch.reqs):
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                self.kv.release(req)
+                self._finish(req, FINISH_ABORT(f"internal error: {e}", status_code=500,
+                                               err_type="server_error", code="internal_error"))
+            batch.reqs = []
+            return None
+        self.stats.forward_steps += 1
+        if batch.forward_mode.is_extend():
+            self.stats.prefill_steps += 1
+        else:
+            self.stats.decode_steps += 1
+        return out
+
+    def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
+        now = self.clock()
+        is_extend = batch.forward_mode.is_extend()
+        for i, req in enumerate(batch.reqs):
+            if req.num_computed_tokens < req.num_tokens:  # a prompt chunk: no token yet
+                self.tree_cache.cache_unfinished_req(req)
+                continue
+            if req.finished():
+                continue
+            req.output_ids.append(out.next_token_ids[i])
+            if out.logprobs is not None:
+                req.output_logprobs.append(out.logprobs[i])
+            if out.top_logprobs is not None:
+                req.output_top_logprobs.append(out.top_logprobs[i])
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self.stats.generated_tokens += 1
+            reason = self._check_finished(req)
+            if reason is not None:
+                self.kv.release(req)
+                self._finish(req, reason)
+            else:
+                if is_extend:
+                    self.tree_cache.cache_unfinished_req(req)  # make the prompt shareable now
+                self._emit(req)
+
+    def _check_finished(self, req: Req) -> BaseFinishReason | None:
+        sp = req.sampling_params
+        tok = req.output_ids[-1]
+        if not sp.ignore_eos and tok in req.eos_token_ids:
+            return FINISH_STOP(tok)
+        if tok in sp.stop_token_ids:
+            return FINISH_STOP(tok)
+        if len(req.output_ids) >= sp.max_new_tokens:
+            return FINISH_LENGTH(sp.max_new_tokens)
+        if req.num_tokens >= self.context_len:
+            return FINISH_LENGTH(len(req.output_ids))
+        if sp.stop and self.detokenize is not None:
+            window = max(len(s) for s in sp.stop) + 2
+            tail = self.detokenize(req.output_ids[-window:])
+            for s in sp.stop:
+                if s in tail:
+                    return FINISH_STOP(s)
+        return None
+
+    # --- outputs -------------------------------------------------------------------------------
+    def _emit(self, req: Req) -> None:
+        n = len(req.output_ids)
+        start = req.sent_len
+        req.sent_len = n
+        self.outputs.append(ReqOutput(
+            rid=req.rid,
+            new_token_ids=req.output_ids[start:n],
+            finished_reason=req.finished_reason,
+            prompt_tokens=req.prompt_len,
+            completion_tokens=n,
+            cached_tokens=req.cached_tokens,
+            new_logprobs=req.output_logprobs[start:n],
+            new_top_logprobs=req.output_top_logprobs[start:n],
+            queue_time=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else 0.0,
+            num_retractions=req.num_retractions,
+        ))
+
+    def _finish(self, req: Req, reason: BaseFinishReason) -> None:
+        req.finished_reason = reason
+        req.finished_time = self.clock()
+        self.reqs.pop(req.rid, None)
+        if isinstance(reason, FINISH_ABORT):
+            self.stats.num_aborted += 1
+        else:
+            self.stats.num_finished += 1
+        self._emit(req)
+
+    # --- admin ---------------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; only when idle (as SGLang)."""
+        if self.has_work():
+            return False
+        self.tree_cache.evict(self.tree_cache.evictable_size())
+        self.tree_cache.reset()
+        return True
+
+    def get_load(self) -> dict[str, int]:
+        running = len(self.running_batch.reqs) + (1 if self.chunked_req else 0)
+        return {
+            "num_reqs": running + len(self.waiting_queue),
+            "num_waiting_reqs": len(self.waiting_queue),
+            "num_tokens": self.kv.total_tokens - self.kv.reclaimable_size(),
+        }

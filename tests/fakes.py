@@ -1,0 +1,83 @@
+"""Test doubles shared by scheduler tests: a runner with a deterministic next-token rule."""
+
+from __future__ import annotations
+
+from radixserve.config import ServerArgs
+from radixserve.mem.allocator import TokenToKVPoolAllocator
+from radixserve.mem.base_cache import BasePrefixCache, ChunkCache
+from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.mem.kv_pool import ReqToTokenPool
+from radixserve.mem.radix_cache import RadixCache
+from radixserve.sched.kv_manager import KVManager
+from radixserve.sched.scheduler import Scheduler
+
+VOCAB = 1000
+
+
+class EchoRunner:
+    """Next token = (last input token + position + 1) % VOCAB, never 0 (EOS is 0 in these tests).
+
+    It also checks what the scheduler promised: slots written are distinct and not the padding
+    page, and each request's req_to_token row holds exactly the slots of its past + new tokens.
+    """
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool | None = None) -> None:
+        self.batches: list[ForwardBatch] = []
+        self.pool = req_to_token_pool
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        self.batches.append(batch)
+        loc = batch.out_cache_loc.tolist()
+        assert len(set(loc)) == len(loc), "a KV slot was handed out twice in one batch"
+        assert batch.num_tokens == sum(batch.extend_seq_lens)
+        out = []
+        off = 0
+        for i, n in enumerate(batch.extend_seq_lens):
+            off += n
+            last_tok = int(batch.input_ids[off - 1])
+            pos = int(batch.positions[off - 1])
+            if self.pool is not None:
+                row = self.pool.req_to_token[int(batch.req_pool_indices[i])]
+                assert row[pos - n + 1 : pos + 1].tolist() == loc[off - n : off]
+            out.append((last_tok + pos + 1) % (VOCAB - 1) + 1)
+        return ForwardOutput(next_token_ids=out)
+
+
+def make_scheduler(
+    pool_tokens: int = 256,
+    max_reqs: int = 16,
+    context_len: int = 512,
+    page_size: int = 1,
+    radix: bool = True,
+    **kw: object,
+) -> tuple[Scheduler, EchoRunner, KVManager]:
+    args = ServerArgs(page_size=page_size, disable_radix_cache=not radix, **kw)  # type: ignore[arg-type]
+    r2t = ReqToTokenPool(max_reqs, context_len)
+    alloc = TokenToKVPoolAllocator(pool_tokens, page_size)
+    cache: BasePrefixCache = RadixCache(r2t, alloc) if radix else ChunkCache(r2t, alloc)
+    kv = KVManager(r2t, alloc, cache)
+    runner = EchoRunner(r2t)
+    sched = Scheduler(args, runner, kv, context_len=context_len, vocab_size=VOCAB, eos_token_ids=[0])
+    return sched, runner, kv
+
+
+def drain(sched: Scheduler, max_steps: int = 10000) -> list:
+    outs = []
+    for _ in range(max_steps):
+        outs.extend(sched.step())
+        if not sched.has_work():
+            outs.extend(sched.step())  # the idle step runs the self-check
+            sched.kv.check_invariant()
+            return outs
+    raise AssertionError("scheduler did not drain")
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    """What EchoRunner generates for ``prompt`` without any batching effects."""
+    toks = list(prompt)
+    out = []
+    for _ in range(n):
+        t = (toks[-1] + len(toks) - 1 + 1) % (VOCAB - 1) + 1
+        out.append(t)
+        toks.append(t)
+    return out
