@@ -60,6 +60,55 @@ class ServerArgs:
     clip_max_new_tokens: int = _opt(4096, "Cap on one request's max_new_tokens when reserving budget.")
     idle_self_check: bool = _opt(True, "Assert the KV memory invariant every time the engine goes idle.")
 
+    # --- scheduling policies, priority, the unified scheduler (issue #4; docs/scheduling.md) ---
+    # SGLang's option names for the default scheduler, vLLM's for --scheduler unified.
+    lpm_fallback_threshold: int = _opt(
+        128, "lpm orders by cached prefix only while at most this many requests wait, else fcfs "
+        "(SGLang hard-codes 128); 0 never falls back.")
+    in_batch_prefix_caching_check_threshold: int = _opt(
+        32, "lpm: a waiting request whose cached prefix is at most this long is checked against the "
+        "prompts of the requests ahead of it this round (SGLang's IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD).")
+    in_batch_prefix_caching_deprioritize_threshold: int = _opt(
+        32, "lpm: such a request sharing at least this many uncached tokens with one ahead of it goes to "
+        "the back, to hit that one's cache later (SGLang's IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD); "
+        "0 disables the check.")
+    enable_priority_scheduling: bool = _opt(
+        False, "Order the waiting queue by request priority first (then arrival) and let a request "
+        "preempt running ones of much lower priority.")
+    schedule_low_priority_values_first: bool = _opt(
+        False, "With --enable-priority-scheduling: a smaller priority value is more important (default: larger).")
+    priority_scheduling_preemption_threshold: int = _opt(
+        10, "A waiting request preempts a running one only if its priority beats it by more than this.")
+    abort_on_priority_when_disabled: bool = _opt(
+        False, "Without priority scheduling, abort (400) a request that carries a priority instead of ignoring it.")
+    default_priority_value: int | None = _opt(
+        None, "Priority of a request that gives none (default: the least important value, as SGLang; "
+        "0 under --scheduler unified, as vLLM).")
+    queue_timeout: float | None = _opt(
+        None, "Seconds a request may wait to be scheduled before it is aborted (503, code queue_timeout).")
+    scheduler: str = _opt(
+        "sglang", "sglang: prefill-first batches built by the PrefillAdder; unified: vLLM V1's token-budget "
+        "scheduler (mixed prefill+decode steps, preemption by recompute).", ("sglang", "unified"))
+    scheduling_policy: str = _opt(
+        "fcfs", "--scheduler unified: waiting order and preemption victim; priority: smaller value first, "
+        "victim the least important latest arrival (vLLM's --scheduling-policy).", ("fcfs", "priority"))
+    max_num_batched_tokens: int = _opt(8192, "--scheduler unified: most tokens scheduled in one step.")
+    max_num_seqs: int = _opt(256, "--scheduler unified: most requests running at once.")
+    long_prefill_token_threshold: int = _opt(
+        0, "--scheduler unified: most prompt tokens of one request per step (0: no cap but the budget).")
+
+    # --- server (HTTP process, TokenizerManager, scheduler/detokenizer processes; issue #3) ----
+    # Flag names follow SGLang's (--host, --port, --api-key, --enable-metrics, ...).
+    host: str = _opt("127.0.0.1", "HTTP host to bind.", group="server")
+    port: int = _opt(30000, "HTTP port to bind.", group="server")
+    api_key: str | None = _opt(
+        None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.", group="server"
+    )
+    enable_metrics: bool = _opt(False, "Serve Prometheus metrics at /metrics.", group="server")
+    decode_log_interval: int = _opt(40, "Log one line of batch statistics every N decode steps.", group="server")
+    log_level: str = _opt("info", "Log level of every process.", ("debug", "info", "warning", "error"), group="server")
+    stream_interval: int = _opt(1, "Send streamed output every N tokens (1: every token).", group="server")
+
     def __post_init__(self) -> None:
         errors: list[str] = []
 
@@ -89,6 +138,32 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 errors.append(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+        for name in ("decode_log_interval", "stream_interval"):  # server section
+            positive(name, allow_none=False)
+        if not 0 <= self.port <= 65535:
+            errors.append(f"port must be in [0, 65535], got {self.port}")
+        # scheduling policies, priority, the unified scheduler (issue #4)
+        for name in ("lpm_fallback_threshold", "in_batch_prefix_caching_check_threshold",
+                     "in_batch_prefix_caching_deprioritize_threshold", "long_prefill_token_threshold"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                errors.append(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            positive(name, allow_none=False)
+        if not isinstance(self.priority_scheduling_preemption_threshold, int):
+            errors.append("priority_scheduling_preemption_threshold must be an integer")
+        if self.default_priority_value is not None and not isinstance(self.default_priority_value, int):
+            errors.append("default_priority_value must be an integer")
+        if self.queue_timeout is not None and not self.queue_timeout > 0:
+            errors.append(f"queue_timeout must be > 0 seconds, got {self.queue_timeout!r}")
+        if self.scheduler == "unified" and self.schedule_policy != "fcfs":
+            errors.append("--schedule-policy orders the sglang scheduler's queue; --scheduler unified "
+                          "takes --scheduling-policy fcfs|priority")
+        if self.scheduler == "unified" and self.enable_priority_scheduling:
+            errors.append("--enable-priority-scheduling is the sglang scheduler's; with --scheduler unified "
+                          "use --scheduling-policy priority")
+        if self.scheduler == "sglang" and self.scheduling_policy != "fcfs":
+            errors.append("--scheduling-policy is the unified scheduler's (vLLM's); with --scheduler sglang "
+                          "use --enable-priority-scheduling")
         if errors:
             raise ValueError("invalid server arguments: " + "; ".join(errors))
 

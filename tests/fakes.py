@@ -8,6 +8,7 @@ from radixserve.mem.base_cache import BasePrefixCache, ChunkCache
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
+from radixserve.sched import make_scheduler as build_scheduler
 from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.scheduler import Scheduler
 
@@ -57,7 +58,8 @@ def make_scheduler(
     cache: BasePrefixCache = RadixCache(r2t, alloc) if radix else ChunkCache(r2t, alloc)
     kv = KVManager(r2t, alloc, cache)
     runner = EchoRunner(r2t)
-    sched = Scheduler(args, runner, kv, context_len=context_len, vocab_size=VOCAB, eos_token_ids=[0])
+    # the class --scheduler asks for (sglang: Scheduler, unified: UnifiedScheduler)
+    sched = build_scheduler(args, runner, kv, context_len=context_len, vocab_size=VOCAB, eos_token_ids=[0])
     return sched, runner, kv
 
 

@@ -26,7 +26,9 @@ from radixserve.mem.kv_pool import ReqToTokenPool
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "hit_count", "extra_key", "id")
+    __slots__ = (
+        "children", "parent", "key", "value", "lock_ref", "last_access_time", "hit_count", "extra_key", "id", "gen",
+    )
 
     _next_id = 0
 
@@ -41,6 +43,9 @@ class TreeNode:
         self.extra_key = extra_key
         TreeNode._next_id += 1
         self.id = TreeNode._next_id
+        # bumped whenever a child is added or removed; -1 once the node itself is evicted. Lets a
+        # reader cache "the match stopped at this node" and know when to look again (sched.prefix_match).
+        self.gen = 0
 
     def __lt__(self, other: TreeNode) -> bool:  # heap tie-break: stable and deterministic
         return self.id < other.id
@@ -86,6 +91,8 @@ class RadixCache(BasePrefixCache):
         self._protected = 0
         self._clock = 0
         self._leaves: set[TreeNode] = set()  # unlocked, childless, non-root nodes
+        # bumped when a node is added or evicted (not on a split, which changes no match length)
+        self.version = getattr(self, "version", 0) + 1
 
     @property
     def root(self) -> TreeNode:
@@ -126,10 +133,10 @@ class RadixCache(BasePrefixCache):
         indices: list[int] = []
         pos = 0
         while pos < len(ids):
-            child = node.children.get(self._child_key(node, ids[pos:], key.extra_key))
+            child = node.children.get(self._child_key(node, ids[pos : pos + self.page_size], key.extra_key))
             if child is None:
                 break
-            n = self._page_floor(_match_len(child.key, ids[pos:]))
+            n = self._page_floor(_match_len(child.key, ids[pos : pos + len(child.key)]))
             child.last_access_time = now
             child.hit_count += 1
             if n < len(child.key):
@@ -170,24 +177,58 @@ class RadixCache(BasePrefixCache):
         now = self._tick()
         pos = 0
         while pos < len(ids):
-            ck = self._child_key(node, ids[pos:], key.extra_key)
+            ck = self._child_key(node, ids[pos : pos + self.page_size], key.extra_key)
             child = node.children.get(ck)
             if child is None:
                 leaf = TreeNode(node, key.extra_key)
                 leaf.key, leaf.value = list(ids[pos:]), list(value[pos : len(ids)])
                 leaf.last_access_time = now
                 node.children[ck] = leaf
+                node.gen += 1
+                self.version += 1
                 self._evictable += len(leaf.key)
                 self._refresh_leaf(node)
                 self._refresh_leaf(leaf)
                 return pos
-            n = self._page_floor(_match_len(child.key, ids[pos:]))
+            n = self._page_floor(_match_len(child.key, ids[pos : pos + len(child.key)]))
             child.last_access_time = now
             if n < len(child.key):
                 child = self._split(child, n)
             node = child
             pos += n
         return pos
+
+    def peek_prefix(
+        self,
+        ids: list[int],
+        extra_key: str | None = None,
+        node: TreeNode | None = None,
+        pos: int = 0,
+        limit: int | None = None,
+    ) -> tuple[TreeNode, int, int]:
+        """The longest cached prefix of ``ids[:limit]``, read-only: no split, no access-time update,
+        no lock (what a policy needs to *order* requests). Resumes from ``node`` when given, whose
+        path must spell ``ids[:pos]``. Returns ``(node, pos, length)``: the deepest node matched
+        whole, the length of its path, and the match length, which may run into one of its children
+        (the page-aligned length ``match_prefix`` would return)."""
+        ps = self.page_size
+        end = len(ids) if limit is None else min(limit, len(ids))
+        end -= end % ps
+        if node is None:
+            node, pos = self._root, 0
+        root = self._root
+        while pos < end:
+            first: Any = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
+            child = node.children.get((extra_key, first) if node is root else first)
+            if child is None:
+                break
+            klen = len(child.key)
+            if pos + klen <= end and ids[pos : pos + klen] == child.key:
+                node = child
+                pos += klen
+                continue
+            return node, pos, pos + self._page_floor(_match_len(child.key, ids[pos : min(pos + klen, end)]))
+        return node, pos, pos
 
     # --- locks ---------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> int:
@@ -242,6 +283,9 @@ class RadixCache(BasePrefixCache):
         parent = node.parent
         assert parent is not None
         del parent.children[self._child_key(parent, node.key, node.extra_key)]
+        parent.gen += 1
+        node.gen = -1
+        self.version += 1
         self._evictable -= len(node.key)
         self._leaves.discard(node)
         self._refresh_leaf(parent)

@@ -77,6 +77,21 @@ class KVManager:
             return
         self.tree_cache.cache_finished_req(req)
 
+    def discard(self, req: Req) -> None:
+        """A request whose forward failed: the KV allocated for that step was never written, so none
+        of the request's own KV may reach the cache. Its own slots are freed, its prefix unlocked."""
+        if req.req_pool_idx is None:
+            self.release(req)
+            return
+        self.allocator.free(req.kv_indices[req.cache_protected_len :])
+        if req.last_node is not None:
+            self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.kv_indices = []
+        req.cache_protected_len = 0
+        req.last_node = None
+
     def check_invariant(self, running: int = 0) -> None:
         """At idle: every KV slot is free or cached, nothing is locked, every request slot free."""
         avail = self.allocator.available_size()

@@ -1,9 +1,10 @@
 """Waiting-queue ordering: one small class per ``--schedule-policy``, registered by name.
 
 A policy returns the waiting queue in the order the ``PrefillAdder`` should try to admit it.
-Cache-aware policies (``lpm``, ``dfs-weight``) look at the radix tree; when the queue is longer
-than ``lpm_fallback_threshold`` (SGLang hard-codes 128) they fall back to ``fcfs``, because
-matching every waiting request each step would cost more than the cache hits save.
+Cache-aware policies (``lpm``, ``dfs-weight``) look at the radix tree (and order as ``fcfs``
+without one). ``lpm`` falls back to ``fcfs`` past ``--lpm-fallback-threshold`` waiting requests
+(SGLang hard-codes 128; 0 never), though its matches are kept incrementally (``prefix_match``)
+so a long queue is cheap; ``dfs-weight`` never falls back, as in SGLang. See docs/scheduling.md.
 
 With ``--enable-priority-scheduling`` the request priority is the first sort key of every policy
 (larger value first, or smaller with ``--schedule-low-priority-values-first``), arrival time
@@ -15,9 +16,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, ClassVar
 
 from radixserve.mem.base_cache import BasePrefixCache
+from radixserve.mem.radix_cache import RadixCache
+from radixserve.sched.prefix_match import PrefixLengthCache, dfs_weight_order, lpm_sort_keys
 from radixserve.sched.req import Req
 
 
@@ -30,6 +34,8 @@ class PolicyContext:
     default_priority: int = 0
     lpm_fallback_threshold: int = 128
     rng: random.Random | None = None
+    in_batch_check_threshold: int = 32  # --in-batch-prefix-caching-check-threshold
+    in_batch_deprioritize_threshold: int = 32  # --in-batch-prefix-caching-deprioritize-threshold
 
     def priority_key(self, req: Req) -> int:
         """Smaller sorts first."""
@@ -84,17 +90,43 @@ class FCFS(SchedulePolicy):
 
 @register_policy
 class LongestPrefixMatch(SchedulePolicy):
-    """Longest cached prefix first: requests that reuse the most KV go first."""
+    """Longest cached prefix first: requests that reuse the most KV go first. Requests that share
+    an uncached prefix with one ahead of them go to the back (in-batch prefix caching). Past
+    ``lpm_fallback_threshold`` waiting requests, fcfs. Matches are kept incrementally
+    (``PrefixLengthCache``), so a large queue is cheap and the fallback can be turned off."""
 
     name = "lpm"
     cache_aware = True
 
+    def __init__(self) -> None:
+        self.matches = PrefixLengthCache()
+
     def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
-        if ctx.lpm_fallback_threshold and len(waiting) > ctx.lpm_fallback_threshold:
+        if not isinstance(ctx.tree_cache, RadixCache) or (
+            ctx.lpm_fallback_threshold and len(waiting) > ctx.lpm_fallback_threshold
+        ):
             return FCFS().order(waiting, ctx)
-        for r in waiting:
-            r.init_next_round_input(ctx.tree_cache)
-        return _sorted(waiting, ctx, lambda r: -len(r.prefix_indices))
+        keys = lpm_sort_keys(waiting, ctx.tree_cache, self.matches, ctx.in_batch_check_threshold,
+                             ctx.in_batch_deprioritize_threshold)
+        if ctx.enable_priority:
+            return [r for _, _, r in sorted(zip(map(ctx.priority_key, waiting), keys, waiting, strict=True),
+                                             key=itemgetter(0, 1))]
+        return list(map(waiting.__getitem__, sorted(range(len(waiting)), key=keys.__getitem__)))
+
+
+@register_policy
+class DFSWeight(SchedulePolicy):
+    """Depth-first over the radix tree, heaviest subtree (most waiting requests) first; see
+    ``prefix_match.dfs_weight_order``. No fcfs fallback, as in SGLang."""
+
+    name = "dfs-weight"
+    cache_aware = True
+
+    def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
+        if not isinstance(ctx.tree_cache, RadixCache):
+            return FCFS().order(waiting, ctx)
+        out = dfs_weight_order(waiting, ctx.tree_cache)
+        return sorted(out, key=ctx.priority_key) if ctx.enable_priority else out
 
 
 @register_policy

@@ -64,7 +64,10 @@ class PrefillAdder:
         return AddReqResult.CONTINUE
 
     def _take(self, extend_len: int, reserve_new: int) -> None:
-        self.rem_total_token_offset += extend_len + reserve_new
+        # NOTE: an extend starts on a page boundary and takes whole pages (SGLang's ceil_paged_tokens);
+        # counting bare tokens let a second request of the batch overrun the pool with page_size > 1.
+        paged = -(-extend_len // self.page_size) * self.page_size
+        self.rem_total_token_offset += paged + reserve_new
         self.rem_input_tokens -= extend_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend_len

@@ -60,6 +60,9 @@ class Req:
         self.cached_tokens = 0
         self.num_retractions = 0
         self.num_preemptions = 0
+        # scheduling policies (issue #4)
+        self.queue_entry_time: float | None = None  # when queued (scheduler clock); --queue-timeout
+        self.prefix_match_cache: Any = None  # lpm's incremental match state (sched.prefix_match)
         self.admitted_before = False
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -121,6 +124,7 @@ class Req:
         self.prefix_indices = []
         self.extend_input_len = 0
         self.is_chunked = False
+        self.prefix_match_cache = None  # its key grew: lpm must match it afresh
 
     def __repr__(self) -> str:
         return (f"Req(rid={self.rid!r}, prompt={self.prompt_len}, out={len(self.output_ids)}, "

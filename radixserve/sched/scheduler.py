@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixserve.config import ServerArgs
 from radixserve.mem.forward_batch import ForwardOutput, Runner
@@ -26,6 +27,14 @@ from radixserve.sched.io import ReqOutput
 from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.policy import PolicyContext, get_policy
 from radixserve.sched.prefill_adder import AddReqResult, PrefillAdder
+from radixserve.sched.priority import (
+    PrioritySettings,
+    abort_timed_out,
+    add_or_preempt,
+    check_priority,
+    check_queue_cap,
+    preempt_for,
+)
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import InvalidRequest
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
@@ -45,6 +54,9 @@ class SchedulerStats:
     num_retractions: int = 0
     num_aborted: int = 0
     num_finished: int = 0
+    num_preemptions: int = 0  # running requests preempted by more important ones (priority.py)
+    # (mode name, batch size, tokens, wall seconds) of recent forwards, for benchmarks and logs
+    step_log: deque[tuple[str, int, int, float]] = field(default_factory=lambda: deque(maxlen=20000))
 
     @property
     def cache_hit_rate(self) -> float:
@@ -74,6 +86,7 @@ class Scheduler:
         self.detokenize = detokenize
         self.clock = clock
         self.policy = get_policy(args.schedule_policy)
+        self.prio = PrioritySettings.from_args(args)  # priority.py
         self.rng = random.Random(args.random_seed)
 
         self.waiting_queue: list[Req] = []
@@ -106,6 +119,7 @@ class Scheduler:
             self._finish(req, reason)
             return
         self.reqs[req.rid] = req
+        req.queue_entry_time = self.clock()
         self.waiting_queue.append(req)
         self._idle_checked = False
 
@@ -128,19 +142,17 @@ class Scheduler:
         # NOTE: max_new_tokens is clipped to what the context has room for, as SGLang does.
         sp = req.sampling_params
         sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - req.prompt_len)
-        need = req.prompt_len + sp.max_new_tokens - 1
-        if need > self.kv.total_tokens:
+        # NOTE: the PrefillAdder admits only when prompt + max_new_tokens < free KV (SGLang's ">="
+        # refusal); a request asking for the whole pool or more would wait forever, so refuse it.
+        need = req.prompt_len + sp.max_new_tokens
+        if need >= self.kv.total_tokens:
             return FINISH_ABORT(
-                f"the request needs up to {need} KV slots (prompt {req.prompt_len} + max_new_tokens "
-                f"{sp.max_new_tokens}); the whole KV pool has {self.kv.total_tokens}",
+                f"prompt {req.prompt_len} + max_new_tokens {sp.max_new_tokens} = {need} tokens must be "
+                f"below the KV pool size {self.kv.total_tokens}",
                 code="context_length_exceeded", param="max_tokens",
             )
-        if self.args.max_queued_requests is not None and len(self.waiting_queue) >= self.args.max_queued_requests:
-            return FINISH_ABORT(
-                f"too many queued requests (max_queued_requests={self.args.max_queued_requests}); retry later",
-                status_code=429, err_type="rate_limit_error", code="queue_full",
-            )
-        return None
+        # priority checks, then the queue cap (which may evict a less important queued request)
+        return check_priority(self, req) or check_queue_cap(self, req)
 
     def abort_request(self, rid: str, message: str = "aborted by the client", status_code: int = 499) -> bool:
         req = self.reqs.get(rid)
@@ -198,10 +210,11 @@ class Scheduler:
                 send(outs)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        self._apply_aborts()
         if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
             done = [r for r in self.last_batch.reqs if not r.finished() and r is not self.chunked_req]
             self.running_batch.reqs.extend(done)
+        self._apply_aborts()  # after the merge, so a request prefilled last step is aborted now too
+        abort_timed_out(self)  # --queue-timeout
         self.running_batch.reqs = [r for r in self.running_batch.reqs if not r.finished()]
         batch = self.get_new_batch_prefill()
         if batch is not None:
@@ -212,21 +225,29 @@ class Scheduler:
         for req in [r for r in self.running_batch.reqs if r.to_abort is not None]:
             self.running_batch.reqs.remove(req)
             self.kv.release(req)
-            self._finish(req, req.to_abort)
-        if self.chunked_req is not None and self.chunked_req.to_abort is not None:
-            req, self.chunked_req = self.chunked_req, None
-            self.kv.release(req)
-            self._finish(req, req.to_abort)
+            self._finish(req, req.to_abort)  # type: ignore[arg-type]
+        chunked = self.chunked_req
+        if chunked is not None and chunked.to_abort is not None:
+            self.chunked_req = None
+            self.kv.release(chunked)
+            self._finish(chunked, chunked.to_abort)
 
     # --- prefill -------------------------------------------------------------------------------
     def policy_context(self) -> PolicyContext:
-        return PolicyContext(tree_cache=self.tree_cache, now=self.clock(), rng=self.rng)
+        a = self.args
+        return PolicyContext(
+            tree_cache=self.tree_cache, now=self.clock(), rng=self.rng,
+            enable_priority=self.prio.enabled, low_priority_values_first=self.prio.low_values_first,
+            default_priority=self.prio.default, lpm_fallback_threshold=a.lpm_fallback_threshold,
+            in_batch_check_threshold=a.in_batch_prefix_caching_check_threshold,
+            in_batch_deprioritize_threshold=a.in_batch_prefix_caching_deprioritize_threshold,
+        )
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
         running_bs = len(self.running_batch.reqs)
-        if running_bs >= self.max_running_requests and self.chunked_req is None:
+        if running_bs >= self.max_running_requests and self.chunked_req is None and not self.prio.enabled:
             return None
 
         adder = PrefillAdder(
@@ -241,16 +262,24 @@ class Scheduler:
         if self.waiting_queue:
             self.waiting_queue = self.policy.order(self.waiting_queue, self.policy_context())
         max_new_reqs = self.args.prefill_max_requests
+        victims: list[Req] = []  # running requests preempted by more important ones (priority.py)
         for req in self.waiting_queue:
-            if running_bs + len(adder.can_run_list) >= self.max_running_requests:
-                break
             if max_new_reqs is not None and len(adder.can_run_list) >= max_new_reqs:
                 break
-            if adder.budget_state() is not AddReqResult.CONTINUE:
+            state = adder.budget_state()
+            if state is AddReqResult.OTHER or (state is AddReqResult.NO_TOKEN and not self.prio.enabled):
                 break
+            if running_bs + len(adder.can_run_list) >= self.max_running_requests:
+                if not self.prio.enabled:
+                    break
+                req.init_next_round_input(self.tree_cache)
+                if not preempt_for(self, req, adder, victims, need_slot=True):
+                    break
+                running_bs = len(self.running_batch.reqs)
             req.init_next_round_input(self.tree_cache)
-            if adder.add_one_req(req) is not AddReqResult.CONTINUE:
+            if add_or_preempt(self, req, adder, victims) is not AddReqResult.CONTINUE:
                 break
+        self.waiting_queue.extend(victims)
         if adder.new_chunked_req is not None:
             self.chunked_req = adder.new_chunked_req
         can_run = adder.can_run_list
@@ -329,19 +358,23 @@ class Scheduler:
 
     # --- running the model and its results -----------------------------------------------------
     def run_batch(self, batch: ScheduleBatch) -> ForwardOutput | None:
+        t0 = time.perf_counter()
         try:
-            out = self.runner.forward(batch.to_forward_batch())
+            fb = batch.to_forward_batch()
+            out = self.runner.forward(fb)
         except Exception as e:  # one bad step must not take the engine down
             logger.exception("forward failed; aborting the %d requests of this batch", len(batch.reqs))
             for req in list(batch.reqs):
                 if req is self.chunked_req:
                     self.chunked_req = None
-                self.kv.release(req)
+                self.kv.discard(req)  # this step's KV was never written: cache none of it
                 self._finish(req, FINISH_ABORT(f"internal error: {e}", status_code=500,
                                                err_type="server_error", code="internal_error"))
             batch.reqs = []
             return None
         self.stats.forward_steps += 1
+        self.stats.step_log.append(
+            (batch.forward_mode.name, len(batch.reqs), fb.num_tokens, time.perf_counter() - t0))
         if batch.forward_mode.is_extend():
             self.stats.prefill_steps += 1
         else:
@@ -370,7 +403,8 @@ class Scheduler:
                 self.kv.release(req)
                 self._finish(req, reason)
             else:
-                if is_extend:
+                # (in a MIXED step only the requests whose prompt ended in it: not every decode)
+                if is_extend and (batch.forward_mode is ForwardMode.EXTEND or batch.prefix_lens[i] < req.prompt_len):
                     self.tree_cache.cache_unfinished_req(req)  # make the prompt shareable now
                 self._emit(req)
 
@@ -414,7 +448,8 @@ class Scheduler:
     def _finish(self, req: Req, reason: BaseFinishReason) -> None:
         req.finished_reason = reason
         req.finished_time = self.clock()
-        self.reqs.pop(req.rid, None)
+        if self.reqs.get(req.rid) is req:  # a rejected duplicate must not unregister the original
+            del self.reqs[req.rid]
         if isinstance(reason, FINISH_ABORT):
             self.stats.num_aborted += 1
         else:

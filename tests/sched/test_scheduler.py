@@ -1,0 +1,707 @@
+"""``Scheduler`` driven end to end by ``EchoRunner``: exact outputs, exact cache hits, retraction,
+aborts, limits and stop conditions. Every test that drains checks the KV invariant (drain does)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import pytest
+
+from radixserve.mem.base_cache import ChunkCache
+from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from radixserve.sched.io import ReqOutput
+from radixserve.sched.req import Req
+from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
+from radixserve.sched.schedule_batch import ForwardMode
+from radixserve.sched.scheduler import Scheduler
+from tests.fakes import EchoRunner, drain, expected_tokens, make_scheduler
+
+
+def submit(sched: Scheduler, rid: str, prompt: list[int], max_new: int = 8, **sp: Any) -> Req:
+    eos = sp.pop("eos", ())
+    req = Req(rid, prompt, SamplingParams(max_new_tokens=max_new, **sp), eos_token_ids=eos)
+    sched.add_request(req)
+    return req
+
+
+def tokens(outs: list[ReqOutput]) -> dict[str, list[int]]:
+    got: dict[str, list[int]] = {}
+    for o in outs:
+        got.setdefault(o.rid, []).extend(o.new_token_ids)
+    return got
+
+
+def finals(outs: list[ReqOutput]) -> dict[str, ReqOutput]:
+    fin = {o.rid: o for o in outs if o.finished_reason is not None}
+    assert len(fin) == len([o for o in outs if o.finished_reason is not None]), "a request finished twice"
+    return fin
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+def assert_exact(outs: list[ReqOutput], reqs: list[Req]) -> None:
+    got, fin = tokens(outs), finals(outs)
+    for r in reqs:
+        assert got[r.rid] == expected_tokens(r.origin_input_ids, r.max_new_tokens), r.rid
+        assert fin[r.rid].finished_reason == FINISH_LENGTH(r.max_new_tokens)
+        assert fin[r.rid].completion_tokens == r.max_new_tokens
+
+
+# --- outputs ---------------------------------------------------------------------------------
+
+
+def test_one_at_a_time() -> None:
+    sched, runner, kv = make_scheduler()
+    for i, (n, m) in enumerate([(1, 1), (5, 3), (17, 9), (40, 12)]):
+        r = submit(sched, f"r{i}", prompt(i, n), m)
+        outs = drain(sched)
+        assert_exact(outs, [r])
+        assert [o.new_token_ids for o in outs] == [[t] for t in expected_tokens(r.origin_input_ids, m)]
+    assert sched.stats.num_finished == 4 and sched.stats.num_aborted == 0
+
+
+def test_many_at_once() -> None:
+    sched, runner, kv = make_scheduler()
+    reqs = [submit(sched, f"r{i}", prompt(100 + i, 3 + 2 * i), 4 + i) for i in range(8)]
+    outs = drain(sched)
+    assert_exact(outs, reqs)
+    assert runner.batches[0].batch_size == 8
+    assert runner.batches[0].extend_seq_lens == [3 + 2 * i for i in range(8)]
+    assert runner.batches[1].extend_seq_lens == [1] * 8
+    assert sched.stats.prefill_steps == 1
+    assert sched.stats.decode_steps == 4 + 7 - 1
+
+
+def test_shared_prefix_is_cached_exactly() -> None:
+    sched, runner, kv = make_scheduler()
+    p = prompt(1, 20)
+    a = submit(sched, "a", p, 5)
+    assert_exact(drain(sched), [a])
+    out_a = expected_tokens(p, 5)
+    # The tree now holds a's prompt and its first 4 outputs (the 5th never got KV).
+    assert kv.tree_cache.evictable_size() == 24
+    b = submit(sched, "b", p + [501, 502, 503, 504, 505], 5)
+    outs = drain(sched)
+    assert_exact(outs, [b])
+    assert finals(outs)["b"].cached_tokens == 20
+    c = submit(sched, "c", p, 5)  # the same prompt: all but the last token (its logits are needed)
+    outs = drain(sched)
+    assert_exact(outs, [c])
+    assert finals(outs)["c"].cached_tokens == 19
+    d = submit(sched, "d", p + out_a[:4] + [7], 3)  # a's outputs are cached too
+    outs = drain(sched)
+    assert_exact(outs, [d])
+    assert finals(outs)["d"].cached_tokens == 24
+    assert sched.stats.cached_tokens == 20 + 19 + 24
+    assert sched.stats.prompt_tokens == 20 + 25 + 20 + 25
+    # The runner computed only the uncached part.
+    assert runner.batches[-3].extend_prefix_lens == [24] and runner.batches[-3].extend_seq_lens == [1]
+
+
+def test_prefix_shared_within_a_run() -> None:
+    sched, runner, kv = make_scheduler()
+    q = prompt(2, 16)
+    e = submit(sched, "e", q, 6)
+    f = submit(sched, "f", q, 6)
+    outs = sched.step()  # both prefilled in one batch: nothing to share yet
+    g = submit(sched, "g", q + [9], 6)  # the prompt became shareable right after its prefill
+    outs += drain(sched)
+    assert_exact(outs, [e, f, g])
+    fin = finals(outs)
+    assert (e.cached_tokens, f.cached_tokens, fin["g"].cached_tokens) == (0, 0, 16)
+
+
+def test_chunked_prefill_runs_chunks_of_exactly_8() -> None:
+    sched, runner, kv = make_scheduler(chunked_prefill_size=8)
+    long = submit(sched, "long", prompt(3, 20), 4)
+    short = submit(sched, "short", prompt(4, 3), 4)
+    outs = drain(sched)
+    assert_exact(outs, [long, short])
+    ext = [b.extend_seq_lens for b in runner.batches]
+    pre = [b.extend_prefix_lens for b in runner.batches]
+    assert ext[:3] == [[8], [8], [4, 3]]  # the short one joins the last chunk's batch
+    assert pre[:3] == [[0], [8], [16, 0]]
+    assert all(e == [1, 1] for e in ext[3:])
+    assert len(runner.batches) == 3 + 3
+    assert tokens(outs)["long"][0] == expected_tokens(long.origin_input_ids, 1)[0]
+
+
+def test_chunked_prefill_with_cached_prefix() -> None:
+    sched, runner, kv = make_scheduler(chunked_prefill_size=8)
+    p = prompt(5, 12)
+    a = submit(sched, "a", p, 2)
+    assert_exact(drain(sched), [a])
+    n0 = len(runner.batches)
+    b = submit(sched, "b", p + prompt(6, 18), 3)  # 12 cached (+1 output), 18 new
+    outs = drain(sched)
+    assert_exact(outs, [b])
+    assert finals(outs)["b"].cached_tokens == 12
+    assert [x.extend_seq_lens for x in runner.batches[n0:n0 + 3]] == [[8], [8], [2]]
+    assert [x.extend_prefix_lens for x in runner.batches[n0:n0 + 3]] == [[12], [20], [28]]
+
+
+def test_page_size_4() -> None:
+    sched, runner, kv = make_scheduler(page_size=4, chunked_prefill_size=8)
+    p = prompt(7, 22)
+    a = submit(sched, "a", p, 5)
+    assert_exact(drain(sched), [a])
+    assert kv.tree_cache.evictable_size() == 24  # 26 computed tokens, cut to whole pages
+    b = submit(sched, "b", p + [501, 502, 503, 504, 505, 506, 507, 508], 5)
+    c = submit(sched, "c", p, 5)
+    outs = drain(sched)
+    assert_exact(outs, [b, c])
+    fin = finals(outs)
+    assert fin["b"].cached_tokens == 20  # 22 shared tokens, floored to 5 pages
+    assert fin["c"].cached_tokens == 20  # 21 matchable, floored
+    # Chunks, like matches, are whole pages.
+    assert all(n % 4 == 0 for b_ in runner.batches if not b_.is_decode_only for n in b_.extend_prefix_lens)
+    reqs = [submit(sched, f"r{i}", prompt(50 + i, 5 + 3 * i), 3 + i) for i in range(6)]
+    assert_exact(drain(sched), reqs)
+
+
+def test_pages_are_budgeted_whole_in_one_prefill_batch() -> None:
+    sched, runner, kv = make_scheduler(pool_tokens=32, page_size=8)  # 4 pages
+    a = submit(sched, "a", prompt(9, 17), 2)  # 3 pages
+    b = submit(sched, "b", prompt(10, 9), 2)  # 2 pages: must wait for a, not overrun the pool
+    outs = drain(sched)
+    assert_exact(outs, [a, b])
+    assert [x.extend_seq_lens for x in runner.batches] == [[17], [1], [9], [1]]
+
+
+def test_flush_cache_only_when_idle() -> None:
+    sched, runner, kv = make_scheduler()
+    a = submit(sched, "a", prompt(11, 10), 3)
+    assert sched.flush_cache() is False
+    assert_exact(drain(sched), [a])
+    assert kv.tree_cache.evictable_size() == 12
+    assert sched.flush_cache() is True
+    assert kv.tree_cache.total_size() == 0 and kv.available_size() == kv.total_tokens
+    b = submit(sched, "b", prompt(11, 10), 3)
+    outs = drain(sched)
+    assert_exact(outs, [b])
+    assert finals(outs)["b"].cached_tokens == 0
+
+
+def test_without_radix_cache() -> None:
+    sched, runner, kv = make_scheduler(radix=False)
+    assert isinstance(kv.tree_cache, ChunkCache)
+    p = prompt(8, 12)
+    reqs = [submit(sched, "a", p, 4), submit(sched, "b", p + [1], 4)]
+    outs = drain(sched)
+    assert_exact(outs, reqs)
+    c = submit(sched, "c", p, 4)
+    outs2 = drain(sched)
+    assert_exact(outs2, [c])
+    assert all(o.cached_tokens == 0 for o in outs + outs2)
+    assert kv.available_size() == kv.total_tokens
+
+
+# --- retraction ------------------------------------------------------------------------------
+
+
+def test_small_pool_retracts_and_outputs_stay_exact() -> None:
+    sched, runner, kv = make_scheduler(pool_tokens=48, clip_max_new_tokens=2)
+    reqs = [submit(sched, f"r{i}", prompt(200 + i, 6), 30) for i in range(4)]
+    outs = drain(sched)
+    assert sched.stats.num_retractions > 0
+    assert_exact(outs, reqs)
+    assert sum(finals(outs)[r.rid].num_retractions for r in reqs) == sched.stats.num_retractions
+
+
+def test_small_pool_retracts_paged_chunked() -> None:
+    sched, runner, kv = make_scheduler(pool_tokens=64, page_size=4, chunked_prefill_size=8, clip_max_new_tokens=4)
+    reqs = [submit(sched, f"r{i}", prompt(300 + i, 5 + i), 40) for i in range(6)]
+    outs = drain(sched)
+    assert sched.stats.num_retractions > 0
+    assert_exact(outs, reqs)
+
+
+def _three_running(steps: int) -> tuple[Scheduler, EchoRunner, Any, list[Req], list[int]]:
+    """r1 (prompt 9, 2 outputs), r2 (prompt 5, 1 output), r3 (prompt 7, 1 output), all running,
+    and every other KV slot taken (returned as the hog)."""
+    sched, runner, kv = make_scheduler(pool_tokens=128, retract_decode_steps=steps, new_token_ratio_decay_steps=100)
+    r1 = submit(sched, "r1", prompt(11, 9), 20)
+    sched.step()
+    sched.step()
+    r2 = submit(sched, "r2", prompt(12, 5), 20)
+    r3 = submit(sched, "r3", prompt(13, 7), 20)
+    sched.step()
+    assert [len(r.output_ids) for r in (r1, r2, r3)] == [2, 1, 1]
+    assert kv.tree_cache.evictable_size() == 0
+    hog = kv.allocator.alloc(kv.available_size())
+    return sched, runner, kv, [r1, r2, r3], hog
+
+
+def test_retraction_victim_fewest_outputs_then_longest_prompt() -> None:
+    sched, runner, kv, (r1, r2, r3), hog = _three_running(steps=1)
+    sched.step()
+    # r3 and r2 have the fewest outputs; r3 has the longer prompt. r1 (longest prompt) is safe.
+    assert sched.waiting_queue == [r3]
+    assert sched.running_batch.reqs == [r1, r2]
+    assert (r1.num_retractions, r2.num_retractions, r3.num_retractions) == (0, 0, 1)
+    assert sched.stats.num_retractions == 1
+    assert r3.req_pool_idx is None and r3.kv_indices == [] and r3.last_node is None
+    assert sched.cur_batch is not None and sched.cur_batch.forward_mode is ForwardMode.DECODE
+    assert runner.batches[-1].batch_size == 2
+    # (decoded 2+1 + steps 1 * 2 survivors) / (max_new 20+20 + 1)
+    assert sched.new_token_ratio == pytest.approx(5 / 41)
+    kv.allocator.free(hog)
+    outs = drain(sched)
+    fin = finals(outs)
+    assert fin["r3"].num_retractions == 1
+    got = tokens(outs)
+    assert got["r3"] == expected_tokens(r3.origin_input_ids, 20)[1:]  # its first token came before
+    assert r1.output_ids == expected_tokens(r1.origin_input_ids, 20)
+    assert r2.output_ids == expected_tokens(r2.origin_input_ids, 20)
+    assert r3.output_ids == expected_tokens(r3.origin_input_ids, 20)
+
+
+def test_retraction_keeps_going_until_survivors_have_headroom() -> None:
+    sched, runner, kv, (r1, r2, r3), hog = _three_running(steps=20)
+    sched.step()
+    # After r3 (7 slots back): 2 survivors need 40 > 7, so r2 goes too; one survivor needs 1 step only.
+    assert sched.waiting_queue == [r3, r2]
+    assert sched.running_batch.reqs == [r1]
+    assert sched.stats.num_retractions == 2
+    assert sched.new_token_ratio == 1.0  # min(1, (2 + 20) / (20 + 1))
+    kv.allocator.free(hog)
+    drain(sched)
+    for r in (r1, r2, r3):
+        assert r.output_ids == expected_tokens(r.origin_input_ids, 20)
+
+
+def test_new_token_ratio_decays_per_decode_step_to_the_floor() -> None:
+    sched, runner, kv, reqs, hog = _three_running(steps=1)
+    init, floor = 0.7, 0.7 * 0.14
+    decay = (init - floor) / 100
+    assert (sched.init_new_token_ratio, sched.min_new_token_ratio) == (pytest.approx(init), pytest.approx(floor))
+    assert sched.new_token_ratio_decay == pytest.approx(decay)
+    assert sched.new_token_ratio == pytest.approx(init - decay)  # one decode step so far (r1's)
+    sched.step()  # the retraction raises it
+    ratio = 5 / 41
+    assert sched.new_token_ratio == pytest.approx(ratio)
+    kv.allocator.free(hog)
+    decodes = 0
+    reached_floor = False
+    while sched.has_work():
+        before, retractions = sched.new_token_ratio, sched.stats.num_retractions
+        sched.step()
+        assert sched.stats.num_retractions == retractions
+        if sched.cur_batch is not None and sched.cur_batch.forward_mode is ForwardMode.DECODE:
+            decodes += 1
+            assert sched.new_token_ratio == pytest.approx(max(before - decay, floor))
+        elif sched.cur_batch is None and not sched.has_work():
+            assert sched.new_token_ratio == init  # reset when the engine goes idle
+        else:
+            assert sched.new_token_ratio == before
+        reached_floor |= sched.new_token_ratio == pytest.approx(floor)
+    assert decodes > 5 and reached_floor
+    drain(sched)
+    assert sched.new_token_ratio == init
+
+
+def test_single_request_out_of_memory_is_aborted() -> None:
+    sched, runner, kv = make_scheduler(pool_tokens=32, idle_self_check=False)  # the hog is no leak
+    a = submit(sched, "a", prompt(14, 6), 10)
+    sched.step()
+    hog = kv.allocator.alloc(kv.available_size())
+    outs = sched.step()
+    assert [o.rid for o in outs] == ["a"]
+    reason = outs[0].finished_reason
+    assert isinstance(reason, FINISH_ABORT) and (reason.status_code, reason.code) == (500, "out_of_memory")
+    assert a.req_pool_idx is None
+    kv.allocator.free(hog)
+    drain(sched)
+
+
+# --- invalid requests ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "build, param, code",
+    [
+        (lambda: Req("bad", []), "prompt", "invalid_request"),
+        (lambda: Req("bad", list(range(1, 33))), "prompt", "context_length_exceeded"),  # == context
+        (lambda: Req("bad", list(range(1, 40))), "prompt", "context_length_exceeded"),
+        (lambda: Req("bad", [1, 2, 1000]), "input_ids", "invalid_request"),
+        (lambda: Req("bad", [1, 2, -1]), "input_ids", "invalid_request"),
+        (lambda: Req("bad", [1, 2], SamplingParams(max_new_tokens=0)), "max_new_tokens", "invalid_request"),
+        (lambda: Req("bad", [1, 2], SamplingParams(max_new_tokens=-3)), "max_new_tokens", "invalid_request"),
+        (lambda: Req("bad", [1, 2], SamplingParams(temperature=-0.5)), "temperature", "invalid_request"),
+        (lambda: Req("bad", [1, 2], SamplingParams(top_p=0.0)), "top_p", "invalid_request"),
+        (lambda: Req("bad", [1, 2], SamplingParams(top_p=1.5)), "top_p", "invalid_request"),
+        (lambda: Req("bad", [1, 2], SamplingParams(top_k=0)), "top_k", "invalid_request"),
+        (lambda: Req("bad", [1, 2], SamplingParams(stop_token_ids=[1000])), "stop_token_ids", "invalid_request"),
+        (lambda: Req("bad", [1, 2], SamplingParams(stop=[""])), "stop", "invalid_request"),
+    ],
+)
+def test_bad_input_is_aborted_and_never_blocks_others(build: Any, param: str, code: str) -> None:
+    sched, runner, kv = make_scheduler(context_len=32)
+    good = submit(sched, "good", prompt(15, 5), 6)
+    bad = build()
+    sched.add_request(bad)
+    assert bad.finished() and bad.req_pool_idx is None
+    good2 = submit(sched, "good2", prompt(16, 4), 6)
+    outs = drain(sched)
+    fin = finals(outs)
+    reason = fin["bad"].finished_reason
+    assert isinstance(reason, FINISH_ABORT)
+    assert (reason.status_code, reason.param, reason.code) == (400, param, code)
+    assert tokens(outs)["bad"] == []
+    assert_exact([o for o in outs if o.rid != "bad"], [good, good2])
+    assert sched.stats.num_aborted == 1
+
+
+def test_max_new_tokens_is_clipped_to_the_context() -> None:
+    sched, runner, kv = make_scheduler(context_len=32)
+    r = submit(sched, "r", prompt(17, 31), 100)
+    outs = drain(sched)
+    assert r.max_new_tokens == 1
+    assert finals(outs)["r"].finished_reason == FINISH_LENGTH(1)
+
+
+def test_request_needing_the_whole_pool_is_refused_not_stuck() -> None:
+    sched, runner, kv = make_scheduler(pool_tokens=64)
+    fits = submit(sched, "fits", prompt(18, 10), 53)  # 10 + 53 < 64: admitted
+    whole = submit(sched, "whole", prompt(19, 10), 54)  # 10 + 54 == 64: would never be admitted
+    over = submit(sched, "over", prompt(20, 10), 60)
+    outs = drain(sched, max_steps=500)
+    fin = finals(outs)
+    for rid in ("whole", "over"):
+        reason = fin[rid].finished_reason
+        assert isinstance(reason, FINISH_ABORT)
+        assert (reason.code, reason.param, reason.status_code) == ("context_length_exceeded", "max_tokens", 400)
+    assert_exact([o for o in outs if o.rid == "fits"], [fits])
+    assert not whole.output_ids and not over.output_ids
+
+
+def test_sampling_params_from_dict_rejects_unknown_types() -> None:
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams.from_dict({"stop": 5})
+    assert e.value.param == "stop"
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams.from_dict({"bogus": 1})
+    assert e.value.param == "bogus"
+    with pytest.raises(InvalidRequest):
+        SamplingParams.from_dict({"stop": ["a", 3]})
+    with pytest.raises(InvalidRequest):
+        SamplingParams.from_dict({"max_new_tokens": True})
+    assert SamplingParams.from_dict({"stop": "x"}).stop == ["x"]
+    assert SamplingParams.from_dict({"stop": None, "stop_token_ids": None}).stop == []
+    assert SamplingParams.from_dict(None) == SamplingParams()
+
+
+def test_duplicate_rid_is_refused_and_the_original_stays_abortable() -> None:
+    sched, runner, kv = make_scheduler()
+    a = submit(sched, "a", prompt(21, 5), 6)
+    dup = submit(sched, "a", prompt(22, 5), 6)
+    assert isinstance(dup.finished_reason, FINISH_ABORT) and dup.finished_reason.param == "rid"
+    assert sched.reqs["a"] is a
+    outs = drain(sched)
+    assert tokens(outs)["a"] == expected_tokens(a.origin_input_ids, 6)
+    assert a.finished_reason == FINISH_LENGTH(6)
+    # After the original finished, the id is free again.
+    again = submit(sched, "a", prompt(22, 5), 3)
+    assert not again.finished()
+    drain(sched)
+    # A refused duplicate must not unregister the running original.
+    sched2, _, _ = make_scheduler()
+    orig = submit(sched2, "x", prompt(23, 5), 6)
+    submit(sched2, "x", prompt(24, 5), 6)
+    assert sched2.abort_request("x") is True
+    outs = drain(sched2)
+    assert isinstance(orig.finished_reason, FINISH_ABORT) and orig.finished_reason.code == "aborted"
+
+
+# --- aborts ----------------------------------------------------------------------------------
+
+
+def test_abort_waiting_request() -> None:
+    sched, runner, kv = make_scheduler(max_running_requests=1)
+    a = submit(sched, "a", prompt(25, 5), 4)
+    b = submit(sched, "b", prompt(26, 5), 4)
+    sched.step()
+    assert sched.waiting_queue == [b]
+    assert sched.abort_request("b") is True
+    assert sched.abort_request("b") is False  # already gone
+    assert sched.abort_request("nope") is False
+    assert b.finished() and sched.waiting_queue == []
+    outs = drain(sched)
+    fin = finals(outs)
+    reason = fin["b"].finished_reason
+    assert isinstance(reason, FINISH_ABORT) and (reason.status_code, reason.code) == (499, "aborted")
+    assert tokens(outs)["b"] == []
+    assert a.output_ids == expected_tokens(a.origin_input_ids, 4)
+    assert b.req_pool_idx is None and b.output_ids == []
+    assert [x.batch_size for x in runner.batches] == [1, 1, 1, 1]  # b never ran
+
+
+def test_abort_running_request() -> None:
+    sched, runner, kv = make_scheduler()
+    a = submit(sched, "a", prompt(27, 6), 10)
+    b = submit(sched, "b", prompt(28, 6), 10)
+    sched.step()
+    sched.step()
+    assert len(a.output_ids) == 2
+    assert sched.abort_request("a") is True
+    outs = sched.step()
+    assert [(o.rid, o.new_token_ids) for o in outs if o.rid == "a"] == [("a", [])]
+    assert isinstance(a.finished_reason, FINISH_ABORT)
+    assert a.output_ids == expected_tokens(a.origin_input_ids, 2)
+    assert runner.batches[-1].batch_size == 1  # only b decoded
+    drain(sched)
+    assert b.output_ids == expected_tokens(b.origin_input_ids, 10)
+
+
+def test_abort_right_after_prefill_takes_effect_next_step() -> None:
+    sched, runner, kv = make_scheduler()
+    a = submit(sched, "a", prompt(29, 6), 10)
+    sched.step()  # prefill: a is still in last_batch, not yet merged into the running batch
+    assert sched.abort_request("a")
+    outs = drain(sched)
+    assert [(o.rid, o.new_token_ids) for o in outs] == [("a", [])]  # no token after the abort
+    assert len(a.output_ids) == 1
+    assert len(runner.batches) == 1
+
+
+def test_abort_chunked_request() -> None:
+    sched, runner, kv = make_scheduler(chunked_prefill_size=8)
+    a = submit(sched, "a", prompt(30, 30), 4)
+    sched.step()
+    assert sched.chunked_req is a
+    assert sched.abort_request("a")
+    b = submit(sched, "b", prompt(31, 5), 4)
+    outs = drain(sched)
+    assert isinstance(finals(outs)["a"].finished_reason, FINISH_ABORT)
+    assert sched.chunked_req is None
+    assert_exact([o for o in outs if o.rid == "b"], [b])
+    assert kv.tree_cache.evictable_size() == 8 + 5 + 3  # a's computed chunk stays cached, and b
+
+
+# --- limits ----------------------------------------------------------------------------------
+
+
+def test_max_running_requests_respected() -> None:
+    sched, runner, kv = make_scheduler(max_running_requests=2)
+    reqs = [submit(sched, f"r{i}", prompt(40 + i, 4 + i), 3 + i % 3) for i in range(5)]
+    outs = drain(sched)
+    assert_exact(outs, reqs)
+    assert max(b.batch_size for b in runner.batches) == 2
+    assert sched.max_running_requests == 2
+
+
+def test_max_running_requests_capped_by_request_pool() -> None:
+    sched, runner, kv = make_scheduler(max_reqs=3)
+    assert sched.max_running_requests == 3
+    reqs = [submit(sched, f"r{i}", prompt(45 + i, 4), 3) for i in range(5)]
+    assert_exact(drain(sched), reqs)
+    assert max(b.batch_size for b in runner.batches) == 3
+
+
+def test_max_queued_requests_rejects_with_429() -> None:
+    sched, runner, kv = make_scheduler(max_queued_requests=2)
+    a = submit(sched, "a", prompt(50, 4), 3)
+    b = submit(sched, "b", prompt(51, 4), 3)
+    c = submit(sched, "c", prompt(52, 4), 3)
+    reason = c.finished_reason
+    assert isinstance(reason, FINISH_ABORT)
+    assert (reason.status_code, reason.err_type, reason.code) == (429, "rate_limit_error", "queue_full")
+    outs = sched.step()  # a and b leave the queue
+    d = submit(sched, "d", prompt(53, 4), 3)
+    assert not d.finished()
+    outs += drain(sched)
+    assert_exact([o for o in outs if o.rid != "c"], [a, b, d])
+
+
+# --- stop conditions -------------------------------------------------------------------------
+
+
+def test_eos_stop() -> None:
+    sched, runner, kv = make_scheduler()
+    p = prompt(60, 6)
+    exp = expected_tokens(p, 10)
+    assert exp[2] not in exp[:2] and exp[0] != exp[1]
+    submit(sched, "r", p, 10, eos=(exp[2],))
+    outs = drain(sched)
+    assert tokens(outs)["r"] == exp[:3]
+    assert finals(outs)["r"].finished_reason == FINISH_STOP(exp[2])
+    # The scheduler's EOS ids apply to requests that bring none.
+    sched.eos_token_ids = (exp[1],)
+    r2 = submit(sched, "r2", p, 10)
+    drain(sched)
+    assert r2.output_ids == exp[:2] and r2.finished_reason == FINISH_STOP(exp[1])
+
+
+def test_ignore_eos_and_stop_token_ids() -> None:
+    sched, runner, kv = make_scheduler()
+    p = prompt(61, 6)
+    exp = expected_tokens(p, 10)
+    assert len(set(exp[:4])) == 4
+    ign = submit(sched, "ign", p, 10, eos=(exp[2],), ignore_eos=True)
+    stp = submit(sched, "stp", p, 10, stop_token_ids=[exp[3]])
+    both = submit(sched, "both", p, 10, eos=(exp[1],), ignore_eos=True, stop_token_ids=[exp[3]])
+    drain(sched)
+    assert ign.output_ids == exp and ign.finished_reason == FINISH_LENGTH(10)
+    assert stp.output_ids == exp[:4] and stp.finished_reason == FINISH_STOP(exp[3])
+    assert both.output_ids == exp[:4] and both.finished_reason == FINISH_STOP(exp[3])
+
+
+def test_stop_strings_via_detokenize() -> None:
+    sched, runner, kv = make_scheduler()
+    p = prompt(62, 6)
+    exp = expected_tokens(p, 10)
+    assert exp[3] not in exp[:3]
+    stop = f"<{exp[3]}>"
+    no_detok = submit(sched, "nd", p, 10, stop=[stop])
+    drain(sched)
+    assert no_detok.output_ids == exp  # without a detokenizer stop strings cannot match here
+    sched.detokenize = lambda ids: "".join(f"<{t}>" for t in ids)
+    submit(sched, "r", p, 10, stop=["never", stop])
+    outs = drain(sched)
+    assert tokens(outs)["r"] == exp[:4]
+    assert finals(outs)["r"].finished_reason == FINISH_STOP(stop)
+    # A stop string spanning two tokens.
+    span = f"{exp[4]}><{exp[5]}"
+    r2 = submit(sched, "r2", p, 10, stop=[span])
+    drain(sched)
+    assert r2.output_ids == exp[:6]
+
+
+# --- a failing runner ------------------------------------------------------------------------
+
+
+class FlakyRunner(EchoRunner):
+    """Raises on the given forward calls (0-based), otherwise an EchoRunner."""
+
+    def __init__(self, pool: Any, fail_on: set[int]) -> None:
+        super().__init__(pool)
+        self.fail_on = fail_on
+        self.calls = 0
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        n, self.calls = self.calls, self.calls + 1
+        if n in self.fail_on:
+            raise RuntimeError("device fell over")
+        return super().forward(batch)
+
+
+def flaky(fail_on: set[int], **kw: Any) -> tuple[Scheduler, FlakyRunner, Any]:
+    sched, _, kv = make_scheduler(**kw)
+    runner = FlakyRunner(kv.req_to_token_pool, fail_on)
+    sched.runner = runner
+    return sched, runner, kv
+
+
+@pytest.fixture(autouse=True)
+def _quiet_scheduler_logs() -> Any:
+    logger = logging.getLogger("radixserve.sched.scheduler")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    yield
+    logger.setLevel(level)
+
+
+def _assert_internal_error(out: ReqOutput) -> None:
+    reason = out.finished_reason
+    assert isinstance(reason, FINISH_ABORT)
+    assert (reason.status_code, reason.err_type, reason.code) == (500, "server_error", "internal_error")
+
+
+def test_runner_failure_in_prefill_aborts_that_batch_only() -> None:
+    sched, runner, kv = flaky({0})
+    p = prompt(70, 10)
+    submit(sched, "a", p, 5)
+    submit(sched, "b", prompt(71, 4), 5)
+    outs = sched.step()
+    assert sorted(o.rid for o in outs) == ["a", "b"]
+    for o in outs:
+        _assert_internal_error(o)
+    assert kv.tree_cache.total_size() == 0  # KV that was never written is not cached
+    c = submit(sched, "c", p, 5)
+    d = submit(sched, "d", prompt(72, 7), 5)
+    outs = drain(sched)
+    assert_exact(outs, [c, d])
+    assert finals(outs)["c"].cached_tokens == 0
+    assert sched.stats.num_aborted == 2
+
+
+def test_runner_failure_in_decode() -> None:
+    sched, runner, kv = flaky({2})
+    p = prompt(73, 10)
+    a = submit(sched, "a", p, 6)
+    sched.step()
+    sched.step()
+    outs = sched.step()  # the failing decode
+    assert [o.rid for o in outs] == ["a"]
+    _assert_internal_error(outs[0])
+    assert a.output_ids == expected_tokens(p, 2)
+    assert kv.tree_cache.evictable_size() == 10  # the prompt's KV (computed) stays cached
+    b = submit(sched, "b", p, 6)
+    outs = drain(sched)
+    assert_exact(outs, [b])
+    assert finals(outs)["b"].cached_tokens == 9
+
+
+def test_runner_failure_mid_chunk() -> None:
+    sched, runner, kv = flaky({1}, chunked_prefill_size=8, page_size=4)
+    p = prompt(74, 20)
+    submit(sched, "a", p, 4)
+    sched.step()
+    outs = sched.step()
+    _assert_internal_error(outs[0])
+    assert sched.chunked_req is None
+    assert kv.tree_cache.evictable_size() == 8  # the first chunk was computed and cached
+    b = submit(sched, "b", p, 4)
+    outs = drain(sched)
+    assert_exact(outs, [b])
+    assert finals(outs)["b"].cached_tokens == 8
+
+
+# --- a randomized soak: many configurations, exact outputs, the invariant at every idle ------
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_stay_exact(seed: int) -> None:
+    rng = random.Random(seed)
+    page = rng.choice([1, 1, 2, 4])
+    radix = rng.random() < 0.8
+    chunk = rng.choice([-1, 8, 16]) if page <= 4 else -1
+    pool = page * rng.randint(24, 64)
+    sched, runner, kv = make_scheduler(
+        pool_tokens=pool, page_size=page, radix=radix, chunked_prefill_size=chunk,
+        max_running_requests=rng.choice([None, 2, 5]), clip_max_new_tokens=rng.choice([2, 8, 4096]),
+        max_prefill_tokens=rng.choice([16, 16384]),
+    )
+    bases = [prompt(1000 * seed + i, rng.randint(4, 16)) for i in range(3)]
+    live: list[Req] = []
+    aborted: set[str] = set()
+    outs: list[ReqOutput] = []
+    for i in range(14):
+        p = rng.choice(bases)[: rng.randint(1, 16)] + prompt(10_000 * seed + i, rng.randint(0, 6))
+        max_new = rng.randint(1, 10)
+        if len(p) + max_new >= pool:
+            continue
+        live.append(submit(sched, f"r{i}", p, max_new))
+        for _ in range(rng.randint(0, 3)):
+            outs.extend(sched.step())
+        if rng.random() < 0.1:
+            victim = rng.choice(live)
+            if sched.abort_request(victim.rid):
+                aborted.add(victim.rid)
+    outs.extend(drain(sched))
+    got, fin = tokens(outs), finals(outs)
+    assert set(fin) == {r.rid for r in live}
+    for r in live:
+        exp = expected_tokens(r.origin_input_ids, r.max_new_tokens)
+        if r.rid in aborted:
+            assert isinstance(fin[r.rid].finished_reason, FINISH_ABORT)
+            assert got[r.rid] == exp[: len(got[r.rid])]
+        else:
+            assert got[r.rid] == exp, (seed, r.rid)
+    assert max(b.batch_size for b in runner.batches) <= sched.max_running_requests
