@@ -466,9 +466,10 @@ class Scheduler:
         return True
 
     def get_load(self) -> dict[str, int]:
-        running = len(self.running_batch.reqs) + (1 if self.chunked_req else 0)
+        """SGLang's /get_load entry. ``num_reqs`` counts every unfinished request, also one whose
+        prefill just ran and that is not merged into the running batch yet."""
         return {
-            "num_reqs": running + len(self.waiting_queue),
+            "num_reqs": len(self.reqs),
             "num_waiting_reqs": len(self.waiting_queue),
             "num_tokens": self.kv.total_tokens - self.kv.reclaimable_size(),
         }

@@ -1,0 +1,181 @@
+"""What the OpenAI and the native endpoints share: turning prompts into ``GenerateReq``s with the
+same checks, running one HTTP request's generation while watching its client, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
+from radixserve.server.io_struct import FinishReason, GenerateReq, StrOut
+from radixserve.server.protocol import APIError
+from radixserve.server.tokenizer_manager import (
+    ClientGone,
+    ReqState,
+    RequestGroup,
+    ServerDead,
+    TokenizerManager,
+)
+
+# SamplingParams field -> the OpenAI parameter a client wrote
+_OPENAI_PARAM = {"max_new_tokens": "max_tokens", "top_logprobs_num": "top_logprobs"}
+
+
+def check_sampling_params(sp: dict[str, Any], vocab_size: int | None, openai: bool) -> None:
+    try:
+        SamplingParams.from_dict(sp).verify(vocab_size)
+    except InvalidRequest as e:
+        param = _OPENAI_PARAM.get(e.param or "", e.param) if openai else e.param
+        raise APIError(str(e), param=param, code="invalid_value") from None
+    except TypeError as e:
+        raise APIError(f"invalid sampling parameters: {e}", param="sampling_params") from None
+
+
+def check_prompt(tm: TokenizerManager, ids: list[int], param: str) -> None:
+    if not ids:
+        raise APIError("the prompt is empty", param=param)
+    vocab = tm.info.get("vocab_size")
+    if vocab is not None and any((not isinstance(t, int)) or not 0 <= t < vocab for t in ids):
+        raise APIError(f"token ids must be integers in [0, {vocab})", param=param)
+    if len(ids) >= tm.context_len:
+        raise APIError(
+            f"This model's maximum context length is {tm.context_len} tokens; the prompt has {len(ids)}.",
+            param=param, code="context_length_exceeded",
+        )
+
+
+def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, max_tokens: int | None) -> int:
+    """OpenAI semantics: prompt + max_tokens must fit the context (400 otherwise); no max_tokens
+    means "as many as fit" in the context and in the KV pool."""
+    room = tm.context_len - prompt_len
+    if max_tokens is None:
+        pool = int(tm.info.get("max_total_num_tokens", room + prompt_len))
+        return max(min(room, pool - prompt_len + 1), 1)
+    if prompt_len + max_tokens > tm.context_len:
+        raise APIError(
+            f"This model's maximum context length is {tm.context_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+            "Please reduce the prompt or max_tokens.",
+            param="max_tokens", code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+def abort_error(fr: FinishReason) -> APIError:
+    headers = {"Retry-After": "1"} if fr.status_code == 429 else None
+    return APIError(fr.message, status_code=fr.status_code, err_type=fr.err_type or "invalid_request_error",
+                    code=fr.code or "aborted", param=fr.param, headers=headers)
+
+
+def dead_error(e: ServerDead) -> APIError:
+    return APIError(f"the server is shutting down: {e}", status_code=503, err_type="server_error",
+                    code="server_unavailable")
+
+
+class Call:
+    """One HTTP request's generation: its ``RequestGroup`` plus a watch on the client connection,
+    so a client that goes away aborts its requests at once (not at the next chunk we send)."""
+
+    def __init__(self, tm: TokenizerManager, request: Request, abort_is_error: bool = True) -> None:
+        """``abort_is_error``: an abort by /abort_request (status 499) is an error too (OpenAI
+        endpoints); SGLang's /generate returns it as a result with ``finish_reason.type == "abort"``."""
+        self.tm = tm
+        self.request = request
+        self.abort_is_error = abort_is_error
+        self.group: RequestGroup | None = None
+        self.watcher: asyncio.Task[None] | None = None
+
+    async def open(self, reqs: list[GenerateReq]) -> RequestGroup:
+        try:
+            self.group = await self.tm.open(reqs)
+        except ServerDead as e:
+            raise dead_error(e) from None
+        except ValueError as e:
+            raise APIError(str(e), param="rid") from None
+        self.watcher = asyncio.create_task(self._watch())
+        return self.group
+
+    async def _watch(self) -> None:
+        while True:
+            msg = await self.request.receive()
+            if msg["type"] == "http.disconnect":
+                break
+        if self.group is not None:
+            self.group.fail(ClientGone())
+            self.group.close()
+
+    def error_of(self, o: StrOut) -> APIError | None:
+        fr = o.finished_reason
+        if fr is None or not fr.is_abort or (fr.status_code == 499 and not self.abort_is_error):
+            return None
+        return abort_error(fr)
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.cancel()
+        if self.group is not None:
+            self.group.close()
+
+    async def wait_all(self) -> list[ReqState]:
+        """Non-streaming: every request finished; an abort becomes its HTTP error."""
+        assert self.group is not None
+        try:
+            async for _, o in self.group.outputs():
+                err = self.error_of(o)
+                if err is not None:
+                    raise err  # the other choices of this request are aborted by close()
+        except ServerDead as e:
+            raise dead_error(e) from None
+        finally:
+            self.close()
+        return self.group.states
+
+    async def first_outputs(self) -> list[tuple[ReqState, StrOut]]:
+        """Streaming: wait for each request's first output before the response starts, so a
+        refusal (429, 400) is still an HTTP status and not an event inside a 200 stream."""
+        assert self.group is not None
+        items: list[tuple[ReqState, StrOut]] = []
+        seen: set[str] = set()
+        try:
+            while len(seen) < len(self.group.states):
+                st, o = await self.group.next()
+                items.append((st, o))
+                seen.add(st.rid)
+                err = self.error_of(o)
+                if err is not None:
+                    raise err
+        except ServerDead as e:
+            self.close()
+            raise dead_error(e) from None
+        except BaseException:
+            self.close()
+            raise
+        return items
+
+    async def stream(self, first: list[tuple[ReqState, StrOut]]) -> AsyncIterator[tuple[ReqState, StrOut]]:
+        assert self.group is not None
+        for item in first:
+            yield item
+        async for item in self.group.outputs():
+            yield item
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def stream_error(e: BaseException) -> bytes:
+    if isinstance(e, APIError):
+        return sse(e.to_json())
+    if isinstance(e, ServerDead):
+        return sse(dead_error(e).to_json())
+    return sse(APIError(f"internal error: {e}", 500, "server_error", "internal_error").to_json())

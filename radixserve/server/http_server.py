@@ -1,0 +1,330 @@
+"""The FastAPI app: OpenAI endpoints, SGLang's native ones, admin and metrics.
+
+Two pieces of plain ASGI sit in front of the app (``_Guard``):
+- an HTTP/2 connection preface (``PRI * HTTP/2.0``, what routers send to probe for gRPC) gets a
+  505 with ``Connection: close``; uvicorn closes that connection and keeps serving HTTP/1.1;
+- with ``--api-key``, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from radixserve.server.common import (
+    SSE_DONE,
+    SSE_HEADERS,
+    Call,
+    check_prompt,
+    check_sampling_params,
+    dead_error,
+    sse,
+    stream_error,
+)
+from radixserve.server.io_struct import GenerateReq
+from radixserve.server.openai_api import OpenAIServing
+from radixserve.server.protocol import AbortRequest, APIError, GenerateRequest, parse_body
+from radixserve.server.tokenizer_manager import ClientGone, ReqState, ServerDead, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.to_json(), status_code=e.status_code, headers=e.headers)
+
+
+class _Guard:
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            if scope.get("method") == "PRI" or str(scope.get("http_version", "")).startswith("2"):
+                err = APIError("HTTP/2 is not supported on this port; use HTTP/1.1", 505, "invalid_request_error",
+                               "http2_not_supported")
+                await _send_json(send, 505, err.to_json(), close=True)
+                return
+            if self.api_key and scope.get("path") != "/health" and not self._authorized(scope):
+                err = APIError("Incorrect API key provided.", 401, "invalid_request_error", "invalid_api_key")
+                await _send_json(send, 401, err.to_json())
+                return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get(b"x-api-key", b"").decode("latin-1")
+        return key == self.api_key
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any], close: bool = False) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> ASGIApp:
+    args = tm.args
+    app = FastAPI(title="radixserve", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
+    openai = OpenAIServing(tm, {model_path, "default"})
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(ServerDead)
+    async def _dead(request: Request, e: ServerDead) -> JSONResponse:
+        return error_response(dead_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return error_response(APIError(str(e.detail), e.status_code, "invalid_request_error", code))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(APIError(f"invalid request: {e.errors()[:1]}", 400))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error on %s", request.url.path)
+        return error_response(APIError(f"internal error: {e}", 500, "server_error", "internal_error"))
+
+    # --- OpenAI ----------------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await openai.chat(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await openai.completions(request)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": tm.model_name, "object": "model", "created": int(started), "owned_by": "radixserve",
+                "root": model_path, "max_model_len": tm.context_len}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        openai.check_model(model_id)
+        return model_card()
+
+    # --- native ------------------------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        body = parse_body(await request.body(), GenerateRequest)
+        return await _native_generate(tm, request, body)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not tm.alive():
+            return error_response(APIError(tm.dead or "a server process died", 503, "server_error",
+                                           "server_unavailable"))
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        if not tm.alive():
+            return error_response(APIError(tm.dead or "a server process died", 503, "server_error",
+                                           "server_unavailable"))
+        ids = tm.tokenizer.encode("Hello") or [0]
+        req = GenerateReq(f"HEALTH_CHECK_{uuid.uuid4().hex}", ids, {"max_new_tokens": 1, "temperature": 0.0})
+        call = Call(tm, request)
+        await call.open([req])
+        try:
+            states = await asyncio.wait_for(call.wait_all(), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return error_response(APIError("health generation timed out", 503, "server_error", "timeout"))
+        finally:
+            call.close()
+        return JSONResponse({"ok": True, "output_ids": states[0].output_ids})
+
+    async def server_info() -> dict[str, Any]:
+        cfg = dataclasses.asdict(args)
+        if cfg.get("api_key"):
+            cfg["api_key"] = "***"
+        info = {
+            **cfg,
+            "model_path": model_path,
+            "served_model_name": tm.model_name,
+            "dp_size": getattr(args, "dp_size", 1),
+            "tp_size": getattr(args, "tp_size", 1),
+            "version": VERSION,
+            **tm.info,
+            "pids": pids,
+        }
+        info["internal_states"] = [await tm.control("get_load")]
+        info["memory"] = await tm.control("memory")
+        return info
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return await server_info()
+
+    @app.get("/server_info")
+    async def server_info_alias() -> dict[str, Any]:
+        return await server_info()
+
+    def model_info() -> dict[str, Any]:
+        return {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True,
+                "served_model_name": tm.model_name, "context_length": tm.context_len,
+                "vocab_size": tm.info.get("vocab_size")}
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return model_info()
+
+    @app.get("/model_info")
+    async def model_info_alias() -> dict[str, Any]:
+        return model_info()
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        ok = (await tm.control("flush_cache")).get("success", False)
+        if not ok:
+            return error_response(APIError("Cache not flushed: requests are running; retry when idle.", 400,
+                                           code="server_busy"))
+        return JSONResponse({"success": True, "message": "Cache flushed."})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> dict[str, Any]:
+        body = parse_body(await request.body(), AbortRequest)
+        rids = list(tm.groups) if body.abort_all else [body.rid]
+        found = [r for r in rids if r in tm.groups]
+        for r in found:
+            tm.abort(r)
+        return {"success": bool(found), "aborted": found}
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, Any]]:
+        return [await tm.control("get_load")]
+
+    @app.get("/debug/memory")
+    async def debug_memory() -> dict[str, Any]:
+        return await tm.control("memory")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if tm.metrics is None:
+            raise APIError("metrics are off; start the server with --enable-metrics", 404, code="not_found")
+        return Response(tm.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    started = time.time()
+    return _Guard(app, args.api_key)
+
+
+async def _native_generate(tm: TokenizerManager, request: Request, body: GenerateRequest) -> Response:
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError("pass exactly one of text or input_ids", param="text")
+    single = isinstance(body.text, str) or (body.input_ids is not None and
+                                            (not body.input_ids or not isinstance(body.input_ids[0], list)))
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        prompts = [tm.tokenizer.encode(t) for t in texts]
+        param = "text"
+    else:
+        assert body.input_ids is not None
+        prompts = [list(body.input_ids)] if single else [list(x) for x in body.input_ids]  # type: ignore[arg-type]
+        param = "input_ids"
+    if not prompts:
+        raise APIError("no prompt given", param=param)
+    sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params or {}] * len(prompts)
+    if len(sps) != len(prompts):
+        raise APIError("one sampling_params per prompt, or a single object for all", param="sampling_params")
+    if isinstance(body.rid, list):
+        rids = body.rid
+    elif body.rid is not None:
+        rids = [body.rid] if single else [f"{body.rid}-{i}" for i in range(len(prompts))]
+    else:
+        rids = [uuid.uuid4().hex for _ in prompts]
+    if len(rids) != len(prompts):
+        raise APIError("one rid per prompt", param="rid")
+    if body.stream and not single:
+        raise APIError("streaming takes a single prompt", param="stream")
+    reqs = []
+    for ids, sp, rid in zip(prompts, sps, rids, strict=True):
+        check_prompt(tm, ids, param)
+        sp = dict(sp)
+        if body.return_logprob:
+            sp.setdefault("logprobs", True)
+            sp.setdefault("top_logprobs_num", body.top_logprobs_num)
+        check_sampling_params(sp, tm.info.get("vocab_size"), openai=False)
+        reqs.append(GenerateReq(rid, ids, sp, body.priority))
+    call = Call(tm, request, abort_is_error=False)
+    await call.open(reqs)
+    if body.stream:
+        first = await call.first_outputs()
+        return StreamingResponse(_native_stream(call, first, body.return_logprob), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    try:
+        states = await call.wait_all()
+    except ClientGone:
+        return Response(status_code=499)
+    outs = [_native_result(st, body.return_logprob) for st in states]
+    return JSONResponse(outs[0] if single else outs)
+
+
+def _native_result(st: ReqState, logprob: bool) -> dict[str, Any]:
+    o = st.last
+    assert o is not None
+    meta: dict[str, Any] = {
+        "id": st.rid,
+        "prompt_tokens": o.prompt_tokens,
+        "completion_tokens": o.completion_tokens,
+        "cached_tokens": o.cached_tokens,
+        "finish_reason": o.finished_reason.to_json() if o.finished_reason else None,
+        "e2e_latency": time.perf_counter() - st.created,
+        "ttft": st.ttft,
+        "queue_time": o.queue_time,
+        "num_retractions": o.num_retractions,
+    }
+    if logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(st.logprobs, st.output_ids, strict=False)]
+        meta["output_top_logprobs"] = [[[v, t, None] for t, v in top] for top in st.top_logprobs]
+    return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
+
+
+async def _native_stream(call: Call, first: list[tuple[ReqState, Any]], logprob: bool) -> AsyncIterator[bytes]:
+    try:
+        async for st, o in call.stream(first):
+            err = call.error_of(o)
+            if err is not None:
+                yield stream_error(err)
+                break
+            yield sse(_native_result(st, logprob))
+        yield SSE_DONE
+    except ClientGone:
+        return
+    except Exception as e:
+        yield stream_error(e)
+        yield SSE_DONE
+    finally:
+        call.close()
+
+
+def pid_map(procs: dict[str, Any]) -> dict[str, int]:
+    return {"http": os.getpid(), **{name: p.pid for name, p in procs.items()}}

@@ -1,0 +1,163 @@
+"""Typed messages between the three server processes (msgpack via msgspec; no pickles).
+
+    HTTP process (TokenizerManager) ──GenerateReq / AbortReq / ControlReq──> scheduler process
+    scheduler process ──BatchTokenOut──> detokenizer process ──BatchStrOut──> TokenizerManager
+    scheduler process ──ControlReply / SchedulerStats / ProcReady──> TokenizerManager
+    detokenizer process ──ProcReady──> TokenizerManager
+
+One struct per message; every struct is tagged, so a socket decodes the union of what it may get.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, BaseFinishReason
+
+
+class FinishReason(msgspec.Struct, frozen=True):
+    """A finish reason on the wire: ``type`` is stop / length / abort, as SGLang's meta_info."""
+
+    type: str
+    matched: int | str | None = None
+    length: int = 0
+    message: str = ""
+    status_code: int = 200
+    err_type: str = ""
+    code: str = ""
+    param: str | None = None
+
+    @classmethod
+    def from_reason(cls, r: BaseFinishReason) -> FinishReason:
+        if isinstance(r, FINISH_ABORT):
+            return cls("abort", message=r.message, status_code=r.status_code, err_type=r.err_type,
+                       code=r.code, param=r.param)
+        if isinstance(r, FINISH_LENGTH):
+            return cls("length", length=r.length)
+        if isinstance(r, FINISH_STOP):
+            return cls("stop", matched=r.matched)
+        return cls("stop")
+
+    @property
+    def is_abort(self) -> bool:
+        return self.type == "abort"
+
+    @property
+    def openai_reason(self) -> str:
+        return {"stop": "stop", "length": "length"}.get(self.type, "abort")
+
+    def to_json(self) -> dict[str, Any]:
+        if self.type == "abort":
+            return {"type": "abort", "message": self.message, "status_code": self.status_code, "code": self.code}
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": "stop", "matched": self.matched}
+
+
+# --- HTTP process -> scheduler ---------------------------------------------------------------------
+class GenerateReq(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    priority: int | None = None
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rid: str
+
+
+class ControlReq(msgspec.Struct, tag=True):
+    """``op``: flush_cache, get_load, memory. Answered by a ``ControlReply`` with the same id."""
+
+    req_id: int
+    op: str
+
+
+# --- scheduler -> detokenizer ----------------------------------------------------------------------
+class TokenOut(msgspec.Struct):
+    rid: str
+    new_token_ids: list[int]
+    finished_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    new_logprobs: list[float] = []
+    new_top_logprobs: list[list[tuple[int, float]]] = []
+    queue_time: float = 0.0
+    num_retractions: int = 0
+    # what the detokenizer needs to know about the request (it reads them on first sight)
+    stop: list[str] | None = None
+    skip_special_tokens: bool = True
+
+
+class BatchTokenOut(msgspec.Struct, tag=True):
+    outputs: list[TokenOut]
+
+
+# --- detokenizer -> HTTP process -------------------------------------------------------------------
+class StrOut(msgspec.Struct):
+    rid: str
+    text: str  # the new text that is safe to show (no broken UTF-8, no stop string)
+    new_token_ids: list[int]
+    finished_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    new_logprobs: list[float] = []
+    new_top_logprobs: list[list[tuple[int, float]]] = []
+    queue_time: float = 0.0
+    num_retractions: int = 0
+
+
+class BatchStrOut(msgspec.Struct, tag=True):
+    outputs: list[StrOut]
+
+
+# --- scheduler -> HTTP process ---------------------------------------------------------------------
+class ControlReply(msgspec.Struct, tag=True):
+    req_id: int
+    data: dict[str, Any]
+
+
+class SchedulerStats(msgspec.Struct, tag=True):
+    """Sent after every few steps and when the scheduler goes idle; feeds /metrics."""
+
+    num_running_reqs: int
+    num_queue_reqs: int
+    num_used_tokens: int
+    token_usage: float
+    cache_hit_rate: float
+    gen_throughput: float
+    prompt_tokens: int  # cumulative counters from here on
+    cached_tokens: int
+    generated_tokens: int
+    num_retractions: int
+    forward_steps: int
+
+
+class ProcReady(msgspec.Struct, tag=True):
+    """A child process finished starting (``error`` set: it failed and is exiting)."""
+
+    name: str
+    info: dict[str, Any] = {}
+    error: str | None = None
+
+
+class LoadProgress(msgspec.Struct, tag=True):
+    """A stage of model loading done, for the progress bar of the HTTP process."""
+
+    stage: str
+
+
+ToScheduler = GenerateReq | AbortReq | ControlReq
+ToDetokenizer = BatchTokenOut
+ToTokenizerManager = BatchStrOut | ControlReply | SchedulerStats | ProcReady | LoadProgress
+
+
+def decoder(union: Any) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(union)
+
+
+ENCODER = msgspec.msgpack.Encoder()

@@ -1,0 +1,192 @@
+"""``launch_server``: start the scheduler and detokenizer processes, wait for them, serve HTTP.
+
+    radixserve serve [--model-path P] [--host H] [--port N] [every engine option]
+
+Exit codes: 0 after Ctrl-C / SIGTERM (everything shut down in order), 1 when a child process
+died (``/health`` answers 503 first, for ``FATAL_EXIT_DELAY_S``) or failed to start, 130 when
+interrupted while loading. Shutdown never hangs: children get SIGTERM, then SIGKILL, and a timer
+kills the whole server if a graceful shutdown takes longer than ``HARD_EXIT_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+from collections.abc import Generator
+from multiprocessing.process import BaseProcess
+
+import uvicorn
+from tqdm import tqdm
+
+from radixserve.config import ServerArgs
+from radixserve.model.loader import resolve_model_path
+from radixserve.model.tokenizer import Tokenizer
+from radixserve.server.detokenizer_proc import run_detokenizer_process
+from radixserve.server.http_server import create_app, pid_map
+from radixserve.server.procs import IpcNames, setup_logging
+from radixserve.server.scheduler_proc import run_scheduler_process
+from radixserve.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+FATAL_EXIT_DELAY_S = 1.0  # /health says 503 this long before the server exits
+HARD_EXIT_S = 10.0
+LOAD_STAGES = 6  # tokenizer, 3 scheduler stages, scheduler ready, detokenizer ready
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: ``launch_server`` owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def served_model_name(args: ServerArgs) -> tuple[str, str]:
+    """(name, resolved path): --served-model-name, else the file or directory name."""
+    _, path = resolve_model_path(args.model_path)
+    if args.served_model_name:
+        return args.served_model_name, path
+    name = os.path.basename(os.path.normpath(path))
+    return name.removesuffix(".gguf"), path
+
+
+def launch_server(args: ServerArgs) -> int:
+    setup_logging(args.log_level, "HTTP")
+    try:
+        _check_port(args.host, args.port)  # fail before the model loads, not after
+        served_model_name(args)
+    except (OSError, ValueError, NotImplementedError) as e:
+        logger.error("cannot start: %s", e)
+        return 1
+    ipc = IpcNames.new()
+    procs: dict[str, BaseProcess] = {}
+    try:
+        return asyncio.run(_serve(args, ipc, procs))
+    except KeyboardInterrupt:
+        logger.info("interrupted while starting")
+        return 130
+    except RuntimeError as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        shutdown_children(procs)
+        ipc.cleanup()
+
+
+def _check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot bind {host}:{port}: {e.strerror}") from None
+
+
+def shutdown_children(procs: dict[str, BaseProcess], timeout: float = 5.0) -> None:
+    for p in procs.values():
+        if p.is_alive():
+            p.terminate()
+    for p in procs.values():
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess]) -> int:
+    loop = asyncio.get_running_loop()
+    server: _Server | None = None
+    interrupted = False
+    exit_code = 0
+
+    def on_signal() -> None:
+        nonlocal interrupted
+        interrupted = True
+        if server is not None:
+            if server.should_exit:
+                server.force_exit = True
+            server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+
+    name, model_path = served_model_name(args)
+    ctx = mp.get_context("spawn")
+    tqdm.set_lock(threading.RLock())  # NOTE: tqdm's default lock is a multiprocessing semaphore
+    bar = tqdm(total=LOAD_STAGES, desc=f"Loading {name}", unit="stage",
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}] {postfix}")
+
+    def progress(stage: str) -> None:
+        if stage:
+            bar.set_postfix_str(stage, refresh=False)
+            bar.update(1)
+        else:
+            bar.refresh()
+
+    tm: TokenizerManager | None = None
+    try:
+        # the children first: loading the model is the long pole, the tokenizer loads meanwhile
+        tm = TokenizerManager(args, ipc, name)  # binds its socket before the children connect
+        parent = os.getpid()
+        for pname, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
+            p = ctx.Process(target=target, args=(args, ipc, parent), name=f"radixserve-{pname}", daemon=True)
+            p.start()
+            procs[pname] = p
+        tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, args.model_path)
+        progress("tokenizer loaded")
+        tm.tokenizer = tokenizer
+        await tm.wait_ready(procs, progress, lambda: interrupted)
+    finally:
+        bar.close()
+    assert tm is not None
+
+    app = create_app(tm, model_path, pid_map(procs))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.log_level == "debug", timeout_graceful_shutdown=3,
+                            timeout_keep_alive=5)
+    server = _Server(config)
+
+    def on_fatal(reason: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+
+        def stop() -> None:
+            assert server is not None
+            server.should_exit = True
+
+        loop.call_later(FATAL_EXIT_DELAY_S, stop)
+        timer = threading.Timer(FATAL_EXIT_DELAY_S + HARD_EXIT_S, _hard_exit, (procs,))
+        timer.daemon = True
+        timer.start()
+
+    tm.on_fatal = on_fatal
+    tm.start()
+    info = tm.info
+    logger.info(
+        "serving %s on http://%s:%d (context %d, KV pool %d tokens, dtype %s)",
+        name, args.host, args.port, info["context_len"], info["max_total_num_tokens"], info.get("dtype"),
+    )
+    try:
+        await server.serve()
+    finally:
+        await tm.stop()
+    if exit_code:
+        logger.error("exiting: %s", tm.dead)
+    elif interrupted:
+        logger.info("shut down")
+    return exit_code
+
+
+def _hard_exit(procs: dict[str, BaseProcess]) -> None:
+    logger.error("graceful shutdown took over %.0f s; killing the server", HARD_EXIT_S)
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+    os._exit(1)

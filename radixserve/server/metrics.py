@@ -1,0 +1,92 @@
+"""Prometheus metrics (``--enable-metrics``), named in SGLang's style (``sglang:`` -> ``radixserve:``).
+
+Gauges come from the scheduler's periodic ``SchedulerStats``; latency histograms are measured in
+the HTTP process per request (TTFT and end-to-end from when the request was received, time per
+output token over the tokens after the first, queue time as the scheduler measured it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from radixserve.server.io_struct import SchedulerStats, StrOut
+
+if TYPE_CHECKING:
+    from radixserve.server.tokenizer_manager import ReqState
+
+PREFIX = "radixserve:"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
+_TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                 0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.labels = {"model_name": model_name}
+        names = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, names, registry=r)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, names, registry=r)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=r)
+
+        self.num_running_reqs = gauge("num_running_reqs", "Requests in the running batch.")
+        self.num_queue_reqs = gauge("num_queue_reqs", "Requests in the waiting queue.")
+        self.num_used_tokens = gauge("num_used_tokens", "KV slots held by running requests.")
+        self.token_usage = gauge("token_usage", "Fraction of the KV pool held by running requests.")
+        self.cache_hit_rate = gauge("cache_hit_rate", "Prefix-cache hit rate (cached / prompt tokens).")
+        self.gen_throughput = gauge("gen_throughput", "Generation throughput (tokens/s).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted.")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.num_retractions = counter("num_retracted_reqs", "Requests retracted from decode (KV ran out).")
+        self.num_requests = counter("num_requests", "Requests received.")
+        self.num_aborted = counter("num_aborted_requests", "Requests finished with an abort.")
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Time per output token after the first.", _TPOT_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self.queue_time = hist("queue_time_seconds", "Time in the waiting queue before first scheduled.",
+                               _LATENCY_BUCKETS)
+        self._last: SchedulerStats | None = None
+
+    def on_scheduler_stats(self, s: SchedulerStats) -> None:
+        lb = self.labels
+        self.num_running_reqs.labels(**lb).set(s.num_running_reqs)
+        self.num_queue_reqs.labels(**lb).set(s.num_queue_reqs)
+        self.num_used_tokens.labels(**lb).set(s.num_used_tokens)
+        self.token_usage.labels(**lb).set(s.token_usage)
+        self.cache_hit_rate.labels(**lb).set(s.cache_hit_rate)
+        self.gen_throughput.labels(**lb).set(s.gen_throughput)
+        prev = self._last
+        for counter, attr in ((self.prompt_tokens, "prompt_tokens"), (self.cached_tokens, "cached_tokens"),
+                              (self.generation_tokens, "generated_tokens"), (self.num_retractions, "num_retractions")):
+            delta = getattr(s, attr) - (getattr(prev, attr) if prev is not None else 0)
+            if delta > 0:
+                counter.labels(**lb).inc(delta)
+        self._last = s
+
+    def on_request_finished(self, st: ReqState, last: StrOut, now: float) -> None:
+        lb = self.labels
+        e2e = now - st.created
+        self.e2e.labels(**lb).observe(e2e)
+        self.queue_time.labels(**lb).observe(last.queue_time)
+        if last.finished_reason is not None and last.finished_reason.is_abort:
+            self.num_aborted.labels(**lb).inc()
+        ttft = st.ttft
+        if ttft is not None:
+            self.ttft.labels(**lb).observe(ttft)
+            n = last.completion_tokens
+            if n > 1:
+                self.tpot.labels(**lb).observe((e2e - ttft) / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,277 @@
+"""OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` (streaming and not).
+
+``n`` fans out into n requests with derived rids (seeds ``seed + i`` when seeded); usage counts
+a prompt once per prompt, as OpenAI does. Streams end with ``data: [DONE]``; the usage-only chunk
+(empty ``choices``) is sent only with ``stream_options.include_usage``. An error after the stream
+started is sent as a ``data: {"error": ...}`` event.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from radixserve.model.tokenizer import ChatTemplateError
+from radixserve.server.common import (
+    SSE_DONE,
+    SSE_HEADERS,
+    Call,
+    check_prompt,
+    check_sampling_params,
+    resolve_max_tokens,
+    sse,
+    stream_error,
+)
+from radixserve.server.io_struct import GenerateReq, StrOut
+from radixserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from radixserve.server.tokenizer_manager import ClientGone, ReqState, TokenizerManager
+
+
+class OpenAIServing:
+    def __init__(self, tm: TokenizerManager, model_aliases: set[str]) -> None:
+        self.tm = tm
+        self.tokenizer = tm.tokenizer
+        self.model_aliases = model_aliases | {tm.model_name}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_aliases:
+            raise APIError(f"The model `{model}` does not exist.", status_code=404, param="model",
+                           code="model_not_found")
+
+    # --- requests ----------------------------------------------------------------------------------
+    def _make_reqs(
+        self, prompts: list[list[int]], body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
+        logprobs: bool, top_logprobs: int, prompt_param: str,
+    ) -> list[GenerateReq]:
+        base = uuid.uuid4().hex
+        reqs = []
+        for p, ids in enumerate(prompts):
+            check_prompt(self.tm, ids, prompt_param)
+            sp = body.sampling_params(resolve_max_tokens(self.tm, len(ids), max_tokens), logprobs, top_logprobs)
+            check_sampling_params(sp, self.tm.info.get("vocab_size"), openai=True)
+            for i in range(body.n):
+                spi = dict(sp)
+                if sp["seed"] is not None:
+                    spi["seed"] = sp["seed"] + i
+                reqs.append(GenerateReq(f"{base}-{p}-{i}", ids, spi, body.priority))
+        return reqs
+
+    def _token_str(self, tid: int) -> str:
+        return self.tokenizer.decode([tid], False)
+
+    # --- chat ----------------------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        body = parse_body(await request.body(), ChatCompletionRequest)
+        self.check_model(body.model)
+        try:
+            messages = [m.to_template() for m in body.messages]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise APIError(f"chat template error: {e}", param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        top = body.top_logprobs or 0
+        if top and not body.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        reqs = self._make_reqs([ids], body, max_tokens, body.logprobs, top, "messages")
+        call = Call(self.tm, request)
+        await call.open(reqs)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            first = await call.first_outputs()
+            return StreamingResponse(self._chat_stream(call, first, body, rid, created),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            states = await call.wait_all()
+        except ClientGone:
+            return Response(status_code=499)
+        choices = []
+        for st in states:
+            assert st.last is not None and st.last.finished_reason is not None
+            choices.append({
+                "index": st.index,
+                "message": {"role": "assistant", "content": st.text},
+                "logprobs": {"content": self._chat_logprobs(st.output_ids, st.logprobs, st.top_logprobs)}
+                if body.logprobs else None,
+                "finish_reason": st.last.finished_reason.openai_reason,
+            })
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": self.tm.model_name,
+            "choices": choices, "usage": _usage(states, body.n),
+        })
+
+    async def _chat_stream(
+        self, call: Call, first: list[tuple[ReqState, StrOut]], body: ChatCompletionRequest, rid: str, created: int
+    ) -> AsyncIterator[bytes]:
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.tm.model_name}
+        if body.include_usage:
+            base["usage"] = None
+        started: set[int] = set()
+        assert call.group is not None
+        try:
+            async for st, o in call.stream(first):
+                fr = o.finished_reason
+                err = call.error_of(o)
+                if err is not None:
+                    yield stream_error(err)
+                    yield SSE_DONE
+                    return
+                if st.index not in started:
+                    started.add(st.index)
+                    yield sse({**base, "choices": [{"index": st.index, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})
+                lp = ({"content": self._chat_logprobs(o.new_token_ids, o.new_logprobs, o.new_top_logprobs)}
+                      if body.logprobs and o.new_token_ids else None)
+                if o.text or lp is not None or fr is not None:
+                    delta = {"content": o.text} if o.text else {}
+                    yield sse({**base, "choices": [{"index": st.index, "delta": delta, "logprobs": lp,
+                                                    "finish_reason": fr.openai_reason if fr else None}]})
+            if body.include_usage:
+                yield sse({**base, "choices": [], "usage": _usage(call.group.states, body.n)})
+            yield SSE_DONE
+        except ClientGone:
+            return
+        except Exception as e:
+            yield stream_error(e)
+            yield SSE_DONE
+        finally:
+            call.close()
+
+    def _chat_logprobs(self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]) -> list[dict[str, Any]]:
+        out = []
+        for k, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
+            top = tops[k] if k < len(tops) else []
+            out.append({
+                "token": self._token_str(tid), "logprob": lp, "bytes": list(self.tokenizer.token_bytes(tid)),
+                "top_logprobs": [{"token": self._token_str(t), "logprob": v, "bytes": list(self.tokenizer.token_bytes(t))}
+                                 for t, v in top],
+            })
+        return out
+
+    # --- completions ------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        body = parse_body(await request.body(), CompletionRequest)
+        self.check_model(body.model)
+        if body.suffix:
+            raise APIError("suffix is not supported", param="suffix", code="unsupported_parameter")
+        prompt = body.prompt
+        texts: list[str | None]
+        if isinstance(prompt, str):
+            prompts, texts = [self.tokenizer.encode(prompt)], [prompt]
+        elif prompt and all(isinstance(p, str) for p in prompt):
+            texts = list(prompt)  # type: ignore[arg-type]
+            prompts = [self.tokenizer.encode(t) for t in texts if t is not None]
+        elif prompt and all(isinstance(p, list) for p in prompt):
+            prompts = [list(p) for p in prompt]  # type: ignore[arg-type]
+            texts = [None] * len(prompts)
+        elif all(isinstance(p, int) for p in prompt):
+            prompts, texts = [list(prompt)], [None]  # type: ignore[arg-type]
+        else:
+            raise APIError("prompt must be a string, a list of strings, a list of token ids or a list of lists",
+                           param="prompt")
+        if not prompts:
+            raise APIError("the prompt is empty", param="prompt")
+        nlp = body.logprobs
+        reqs = self._make_reqs(prompts, body, body.max_tokens, nlp is not None, nlp or 0, "prompt")
+        echo = [(t if t is not None else self.tokenizer.decode(ids)) if body.echo else ""
+                for t, ids in zip(texts, prompts, strict=True)]
+        call = Call(self.tm, request)
+        await call.open(reqs)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            first = await call.first_outputs()
+            return StreamingResponse(self._completion_stream(call, first, body, rid, created, echo),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            states = await call.wait_all()
+        except ClientGone:
+            return Response(status_code=499)
+        choices = []
+        for st in states:
+            assert st.last is not None and st.last.finished_reason is not None
+            prefix = echo[st.index // body.n]
+            choices.append({
+                "index": st.index,
+                "text": prefix + st.text,
+                "logprobs": self._completion_logprobs(st.output_ids, st.logprobs, st.top_logprobs, len(prefix))
+                if nlp is not None else None,
+                "finish_reason": st.last.finished_reason.openai_reason,
+            })
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": created, "model": self.tm.model_name,
+            "choices": choices, "usage": _usage(states, body.n),
+        })
+
+    async def _completion_stream(
+        self, call: Call, first: list[tuple[ReqState, StrOut]], body: CompletionRequest, rid: str, created: int,
+        echo: list[str],
+    ) -> AsyncIterator[bytes]:
+        base = {"id": rid, "object": "text_completion", "created": created, "model": self.tm.model_name}
+        if body.include_usage:
+            base["usage"] = None
+        offsets: dict[int, int] = {}
+        assert call.group is not None
+        try:
+            async for st, o in call.stream(first):
+                fr = o.finished_reason
+                err = call.error_of(o)
+                if err is not None:
+                    yield stream_error(err)
+                    yield SSE_DONE
+                    return
+                text = o.text
+                if st.index not in offsets:
+                    text = echo[st.index // body.n] + text
+                    offsets[st.index] = 0
+                lp = None
+                if body.logprobs is not None and o.new_token_ids:
+                    lp = self._completion_logprobs(o.new_token_ids, o.new_logprobs, o.new_top_logprobs,
+                                                   offsets[st.index])
+                offsets[st.index] += len(text)
+                if text or lp is not None or fr is not None:
+                    yield sse({**base, "choices": [{"index": st.index, "text": text, "logprobs": lp,
+                                                    "finish_reason": fr.openai_reason if fr else None}]})
+            if body.include_usage:
+                yield sse({**base, "choices": [], "usage": _usage(call.group.states, body.n)})
+            yield SSE_DONE
+        except ClientGone:
+            return
+        except Exception as e:
+            yield stream_error(e)
+            yield SSE_DONE
+        finally:
+            call.close()
+
+    def _completion_logprobs(
+        self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]], offset: int
+    ) -> dict[str, Any]:
+        tokens = [self._token_str(t) for t in ids]
+        text_offset = []
+        for tok in tokens:
+            text_offset.append(offset)
+            offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": list(lps),
+            "top_logprobs": [{self._token_str(t): v for t, v in (tops[k] if k < len(tops) else [])}
+                             for k in range(len(ids))],
+            "text_offset": text_offset,
+        }
+
+
+def _usage(states: list[ReqState], n: int) -> dict[str, Any]:
+    prompt = cached = completion = 0
+    for st in states:
+        if st.last is None:
+            continue
+        completion += st.last.completion_tokens
+        if st.index % n == 0:  # a prompt counts once however many choices it has
+            prompt += st.last.prompt_tokens
+            cached += st.last.cached_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

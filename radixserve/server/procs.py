@@ -1,0 +1,101 @@
+"""What every server process shares: socket addresses, logging, and the parent watch.
+
+The HTTP process makes a temp dir and binds/connects ipc:// sockets in it::
+
+    <dir>/scheduler     PULL bound by the scheduler process   (HTTP process PUSHes requests)
+    <dir>/detokenizer   PULL bound by the detokenizer process (scheduler PUSHes token batches)
+    <dir>/tokenizer     PULL bound by the HTTP process        (detokenizer and scheduler PUSH)
+
+Children are started with the multiprocessing "spawn" context (torch and fork do not mix) and exit
+on their own when the HTTP process goes away (``parent_alive``), so nothing is ever orphaned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from dataclasses import dataclass
+
+import zmq
+from tqdm import tqdm
+
+LOG_FORMAT = "[%(asctime)s %(proc)s] %(message)s"
+
+
+@dataclass(frozen=True)
+class IpcNames:
+    dir: str
+
+    @classmethod
+    def new(cls) -> IpcNames:
+        return cls(tempfile.mkdtemp(prefix="radixserve-ipc-"))
+
+    @property
+    def scheduler(self) -> str:
+        return f"ipc://{self.dir}/scheduler"
+
+    @property
+    def detokenizer(self) -> str:
+        return f"ipc://{self.dir}/detokenizer"
+
+    @property
+    def tokenizer(self) -> str:
+        return f"ipc://{self.dir}/tokenizer"
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _ProcFilter(logging.Filter):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.proc = name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.proc = self.proc
+        return True
+
+
+def setup_logging(level: str, proc: str) -> None:
+    """One format for all processes, tagged with the process role (as SGLang's ``[TP0]``)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%Y-%m-%d %H:%M:%S"))
+    handler.addFilter(_ProcFilter(proc))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
+def child_init(level: str, proc: str) -> None:
+    """Common start of a child process: logging, and Ctrl-C left to the HTTP process, which
+    receives it too (same process group) and shuts the children down in order (SIGTERM).
+
+    NOTE: tqdm's default lock is a multiprocessing semaphore, which a SIGTERM'd process would
+    leave to the resource tracker to complain about; a thread lock does as well here."""
+    setup_logging(level, proc)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tqdm.set_lock(threading.RLock())
+
+
+def parent_alive(parent_pid: int) -> bool:
+    return os.getppid() == parent_pid
+
+
+def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(addr)
+    return s
+
+
+def pull_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.LINGER, 0)
+    s.bind(addr)
+    return s

@@ -1,0 +1,309 @@
+"""The scheduler process: owns the model and the KV memory, runs ``Scheduler.event_loop_normal``.
+
+Each loop iteration (seed 001's ``recv_requests``): drain every message that arrived without
+blocking, or, with nothing to do, wait up to ``IDLE_POLL_S`` for one; then run one step and send
+its ``ReqOutput`` records on to the detokenizer as one ``BatchTokenOut``. Control messages
+(flush_cache, get_load, memory) are answered between steps, when the scheduler state is whole.
+
+Every ``--decode-log-interval`` decode steps it logs a line like SGLang's::
+
+    Decode batch. #running-req: 3, #token: 310, token usage: 0.04, gen throughput (token/s): 41.20, #queue-req: 0
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from radixserve.config import ServerArgs
+from radixserve.engine import build_scheduler
+from radixserve.sched.finish import FINISH_ABORT
+from radixserve.sched.io import ReqOutput
+from radixserve.sched.req import Req
+from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
+from radixserve.sched.scheduler import Scheduler
+from radixserve.server.io_struct import (
+    ENCODER,
+    AbortReq,
+    BatchTokenOut,
+    ControlReply,
+    ControlReq,
+    FinishReason,
+    GenerateReq,
+    LoadProgress,
+    ProcReady,
+    SchedulerStats,
+    TokenOut,
+    ToScheduler,
+    decoder,
+)
+from radixserve.server.procs import IpcNames, child_init, parent_alive, pull_socket, push_socket
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.05  # how long an idle scheduler waits for a message before looking around
+STATS_INTERVAL_S = 0.5  # how often a busy scheduler reports its gauges to /metrics
+# NOTE: for tests and the simulator only: "module:function" building a runner-like object
+# (tokenizer, model_config, kv_bytes_per_token, make_kv_pool, attach_pools, forward) from ServerArgs.
+RUNNER_FACTORY_ENV = "RADIXSERVE_RUNNER_FACTORY"
+
+
+def make_runner(args: ServerArgs) -> Any:
+    factory = os.environ.get(RUNNER_FACTORY_ENV)
+    if factory:
+        mod, _, fn = factory.partition(":")
+        return getattr(importlib.import_module(mod), fn)(args)
+    from radixserve.model.model_runner import ModelRunner
+
+    # NOTE: progress=False: the HTTP process draws the one loading bar (two processes drawing
+    # bars on one terminal garble each other).
+    return ModelRunner(
+        args.model_path, dtype=args.dtype, attention_backend=args.attention_backend,
+        seed=args.random_seed, num_threads=args.num_threads, progress=False,
+    )
+
+
+def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int) -> None:
+    child_init(args.log_level, "Scheduler")
+    ctx = zmq.Context()
+    recv_sock = pull_socket(ctx, ipc.scheduler)
+    to_detok = push_socket(ctx, ipc.detokenizer)
+    to_tm = push_socket(ctx, ipc.tokenizer)
+    try:
+        to_tm.send(ENCODER.encode(LoadProgress("loading model weights")))
+        runner = make_runner(args)
+        to_tm.send(ENCODER.encode(LoadProgress("model loaded")))
+        context_len = args.context_length or runner.model_config.max_position
+        scheduler = build_scheduler(args, runner, context_len)
+        to_tm.send(ENCODER.encode(LoadProgress("KV cache allocated")))
+    except Exception as e:
+        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
+        to_tm.send(ENCODER.encode(ProcReady("scheduler", error=f"{type(e).__name__}: {e}")))
+        time.sleep(0.2)  # let the message leave before the context goes
+        sys.exit(1)
+    info = {
+        "context_len": context_len,
+        "vocab_size": runner.model_config.vocab_size,
+        "max_total_num_tokens": scheduler.kv.total_tokens,
+        "max_running_requests": scheduler.max_running_requests,
+        "max_req_input_len": context_len - 1,
+        "page_size": scheduler.kv.page_size,
+        "dtype": str(getattr(runner, "dtype", args.dtype)).removeprefix("torch."),
+        "pid": os.getpid(),
+    }
+    to_tm.send(ENCODER.encode(ProcReady("scheduler", info=info)))
+    server = SchedulerServer(args, scheduler, recv_sock, to_detok, to_tm, parent_pid)
+    try:
+        scheduler.event_loop_normal(server.recv, server.send, server.should_stop)
+    finally:
+        ctx.destroy(linger=0)
+    logger.info("scheduler stopped: the HTTP process is gone")
+
+
+class SchedulerServer:
+    """The ZMQ side of the scheduler: the recv/send/should_stop callables of its event loop."""
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        scheduler: Scheduler,
+        recv_sock: zmq.Socket,
+        to_detok: zmq.Socket,
+        to_tm: zmq.Socket,
+        parent_pid: int,
+    ) -> None:
+        self.args = args
+        self.sched = scheduler
+        self.recv_sock = recv_sock
+        self.to_detok = to_detok
+        self.to_tm = to_tm
+        self.parent_pid = parent_pid
+        self.decoder = decoder(ToScheduler)
+        self.eos_token_ids = scheduler.eos_token_ids
+        # what the detokenizer needs about a request, sent along with its first output
+        self.pending_meta: dict[str, tuple[list[str], bool]] = {}
+        self._last_decode_logged = 0
+        self._last_prefill_logged: object = None
+        self._last_stats_time = 0.0
+        self._last_stats_key: tuple[int, ...] = ()
+        self._tp_time = time.monotonic()
+        self._tp_tokens = 0
+        self._gen_throughput = 0.0
+        self._stop = False
+
+    # --- event-loop callables ------------------------------------------------------------------
+    def should_stop(self) -> bool:
+        return self._stop or not parent_alive(self.parent_pid)
+
+    def recv(self, block: bool) -> list[Req | tuple[str, str]]:
+        self._after_step()
+        items: list[Req | tuple[str, str]] = []
+        if block and not self.recv_sock.poll(int(IDLE_POLL_S * 1000)):
+            return items
+        while True:
+            try:
+                raw = self.recv_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = self.decoder.decode(raw)
+            if isinstance(msg, GenerateReq):
+                req = self._make_req(msg)
+                if req is not None:
+                    items.append(req)
+            elif isinstance(msg, AbortReq):
+                items.append(("abort", msg.rid))
+            elif isinstance(msg, ControlReq):
+                # NOTE: earlier items of this drain are not yet added; apply them first so a
+                # flush or a memory check sees every request that arrived before it.
+                self._add_items(items)
+                items = []
+                self.to_tm.send(ENCODER.encode(ControlReply(msg.req_id, self._control(msg.op))))
+        return items
+
+    def send(self, outs: list[ReqOutput]) -> None:
+        self.to_detok.send(ENCODER.encode(BatchTokenOut([self._token_out(o) for o in outs])))
+
+    # --- requests --------------------------------------------------------------------------------
+    def _make_req(self, msg: GenerateReq) -> Req | None:
+        try:
+            params = SamplingParams.from_dict(msg.sampling_params)
+        except (InvalidRequest, TypeError) as e:
+            reason = FINISH_ABORT(str(e), param=getattr(e, "param", None))
+            out = TokenOut(msg.rid, [], FinishReason.from_reason(reason), len(msg.input_ids), 0, 0)
+            self.to_detok.send(ENCODER.encode(BatchTokenOut([out])))
+            return None
+        self.pending_meta[msg.rid] = (list(params.stop), params.skip_special_tokens)
+        return Req(msg.rid, msg.input_ids, params, arrival_time=self.sched.clock(), priority=msg.priority,
+                   eos_token_ids=self.eos_token_ids)
+
+    def _add_items(self, items: list[Req | tuple[str, str]]) -> None:
+        for item in items:
+            if isinstance(item, Req):
+                self.sched.add_request(item)
+            else:
+                self.sched.abort_request(item[1])
+        if items:
+            outs = self.sched.outputs  # refusals and aborts of waiting requests, emitted at once
+            self.sched.outputs = []
+            if outs:
+                self.send(outs)
+
+    def _token_out(self, o: ReqOutput) -> TokenOut:
+        meta = self.pending_meta.pop(o.rid, None) if o.finished_reason is not None else self.pending_meta.get(o.rid)
+        return TokenOut(
+            rid=o.rid,
+            new_token_ids=list(o.new_token_ids),
+            finished_reason=FinishReason.from_reason(o.finished_reason) if o.finished_reason else None,
+            prompt_tokens=o.prompt_tokens,
+            completion_tokens=o.completion_tokens,
+            cached_tokens=o.cached_tokens,
+            new_logprobs=list(o.new_logprobs),
+            new_top_logprobs=[list(t) for t in o.new_top_logprobs],
+            queue_time=o.queue_time,
+            num_retractions=o.num_retractions,
+            stop=meta[0] if meta is not None else None,
+            skip_special_tokens=meta[1] if meta is not None else True,
+        )
+
+    # --- control ---------------------------------------------------------------------------------
+    def _control(self, op: str) -> dict[str, Any]:
+        if op == "flush_cache":
+            return {"success": self.sched.flush_cache()}
+        if op == "get_load":
+            return self.load()
+        if op == "memory":
+            return self.memory()
+        return {"error": f"unknown control op {op!r}"}
+
+    def load(self) -> dict[str, Any]:
+        """SGLang's /get_load entry for this data-parallel rank."""
+        return {"dp_rank": 0, **self.sched.get_load()}
+
+    def memory(self) -> dict[str, Any]:
+        kv = self.sched.kv
+        idle = not self.sched.has_work()
+        out: dict[str, Any] = {
+            "total": kv.total_tokens,
+            "available": kv.available_size(),
+            "evictable": kv.tree_cache.evictable_size(),
+            "protected": kv.tree_cache.protected_size(),
+            "req_slots_free": kv.req_to_token_pool.available_size(),
+            "req_slots_total": kv.req_to_token_pool.size,
+            "idle": idle,
+            "invariant_ok": None,
+            "invariant_error": None,
+        }
+        if idle:
+            try:
+                kv.check_invariant()
+                out["invariant_ok"] = True
+            except AssertionError as e:
+                out["invariant_ok"] = False
+                out["invariant_error"] = str(e)
+        return out
+
+    # --- logs and stats --------------------------------------------------------------------------
+    def _after_step(self) -> None:
+        sched = self.sched
+        st = sched.stats
+        last = sched.last_batch
+        if last is not None and last.forward_mode.is_extend() and last is not self._last_prefill_logged:
+            self._last_prefill_logged = last
+            logger.info(
+                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                "#running-req: %d, #queue-req: %d",
+                len(last.reqs), sum(last.extend_lens), sum(last.prefix_lens), sched.kv.usage(),
+                len(sched.running_batch.reqs), len(sched.waiting_queue),
+            )
+        interval = self.args.decode_log_interval
+        if st.decode_steps - self._last_decode_logged >= interval:
+            self._last_decode_logged = st.decode_steps - st.decode_steps % interval
+            self._update_throughput()
+            logger.info(
+                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+                "#queue-req: %d",
+                len(sched.running_batch.reqs), sched.kv.total_tokens - sched.kv.reclaimable_size(),
+                sched.kv.usage(), self._gen_throughput, len(sched.waiting_queue),
+            )
+        now = time.monotonic()
+        busy = sched.has_work()
+        key = (st.forward_steps, st.num_finished, st.num_aborted, len(sched.waiting_queue), busy)
+        if key != self._last_stats_key and (now - self._last_stats_time >= STATS_INTERVAL_S or not busy):
+            self._last_stats_key = key
+            self._last_stats_time = now
+            self._update_throughput()
+            self.to_tm.send(ENCODER.encode(self.stats()))
+
+    def _update_throughput(self) -> None:
+        now = time.monotonic()
+        gen = self.sched.stats.generated_tokens
+        if now - self._tp_time >= 0.2:
+            self._gen_throughput = (gen - self._tp_tokens) / (now - self._tp_time)
+            self._tp_time, self._tp_tokens = now, gen
+
+    def stats(self) -> SchedulerStats:
+        s = self.sched
+        st = s.stats
+        running = len(s.reqs) - len(s.waiting_queue)
+        if not s.has_work():
+            self._gen_throughput = 0.0
+        return SchedulerStats(
+            num_running_reqs=running,
+            num_queue_reqs=len(s.waiting_queue),
+            num_used_tokens=s.kv.total_tokens - s.kv.reclaimable_size(),
+            token_usage=s.kv.usage(),
+            cache_hit_rate=st.cache_hit_rate,
+            gen_throughput=self._gen_throughput,
+            prompt_tokens=st.prompt_tokens,
+            cached_tokens=st.cached_tokens,
+            generated_tokens=st.generated_tokens,
+            num_retractions=st.num_retractions,
+            forward_steps=st.forward_steps,
+        )

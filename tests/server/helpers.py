@@ -1,0 +1,121 @@
+"""A real ``radixserve serve`` process for the server tests, and checks on it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STARTUP_TIMEOUT_S = 240.0
+API_KEY = "sk-radixserve-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class ServerProcess:
+    def __init__(self, *extra: str, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log = tempfile.NamedTemporaryFile(prefix="radixserve-test-server-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(self.port),
+               "--max-total-tokens", "8192", "--decode-log-interval", "20", *extra]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # NOTE: its own session, so a Ctrl-C can be sent to its process group like a terminal does
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self.pids: dict[str, int] = {}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    info = httpx.get(f"{self.url}/get_server_info", headers=self.headers, timeout=10).json()
+                    self.pids = info["pids"]
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.kill()
+        raise RuntimeError(f"server not ready in {STARTUP_TIMEOUT_S}s:\n{self.log_text()[-4000:]}")
+
+    def log_text(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=60, **kw)
+
+    def children(self) -> list[int]:
+        return [self.pids[k] for k in ("scheduler", "detokenizer") if k in self.pids]
+
+    def interrupt(self, timeout: float = 30.0) -> int:
+        """Ctrl-C as a terminal sends it: SIGINT to the whole process group."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        for pid in self.children():
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def wait_idle(client: httpx.Client, timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until no request is running or waiting; return /debug/memory then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = client.get("/get_load").json()[0]
+        if load["num_reqs"] == 0:
+            mem = client.get("/debug/memory").json()
+            if mem["idle"]:
+                return mem
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout}s: {load}")
+        time.sleep(0.05)
+
+
+def assert_memory_ok(mem: dict[str, Any]) -> None:
+    assert mem["idle"] and mem["invariant_ok"], mem
+    assert mem["protected"] == 0
+    assert mem["available"] + mem["evictable"] == mem["total"]
+    assert mem["req_slots_free"] == mem["req_slots_total"]

@@ -1,0 +1,186 @@
+"""SGLang's native endpoints, admin endpoints, aborts and client disconnects on a real server.
+Every test that cuts a request short checks the KV memory invariant through /debug/memory."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.helpers import ServerProcess, assert_memory_ok, wait_idle
+
+# long enough that only an abort (not the end of generation) can make the server idle in time
+LONG = {"max_new_tokens": 4000, "ignore_eos": True}
+
+
+@pytest.fixture
+def c(shared_server: ServerProcess) -> Any:
+    with shared_server.client() as client:
+        yield client
+
+
+def test_generate_text_and_ids(c: httpx.Client) -> None:
+    r = c.post("/generate", json={"text": "The capital of France is",
+                                  "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    assert r.status_code == 200
+    out = r.json()
+    meta = out["meta_info"]
+    assert "Paris" in out["text"] and len(out["output_ids"]) == meta["completion_tokens"] <= 6
+    assert meta["prompt_tokens"] > 0 and meta["e2e_latency"] > 0
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert set(meta) >= {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency"}
+    again = c.post("/generate", json={"input_ids": [1, 2, 3, 4], "rid": "native-ids-1", "priority": 3,
+                                      "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}})
+    assert again.status_code == 200 and again.json()["meta_info"]["id"] == "native-ids-1"
+    assert again.json()["meta_info"]["completion_tokens"] == 3
+    lp = c.post("/generate", json={"text": "Hello", "return_logprob": True, "top_logprobs_num": 2,
+                                   "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}})
+    meta = lp.json()["meta_info"]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == lp.json()["output_ids"]
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+
+
+def test_generate_batch_and_errors(c: httpx.Client) -> None:
+    r = c.post("/generate", json={"text": ["Hello", "Bonjour"], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and len(r.json()) == 2
+    r = c.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2, "bogus": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
+    r = c.post("/generate", json={"sampling_params": {}})
+    assert r.status_code == 400
+    r = c.post("/generate", json={"input_ids": [5] * 9000})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_generate_stream(c: httpx.Client) -> None:
+    body = {"text": "Count to ten: one, two,", "stream": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    with c.stream("POST", "/generate", json=body) as r:
+        events = [ln[5:].strip() for ln in r.iter_lines() if ln.startswith("data:")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert chunks[-1]["meta_info"]["completion_tokens"] == 8
+    texts = [ch["text"] for ch in chunks]
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))  # cumulative, as SGLang
+    full = c.post("/generate", json={**body, "stream": False}).json()
+    assert texts[-1] == full["text"]
+
+
+def test_flush_cache_resets_cached_tokens(c: httpx.Client) -> None:
+    body = {"text": "A long shared system prompt about the history of computing. " * 4,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    c.post("/generate", json=body)
+    assert c.post("/generate", json=body).json()["meta_info"]["cached_tokens"] > 0
+    wait_idle(c)
+    r = c.post("/flush_cache")
+    assert r.status_code == 200, r.text
+    assert c.post("/generate", json=body).json()["meta_info"]["cached_tokens"] == 0
+    assert_memory_ok(wait_idle(c))
+
+
+def test_info_endpoints(c: httpx.Client, shared_server: ServerProcess) -> None:
+    for path in ("/get_server_info", "/server_info"):
+        info = c.get(path).json()
+        assert info["dp_size"] == 1 and info["served_model_name"] and info["max_total_num_tokens"] == 8192
+        assert info["port"] == shared_server.port and "memory" in info
+    for path in ("/get_model_info", "/model_info"):
+        info = c.get(path).json()
+        assert info["is_generation"] is True and info["model_path"]
+    load = c.get("/get_load").json()
+    assert isinstance(load, list) and len(load) == 1
+    assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"} and load[0]["dp_rank"] == 0
+    assert c.get("/health").status_code == 200
+    r = c.get("/health_generate")
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 1
+
+
+def test_metrics(c: httpx.Client) -> None:
+    c.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+    deadline = time.monotonic() + 5
+    while True:
+        text = c.get("/metrics").text
+        if "radixserve:generation_tokens_total" in text or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for name in ("radixserve:num_running_reqs", "radixserve:num_queue_reqs", "radixserve:token_usage",
+                 "radixserve:cache_hit_rate", "radixserve:gen_throughput", "radixserve:generation_tokens_total",
+                 "radixserve:time_to_first_token_seconds_bucket", "radixserve:time_per_output_token_seconds_bucket",
+                 "radixserve:e2e_request_latency_seconds_bucket", "radixserve:queue_time_seconds_bucket",
+                 "radixserve:num_retracted_reqs_total"):
+        assert name in text, name
+
+
+def test_abort_request_frees_memory(c: httpx.Client) -> None:
+    body = {"text": "Tell me a long story.", "rid": "native-abort-1", "stream": True, "sampling_params": LONG}
+    with c.stream("POST", "/generate", json=body) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(ln for ln in lines if ln.startswith("data:"))[5:])
+        assert first["meta_info"]["finish_reason"] is None
+        assert c.get("/get_load").json()[0]["num_reqs"] == 1
+        assert c.post("/abort_request", json={"rid": "native-abort-1"}).json()["success"]
+        events = [ln[5:].strip() for ln in lines if ln.startswith("data:")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["completion_tokens"] < 4000
+    assert_memory_ok(wait_idle(c))
+
+
+def _running(c: httpx.Client) -> int:
+    return int(c.get("/get_load").json()[0]["num_reqs"])
+
+
+def test_stream_client_disconnect_aborts(c: httpx.Client, shared_server: ServerProcess) -> None:
+    with httpx.Client(base_url=shared_server.url, timeout=60) as other:
+        with other.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4000,
+                                                           "ignore_eos": True, "stream": True}) as r:
+            next(ln for ln in r.iter_lines() if ln.startswith("data:"))
+            assert _running(c) == 1
+    # the client is gone: the request is aborted and its KV freed without waiting for 4000 tokens
+    assert_memory_ok(wait_idle(c))
+
+
+def test_non_stream_client_disconnect_aborts(c: httpx.Client, shared_server: ServerProcess) -> None:
+    body = json.dumps({"text": "Once upon a time", "sampling_params": LONG}).encode()
+    with socket.create_connection(("127.0.0.1", shared_server.port)) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 10
+        while _running(c) == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert_memory_ok(wait_idle(c))
+
+
+def test_http2_preface_is_refused_cleanly(shared_server: ServerProcess, c: httpx.Client) -> None:
+    with socket.create_connection(("127.0.0.1", shared_server.port), timeout=5) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"))
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+    head = data.split(b"\r\n", 1)[0]
+    assert head.startswith(b"HTTP/1.1 505"), data
+    assert b"connection: close" in data.lower()
+    # the server still speaks HTTP/1.1
+    assert c.get("/health").status_code == 200
+    assert c.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+
+
+def test_bench_serve_against_server(shared_server: ServerProcess, tmp_path: Any) -> None:
+    from radixserve.cli import main
+
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    code = main(["bench", "serve", "--base-url", shared_server.url, "--workload", "shared-prefix",
+                 "--num-groups", "2", "--num-prompts", "2", "--system-len", "32", "--question-len", "8",
+                 "--output-len", "4", "--request-rate", "20", "--max-concurrency", "4", "--output", str(out),
+                 "--plot", str(png), "--disable-tqdm"])
+    assert code == 0
+    rep = json.loads(out.read_text())
+    assert rep["completed"] == 4 and rep["failed"] == 0 and rep["total_output_tokens"] == 16
+    for key in ("ttft", "tpot", "itl", "e2e_latency"):
+        assert rep[key]["p50_ms"] is not None and rep[key]["p99_ms"] >= rep[key]["p50_ms"]
+    assert png.stat().st_size > 1000
