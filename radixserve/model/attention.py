@@ -1,0 +1,310 @@
+"""Attention backends: write the new K/V into the pool, attend over each request's cached KV.
+
+The model calls, once per forward, ``backend.init_forward_metadata(forward_batch, req_to_token_pool)``
+and then, per layer, ``backend.forward(q, k, v, layer_id, forward_batch, kv_pool, req_to_token_pool)``
+with ``q: [T, H, D]``, ``k, v: [T, KVH, D]`` for the ``T`` new tokens of the batch; it returns
+``[T, H * D]``. Everything that only depends on the batch (gather indices, masks) belongs in the
+metadata, so the per-layer work is a handful of tensor ops.
+
+Backends register by name (``@register_attention_backend("name")``); ``create_attention_backend``
+builds one. A GPU kernel (FlashInfer, Triton...) is one more subclass.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.mem.forward_batch import ForwardBatch
+from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
+
+
+class AttentionBackend(ABC):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scaling = scaling if scaling is not None else head_dim**-0.5
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch, req_to_token_pool: ReqToTokenPool) -> None:  # noqa: B027
+        """Precompute what every layer of this forward shares. Optional for a backend."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        forward_batch: ForwardBatch,
+        kv_pool: KVPool,
+        req_to_token_pool: ReqToTokenPool,
+    ) -> torch.Tensor:
+        """Store ``k, v`` at ``forward_batch.out_cache_loc`` in layer ``layer_id``; return attention
+        output ``[T, H * D]`` where new token ``i`` of a request at prefix ``p`` sees keys ``0..p+i``."""
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_attention_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
+    def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        _BACKENDS[name] = cls
+        return cls
+
+    return deco
+
+
+def available_attention_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def create_attention_backend(
+    name: str, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
+) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {available_attention_backends()}")
+    return _BACKENDS[name](num_heads, num_kv_heads, head_dim, scaling)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure PyTorch
+# ---------------------------------------------------------------------------------------------------
+
+
+# Decode requests are attended in chunks whose gathered K+V (float32) stay around this size: the
+# chunk is gathered and consumed while still in L2/L3 (measured ~10-15% faster per step than one
+# batch-wide gather at batch 64 x 256 tokens), and a chunk only pads to its own longest request.
+DECODE_CHUNK_BYTES = 4 << 20
+
+
+@dataclass
+class _DecodeChunk:
+    """Some decode requests attended by one SDPA call over a padded ``[n, L]`` gather."""
+
+    start: int  # rows [start, end) of the decode group, in length-sorted order
+    end: int
+    rows: torch.Tensor | None  # their rows in the decode group when sorting moved them; else None
+    gather: torch.Tensor  # [n * L] KV slots, padded with slot 0 (the reserved padding page)
+    valid: torch.Tensor | None  # [n, 1, 1, L] bool; None when all n requests have length L
+    max_len: int
+    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # additive masks by dtype
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        if self.valid is None:
+            return None
+        m = self.masks.get(dtype)
+        if m is None:
+            m = torch.zeros(self.valid.shape, dtype=dtype).masked_fill_(~self.valid, float("-inf"))
+            self.masks[dtype] = m
+        return m
+
+
+@dataclass
+class _DecodeGroup:
+    """The requests of a batch with one new token each."""
+
+    token_idx: torch.Tensor | None  # their tokens in the flat batch; None: all tokens, in order
+    batch: int
+    chunks: list[_DecodeChunk]
+    max_rows: int  # largest n * L over the chunks (gather scratch size)
+
+
+@dataclass
+class _Extend:
+    """One request with several new tokens: its own SDPA call."""
+
+    start: int  # its tokens are [start, end) of the flat batch
+    end: int
+    prefix_len: int
+    kv_idx: torch.Tensor | None  # [prefix + n] KV slots; None when there is no prefix (use the new k/v)
+    mask: torch.Tensor | None  # [n, prefix + n] bool; None: plain causal
+
+
+@dataclass
+class _Metadata:
+    batch_id: int
+    decode: _DecodeGroup | None
+    extends: list[_Extend]
+
+
+@register_attention_backend("torch_native")
+class TorchNativeAttention(AttentionBackend):
+    """``torch.nn.functional.scaled_dot_product_attention`` over KV gathered from the pool.
+
+    Decode requests (extend length 1) are sorted by length and cut into chunks of ~4 MB of KV; each
+    chunk is one gather into a reused ``[n * L_max]`` buffer plus one SDPA call, so there is no
+    per-request Python loop. GQA needs no repeat: the query heads of a KV head become the "query
+    length" dimension (``q: [n, KVH, G, D]`` against ``k: [n, KVH, L, D]``). Requests with longer
+    extends are looped, one SDPA call each, with a causal mask offset by their cached prefix.
+    """
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scaling)
+        self._meta: _Metadata | None = None
+        self._gather_bufs: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch, req_to_token_pool: ReqToTokenPool) -> None:
+        self._meta = self._build_metadata(forward_batch, req_to_token_pool)
+
+    def _build_metadata(self, fb: ForwardBatch, r2t_pool: ReqToTokenPool) -> _Metadata:
+        r2t = r2t_pool.req_to_token
+        ext_lens = fb.extend_seq_lens
+        prefix_lens = fb.extend_prefix_lens
+        rpi = fb.req_pool_indices
+        dec_rows = [i for i, n in enumerate(ext_lens) if n == 1]
+        decode: _DecodeGroup | None = None
+        if dec_rows:
+            if len(dec_rows) == len(ext_lens):
+                token_idx = None
+                rows_rpi = rpi
+            else:
+                starts = _starts(ext_lens)
+                token_idx = torch.tensor([starts[i] for i in dec_rows], dtype=torch.int64)
+                rows_rpi = rpi.index_select(0, torch.tensor(dec_rows, dtype=torch.int64))
+            lens = [prefix_lens[i] + 1 for i in dec_rows]
+            decode = self._decode_group(r2t, rows_rpi, lens, token_idx)
+        extends: list[_Extend] = []
+        start = 0
+        for i, n in enumerate(ext_lens):
+            if n != 1:
+                p = prefix_lens[i]
+                kv_idx = mask = None
+                if p > 0:
+                    kv_idx = r2t[int(rpi[i]), : p + n]
+                    mask = torch.arange(p + n).unsqueeze(0) <= (torch.arange(n) + p).unsqueeze(1)
+                extends.append(_Extend(start, start + n, p, kv_idx, mask))
+            start += n
+        return _Metadata(id(fb), decode, extends)
+
+    def _decode_group(
+        self, r2t: torch.Tensor, rows_rpi: torch.Tensor, lens: list[int], token_idx: torch.Tensor | None
+    ) -> _DecodeGroup:
+        B = len(lens)
+        order = sorted(range(B), key=lambda i: -lens[i])  # longest first: chunks pad less
+        sorted_ok = all(lens[order[i]] == lens[i] for i in range(B))  # already in that order
+        token_bytes = 2 * self.num_kv_heads * self.head_dim * 4
+        chunks: list[_DecodeChunk] = []
+        s = 0
+        while s < B:
+            L = lens[order[s]]
+            e = min(B, s + max(1, DECODE_CHUNK_BYTES // (L * token_bytes)))
+            rows = None if sorted_ok else torch.tensor(order[s:e], dtype=torch.int64)
+            rpi = rows_rpi[s:e] if rows is None else rows_rpi.index_select(0, rows)
+            idx = r2t[:, :L].index_select(0, rpi)  # [n, L]: only the needed columns
+            chunk_lens = [lens[i] for i in order[s:e]]
+            valid = None
+            if chunk_lens[-1] != L:
+                keep = torch.arange(L).unsqueeze(0) < torch.tensor(chunk_lens).unsqueeze(1)
+                idx = idx.masked_fill(~keep, 0)
+                valid = keep.view(e - s, 1, 1, L)
+            chunks.append(_DecodeChunk(s, e, rows, idx.reshape(-1).contiguous(), valid, L))
+            s = e
+        max_rows = max((c.end - c.start) * c.max_len for c in chunks)
+        return _DecodeGroup(token_idx, B, chunks, max_rows)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        forward_batch: ForwardBatch,
+        kv_pool: KVPool,
+        req_to_token_pool: ReqToTokenPool,
+    ) -> torch.Tensor:
+        meta = self._meta
+        if meta is None or meta.batch_id != id(forward_batch):
+            meta = self._meta = self._build_metadata(forward_batch, req_to_token_pool)
+        k_buf = kv_pool.k_buffers[layer_id]
+        v_buf = kv_pool.v_buffers[layer_id]
+        if k.dtype != k_buf.dtype:
+            k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
+        loc = forward_batch.out_cache_loc
+        k_buf.index_copy_(0, loc, k)
+        v_buf.index_copy_(0, loc, v)
+
+        T, H, D = q.shape
+        G = self.group
+        dec = meta.decode
+        if dec is not None and dec.token_idx is None:  # decode-only batch: no scatter needed
+            return self._decode(q, dec, k_buf, v_buf)
+        out = q.new_empty(T, H * D)
+        if dec is not None:
+            assert dec.token_idx is not None
+            o = self._decode(q.index_select(0, dec.token_idx), dec, k_buf, v_buf)
+            out.index_copy_(0, dec.token_idx, o)
+        for ext in meta.extends:
+            n = ext.end - ext.start
+            qe = q[ext.start : ext.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if ext.kv_idx is None:
+                ke = k[ext.start : ext.end]
+                ve = v[ext.start : ext.end]
+            else:
+                ke = k_buf.index_select(0, ext.kv_idx)
+                ve = v_buf.index_select(0, ext.kv_idx)
+            ke = ke.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+            ve = ve.to(q.dtype).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qe,
+                ke,
+                ve,
+                attn_mask=ext.mask,
+                is_causal=ext.mask is None,
+                scale=self.scaling,
+                enable_gqa=G > 1,
+            )
+            out[ext.start : ext.end] = o.squeeze(0).transpose(0, 1).reshape(n, H * D)
+        return out
+
+    def _scratch(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather destinations kept across layers and forwards: a fresh multi-MB tensor per call
+        costs page faults (glibc serves big blocks with mmap); measured, that doubled gather time."""
+        k, v = self._gather_bufs.get(like.dtype, (None, None))
+        if k is None or v is None or k.shape[0] < rows:
+            shape = (rows, *like.shape[1:])
+            k, v = like.new_empty(shape), like.new_empty(shape)
+            self._gather_bufs[like.dtype] = (k, v)
+        return k, v
+
+    def _decode(
+        self, q: torch.Tensor, dec: _DecodeGroup, k_buf: torch.Tensor, v_buf: torch.Tensor
+    ) -> torch.Tensor:
+        B = dec.batch
+        KVH, G, D = self.num_kv_heads, self.group, self.head_dim
+        qg = q.reshape(B, KVH, G, D)  # the G query heads sharing a KV head act as G query rows
+        k_scratch, v_scratch = self._scratch(dec.max_rows, k_buf)
+        out = q.new_empty(B, KVH * G * D)
+        for c in dec.chunks:
+            n, L = c.end - c.start, c.max_len
+            kg, vg = k_scratch[: n * L], v_scratch[: n * L]
+            torch.index_select(k_buf, 0, c.gather, out=kg)
+            torch.index_select(v_buf, 0, c.gather, out=vg)
+            kt = kg.view(n, L, KVH, D).transpose(1, 2)  # [n, KVH, L, D]
+            vt = vg.view(n, L, KVH, D).transpose(1, 2)
+            if kt.dtype != q.dtype:
+                kt, vt = kt.to(q.dtype), vt.to(q.dtype)
+            qc = qg[c.start : c.end] if c.rows is None else qg.index_select(0, c.rows)
+            o = F.scaled_dot_product_attention(qc, kt, vt, attn_mask=c.mask(q.dtype), scale=self.scaling)
+            if c.rows is None:
+                out[c.start : c.end] = o.reshape(n, KVH * G * D)
+            else:
+                out.index_copy_(0, c.rows, o.reshape(n, KVH * G * D))
+        return out
+
+
+def _starts(lens: list[int]) -> list[int]:
+    out, s = [], 0
+    for n in lens:
+        out.append(s)
+        s += n
+    return out

@@ -1,0 +1,150 @@
+"""Reading a GGUF file: metadata, config, and dequantized weights under Hugging Face names.
+
+llama.cpp's ``convert_hf_to_gguf.py`` renames every tensor, stores shapes in ``ne`` order (reversed
+from torch) and, for the ``llama`` architecture only, permutes the rows of ``q_proj`` and ``k_proj``
+so that its RoPE can rotate adjacent pairs. We dequantize (any type ``gguf.quants`` knows: F32, F16,
+BF16, Q4_0, Q4_1, Q8_0, K-quants...), rename back, and undo that permutation so the weights are the
+ones the HF checkpoint had and HF's ``rotate_half`` RoPE applies.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixserve.model.config import ModelConfig
+
+# Tensors outside the blocks.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Per-block suffixes: ``blk.N.<gguf>`` -> ``model.layers.N.<hf>``.
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Tensors that carry no weights of their own (rope frequency factors go into the config).
+_SPECIAL = {"rope_freqs.weight"}
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """The HF state-dict name of a GGUF tensor; KeyError for one this engine does not know."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    raise KeyError(f"unknown GGUF tensor name {name!r}")
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's ``permute`` of q/k rows (works on weights ``[out, in]`` and biases ``[out]``).
+
+    llama.cpp: ``w.reshape(n_head, 2, hd // 2, *rest).swapaxes(1, 2).reshape(w.shape)``.
+    """
+    rest = tuple(w.shape[1:])
+    head_dim = w.shape[0] // n_head
+    return w.reshape(n_head, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's permutation (for tests: ``unpermute_qk(permute_qk(w)) == w``)."""
+    rest = tuple(w.shape[1:])
+    head_dim = w.shape[0] // n_head
+    return w.reshape(n_head, 2, head_dim // 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+@functools.lru_cache(maxsize=2)
+def _open(path: str, mtime_ns: int) -> tuple[Any, dict[str, Any]]:
+    """(reader, metadata) of a GGUF file. Parsing the header takes seconds (one python object per
+    vocabulary entry), so the loader and the tokenizer share one parse."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # a field we cannot decode is one we do not need
+            continue
+    return reader, meta
+
+
+def open_gguf(path: str) -> tuple[Any, dict[str, Any]]:
+    return _open(os.path.abspath(path), os.stat(path).st_mtime_ns)
+
+
+def clear_gguf_cache() -> None:
+    _open.cache_clear()
+
+
+def read_gguf_metadata(path: str) -> dict[str, Any]:
+    """All metadata key/values of a GGUF file as python values (do not mutate: it is cached)."""
+    return open_gguf(path)[1]
+
+
+def load_gguf(
+    path: str, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and HF-named, dequantized state dict of a GGUF file."""
+    from gguf import quants
+    from tqdm import tqdm
+
+    reader, meta = open_gguf(path)
+    config = ModelConfig.from_gguf_metadata(meta)
+    state: dict[str, torch.Tensor] = {}
+    names = [t.name for t in reader.tensors]
+    unknown = [n for n in names if n not in _SPECIAL and not _is_known(n)]
+    if unknown:
+        raise ValueError(f"{path}: GGUF tensors this loader cannot map: {unknown[:8]}")
+    permute = config.arch == "llama"  # convert_hf_to_gguf permutes q/k for LlamaModel only
+    for t in tqdm(reader.tensors, desc="loading gguf", unit="tensor", file=sys.stderr, disable=not progress):
+        arr = quants.dequantize(t.data, t.tensor_type)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # ne order -> torch order
+        arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+        if not arr.flags.writeable:  # F32 tensors come back as views of the read-only memmap
+            arr = arr.copy()
+        tensor = torch.from_numpy(arr)
+        if t.name in _SPECIAL:
+            config.rope_freq_factors = [float(x) for x in tensor.reshape(-1).tolist()]
+            continue
+        name = gguf_to_hf_name(t.name)
+        if permute and (".q_proj." in name or ".k_proj." in name):
+            n_head = config.num_heads if ".q_proj." in name else config.num_kv_heads
+            tensor = unpermute_qk(tensor, n_head)
+        state[name] = tensor.to(dtype)
+    config.tie_word_embeddings = "lm_head.weight" not in state
+    config.attention_bias = "model.layers.0.self_attn.q_proj.bias" in state
+    config.qk_norm = "model.layers.0.self_attn.q_norm.weight" in state
+    emb = state.get("model.embed_tokens.weight")
+    if emb is not None and emb.shape[0] != config.vocab_size:
+        config.vocab_size = int(emb.shape[0])
+    return config, state
+
+
+def _is_known(name: str) -> bool:
+    try:
+        gguf_to_hf_name(name)
+    except KeyError:
+        return False
+    return True

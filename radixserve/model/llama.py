@@ -1,0 +1,351 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain PyTorch, over a paged KV pool.
+
+The state dict stays in Hugging Face naming (``model.layers.N.self_attn.q_proj.weight``...), which is
+what the loaders produce and what the parity tests feed to transformers; at build time q/k/v are
+fused into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (fewer, larger GEMMs).
+
+``forward`` consumes a ``ForwardBatch`` (flat new tokens of all requests) and returns the logits of
+each request's last new token only: the LM head never runs on the other positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.mem.forward_batch import ForwardBatch
+from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
+from radixserve.model.attention import AttentionBackend, create_attention_backend
+from radixserve.model.config import ModelConfig
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` with ``W: [out, in]`` contiguous, as ``F.linear`` (MKL sgemm) wants it.
+
+    ``pack()`` switches to oneDNN's pre-packed weight layout when the build has it (fp32 only: that
+    is ~1.3-2x faster for the LM head and for small batches on AVX2 CPUs); ``F.linear`` otherwise.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+        self._packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def pack(self, batch_hint: int = 64) -> bool:
+        """Pre-pack the weight for oneDNN; returns whether it did (and checked the result)."""
+        if self.weight.dtype != torch.float32 or not _mkldnn_linear_available():
+            return False
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
+            x = torch.randn(3, self.in_features, dtype=self.weight.dtype)
+            want = F.linear(x, self.weight, self.bias)
+            got = torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + 1e-6):
+                return False
+        except (RuntimeError, AttributeError):
+            return False
+        self._packed = packed
+        return True
+
+    def unpack(self) -> None:
+        if self.weight.numel() == 0:
+            raise RuntimeError("this linear's plain weight was dropped after packing")
+        self._packed = None
+
+    def drop_plain_weight(self) -> None:
+        """Free the ``[out, in]`` weight once packed (the packed copy is all forward uses)."""
+        if self._packed is not None:
+            self.weight = _param(0, dtype=self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, packed={self._packed is not None}"
+
+
+_MKLDNN_OK: bool | None = None
+
+
+def _mkldnn_linear_available() -> bool:
+    global _MKLDNN_OK
+    if _MKLDNN_OK is None:
+        _MKLDNN_OK = bool(
+            torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        )
+    return _MKLDNN_OK
+
+
+class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm: normalize in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies exactly as transformers computes them (float32), plus scaling."""
+    import math
+
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_freq_factors is not None:
+        inv = inv / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    sc = config.rope_scaling
+    kind = (sc or {}).get("rope_type", (sc or {}).get("type", "default"))
+    if not sc or kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(sc["factor"])
+    if kind == "llama3":
+        factor = float(sc["factor"])
+        low = float(sc.get("low_freq_factor", 1.0))
+        high = float(sc.get("high_freq_factor", 4.0))
+        old_ctx = float(sc.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_eps, dtype) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+        fb: ForwardBatch,
+        kv_pool: KVPool,
+        r2t: ReqToTokenPool,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(T, KVH, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(qkv[:, : self.q_size].view(T, H, D))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(T, KVH, D))
+            qk = torch.cat([q, k], dim=1)
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KVH, D)
+        qk = _apply_rope(qk, cos, sin)  # q and k rotated in one go: [T, H + KVH, D]
+        q, k = qk[:, :H], qk[:, H:]
+        out = backend.forward(q, k, v, self.layer_id, fb, kv_pool, r2t)
+        return self.o_proj(out)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF ``x * cos + rotate_half(x) * sin`` with ``cos/sin: [T, 1, D/2]`` (the halves are equal);
+    same floating-point result, half the elementwise work."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)
+        gate, up = gu[:, : self.intermediate], gu[:, self.intermediate :]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps, dtype)
+        self.self_attn = Attention(config, layer_id, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+        fb: ForwardBatch,
+        kv_pool: KVPool,
+        r2t: ReqToTokenPool,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend, fb, kv_pool, r2t)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        attention_backend: str | AttentionBackend = "torch_native",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens
+        if isinstance(attention_backend, str):
+            attention_backend = create_attention_backend(
+                attention_backend, config.num_heads, config.num_kv_heads, config.head_dim
+            )
+        self.attn_backend = attention_backend
+        # cos/sin per position, computed in float32 as HF does, then cast; only one half is kept.
+        positions = torch.arange(config.max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, rope_inv_freq(config))  # [P, D/2]
+        self.register_buffer("cos_cache", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin().to(dtype), persistent=False)
+
+    # ------------------------------------------------------------------ weights
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        attention_backend: str | AttentionBackend = "torch_native",
+    ) -> LlamaForCausalLM:
+        model = cls(config, dtype, attention_backend)
+        model.load_weights(state_dict)
+        return model.eval()
+
+    @torch.no_grad()
+    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy an HF-named state dict in, fusing q/k/v and gate/up. Every parameter must be set."""
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise KeyError(f"state dict lacks {name}")
+            used.add(name)
+            return sd[name]
+
+        self.embed_tokens.copy_(take("model.embed_tokens.weight"))
+        self.norm.weight.copy_(take("model.norm.weight"))
+        if not self.config.tie_word_embeddings:
+            self.lm_head.weight.copy_(take("lm_head.weight"))
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p = f"model.layers.{i}."
+            a = layer.self_attn
+            a.qkv_proj.weight.copy_(
+                torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")], dim=0)
+            )
+            if a.qkv_proj.bias is not None:
+                a.qkv_proj.bias.copy_(
+                    torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
+                )
+            a.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+            if a.q_norm is not None and a.k_norm is not None:
+                a.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
+                a.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
+            layer.mlp.gate_up_proj.weight.copy_(
+                torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
+            )
+            layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+            layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+        unused = [
+            k for k in sd if k not in used and not (k == "lm_head.weight" and self.config.tie_word_embeddings)
+        ]
+        if unused:
+            raise ValueError(f"state dict has tensors this model does not use: {unused[:8]}")
+
+    def pack_linears(self, batch_hint: int = 64, drop_plain_weights: bool = False) -> int:
+        """Pre-pack every linear for oneDNN where possible; returns how many were packed.
+
+        ``drop_plain_weights`` frees the unpacked copies (not the tied embedding), halving weight
+        memory; ``state_dict()`` then no longer holds those weights."""
+        n = 0
+        for m in self.modules():
+            if isinstance(m, Linear) and m.pack(batch_hint):
+                n += 1
+                if drop_plain_weights and m.weight is not self.embed_tokens:
+                    m.drop_plain_weight()
+        return n
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self, forward_batch: ForwardBatch, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool
+    ) -> torch.Tensor:
+        """Logits ``[B, vocab]`` (model dtype) of each request's last new token."""
+        hidden = self.forward_hidden(forward_batch, kv_pool, req_to_token_pool)
+        return self.compute_logits(hidden, forward_batch)
+
+    def forward_hidden(
+        self, forward_batch: ForwardBatch, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of every new token, before the final norm."""
+        fb = forward_batch
+        backend = self.attn_backend
+        backend.init_forward_metadata(fb, req_to_token_pool)
+        positions = fb.positions
+        cos = self.cos_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
+        h = F.embedding(fb.input_ids, self.embed_tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin, backend, fb, kv_pool, req_to_token_pool)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        if forward_batch.is_decode_only:
+            last = hidden
+        else:
+            ends, s = [], 0
+            for n in forward_batch.extend_seq_lens:
+                s += n
+                ends.append(s - 1)
+            last = hidden.index_select(0, torch.tensor(ends, dtype=torch.int64))
+        return self.lm_head(self.norm(last))

