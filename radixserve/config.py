@@ -12,7 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "sjf", "edf", "vtc")
+RADIX_EVICTION_POLICIES = ("lru", "lfu", "queue-aware")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, group: str = "engine") -> Any:
@@ -41,10 +42,13 @@ class ServerArgs:
     )
     page_size: int = _opt(1, "Tokens per KV page; the radix cache matches whole pages only.", group="memory")
     disable_radix_cache: bool = _opt(False, "Use a ChunkCache that shares nothing instead of the RadixCache.", group="memory")
-    radix_eviction_policy: str = _opt("lru", "Order in which unlocked radix leaves are evicted.", ("lru", "lfu"), group="memory")
+    radix_eviction_policy: str = _opt("lru", "Order in which unlocked radix leaves are evicted; queue-aware: leaves no waiting request "
+        "is about to reuse first, then LRU.", RADIX_EVICTION_POLICIES, group="memory")
 
     # --- scheduling --------------------------------------------------------------------------
-    schedule_policy: str = _opt("fcfs", "Order of the waiting queue.", SCHEDULE_POLICIES)
+    schedule_policy: str = _opt(
+        "fcfs", f"Order of the waiting queue: one of {', '.join(SCHEDULE_POLICIES)}, a policy registered by "
+        "--policy-plugin, or module.path:ClassName (docs/scheduling.md).")
     max_running_requests: int | None = _opt(None, "Most requests in the running batch (default: from pool sizes).")
     max_queued_requests: int | None = _opt(None, "Most requests waiting; past it new requests are rejected (429).")
     max_prefill_tokens: int = _opt(16384, "Most new prompt tokens in one prefill batch (rem_input_tokens).")
@@ -96,6 +100,37 @@ class ServerArgs:
     max_num_seqs: int = _opt(256, "--scheduler unified: most requests running at once.")
     long_prefill_token_threshold: int = _opt(
         0, "--scheduler unified: most prompt tokens of one request per step (0: no cap but the budget).")
+
+    # --- aging, short-first, deadlines, tenant fairness, thrash-free preemption, plugins (issue #5;
+    # docs/scheduling.md). Defaults keep the issue-#4 behaviour.
+    priority_aging_rate: float = _opt(
+        0.0, "Priority units a waiting request gains per second of wait (any policy; 0: off).")
+    priority_aging_horizon: float | None = _opt(
+        None, "Seconds of wait after which a request goes ahead of the policy's order, oldest first.")
+    sjf_output_weight: float = _opt(
+        1.0, "sjf: job size = uncached prompt tokens + min(max_new_tokens, --clip-max-new-tokens) * this.")
+    deadline_admission: bool = _opt(
+        False, "Refuse (429, code deadline_unmeetable) a request whose TTFT deadline cannot be met given "
+        "the queue ahead of it in deadline order.")
+    deadline_prefill_tokens_per_s: float = _opt(
+        4000.0, "Initial prefill throughput estimate (tokens/s) for --deadline-admission; then an EMA of "
+        "measured prefill steps.")
+    tenant_weights: str | None = _opt(
+        None, "vtc: tenant weights, 'a=2,b=1' (unlisted tenants: 1).")
+    vtc_input_weight: float = _opt(1.0, "vtc: counter charge per input token (w_p).")
+    vtc_output_weight: float = _opt(2.0, "vtc: counter charge per output token (w_q).")
+    max_preemptions_per_request: int = _opt(
+        3, "A request is preempted or retracted at most this many times; then it is no victim (unless "
+        "retraction has no other choice).")
+    retract_victim_policy: str = _opt(
+        "sglang", "Victim order of decode retraction: sglang (fewest outputs first) or min-recompute "
+        "(least tokens to recompute first; returned victims go first in their class).",
+        ("sglang", "min-recompute"))
+    policy_plugin: str | None = _opt(
+        None, "Python file(s), comma-separated, imported at start; their @register_policy classes become "
+        "--schedule-policy names.")
+    starvation_threshold: float = _opt(
+        30.0, "Seconds of queueing past which a request counts as starved (metric).")
 
     # --- server (HTTP process, TokenizerManager, scheduler/detokenizer processes; issue #3) ----
     # Flag names follow SGLang's (--host, --port, --api-key, --enable-metrics, ...).
@@ -164,6 +199,27 @@ class ServerArgs:
         if self.scheduler == "sglang" and self.scheduling_policy != "fcfs":
             errors.append("--scheduling-policy is the unified scheduler's (vLLM's); with --scheduler sglang "
                           "use --enable-priority-scheduling")
+        # issue #5
+        if self.schedule_policy not in SCHEDULE_POLICIES and not self.policy_plugin and ":" not in self.schedule_policy:
+            errors.append(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, a --policy-plugin "
+                          f"policy or module.path:ClassName; got {self.schedule_policy!r}")
+        for name in ("priority_aging_rate", "sjf_output_weight", "vtc_input_weight", "vtc_output_weight"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or v < 0:
+                errors.append(f"{name} must be a number >= 0, got {v!r}")
+        if self.priority_aging_horizon is not None and not self.priority_aging_horizon > 0:
+            errors.append(f"priority_aging_horizon must be > 0 seconds, got {self.priority_aging_horizon!r}")
+        if not self.deadline_prefill_tokens_per_s > 0:
+            errors.append("deadline_prefill_tokens_per_s must be > 0")
+        if not isinstance(self.max_preemptions_per_request, int) or self.max_preemptions_per_request < 0:
+            errors.append("max_preemptions_per_request must be an integer >= 0")
+        if not self.starvation_threshold > 0:
+            errors.append("starvation_threshold must be > 0 seconds")
+        if self.tenant_weights is not None:
+            try:
+                parse_tenant_weights(self.tenant_weights)
+            except ValueError as e:
+                errors.append(str(e))
         if errors:
             raise ValueError("invalid server arguments: " + "; ".join(errors))
 
@@ -205,6 +261,23 @@ class ServerArgs:
             if v is not None:
                 kwargs[f.name] = v
         return cls(**kwargs)
+
+
+def parse_tenant_weights(spec: str | None) -> dict[str, float]:
+    """'a=2,b=1' -> {'a': 2.0, 'b': 1.0}; weights must be > 0."""
+    out: dict[str, float] = {}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, w = part.partition("=")
+        try:
+            weight = float(w)
+        except ValueError:
+            weight = -1.0
+        if not sep or not name.strip() or not weight > 0:
+            raise ValueError(f"tenant_weights: expected 'tenant=weight' with weight > 0, got {part.strip()!r}")
+        out[name.strip()] = weight
+    return out
 
 
 def _base_type(hint: Any) -> type:

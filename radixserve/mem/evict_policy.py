@@ -24,7 +24,20 @@ class LFUStrategy:
         return (node.hit_count, node.last_access_time)
 
 
-EVICTION_STRATEGIES: dict[str, type] = {"lru": LRUStrategy, "lfu": LFUStrategy}
+class QueueAwareStrategy:
+    """Leaves no waiting request is about to reuse first (LRU among them), then the wanted ones (LRU).
+
+    ``wanted`` holds the ids of the nodes on the cached paths of the waiting requests; the scheduler
+    refreshes it before each prefill round (``radixserve.sched.queue_aware.mark_wanted``)."""
+
+    def __init__(self) -> None:
+        self.wanted: set[int] = set()
+
+    def priority(self, node: Any) -> Any:
+        return (node.id in self.wanted, node.last_access_time)
+
+
+EVICTION_STRATEGIES: dict[str, type] = {"lru": LRUStrategy, "lfu": LFUStrategy, "queue-aware": QueueAwareStrategy}
 
 
 def get_eviction_strategy(name: str) -> EvictionStrategy:

@@ -37,6 +37,7 @@ from radixserve.config import ServerArgs
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.prefill_adder import AddReqResult, PrefillAdder
 from radixserve.sched.req import Req
+from radixserve.sched.thrash import may_be_victim, preemption_key
 
 if TYPE_CHECKING:
     from radixserve.sched.scheduler import Scheduler
@@ -165,9 +166,10 @@ def preempt_for(sched: Scheduler, req: Req, adder: PrefillAdder, victims: list[R
         return False
     rank = s.rank
     mine = rank(req)
-    cands = sorted(
-        (r for r in running if rank(r) - mine > s.preemption_threshold and r.to_abort is None),
-        key=lambda r: (-rank(r), -r.arrival_time),
+    cands = sorted(  # thrash.py: the per-request cap, then the victim order
+        (r for r in running if rank(r) - mine > s.preemption_threshold and r.to_abort is None
+         and may_be_victim(sched, r)),
+        key=lambda r: preemption_key(sched, r),
     )
     ratio, clip = adder.new_token_ratio, adder.clip
     need_tokens = req.extend_input_len + min(req.remaining_new_tokens, clip) - adder.rem_total_tokens + 1

@@ -19,13 +19,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.config import ServerArgs
 from radixserve.mem.forward_batch import ForwardOutput, Runner
+from radixserve.sched.deadline import check_deadline
+from radixserve.sched.extensions import SchedExtensions
 from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, BaseFinishReason
 from radixserve.sched.io import ReqOutput
 from radixserve.sched.kv_manager import KVManager
-from radixserve.sched.policy import PolicyContext, get_policy
+from radixserve.sched.plugins import make_policy, set_schedule_policy
+from radixserve.sched.policy import PolicyContext
 from radixserve.sched.prefill_adder import AddReqResult, PrefillAdder
 from radixserve.sched.priority import (
     PrioritySettings,
@@ -38,6 +42,7 @@ from radixserve.sched.priority import (
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import InvalidRequest
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
+from radixserve.sched.thrash import retract_order
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +60,8 @@ class SchedulerStats:
     num_aborted: int = 0
     num_finished: int = 0
     num_preemptions: int = 0  # running requests preempted by more important ones (priority.py)
+    num_starved: int = 0  # first admitted after more than --starvation-threshold s of queueing (aging.py)
+    num_deadline_rejected: int = 0  # refused by --deadline-admission (deadline.py)
     # (mode name, batch size, tokens, wall seconds) of recent forwards, for benchmarks and logs
     step_log: deque[tuple[str, int, int, float]] = field(default_factory=lambda: deque(maxlen=20000))
 
@@ -85,7 +92,8 @@ class Scheduler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.detokenize = detokenize
         self.clock = clock
-        self.policy = get_policy(args.schedule_policy)
+        self.policy = make_policy(args)  # plugins.py: a registered name or module:Class
+        self.ext = SchedExtensions(self)  # issue-#5 hooks (extensions.py)
         self.prio = PrioritySettings.from_args(args)  # priority.py
         self.rng = random.Random(args.random_seed)
 
@@ -152,7 +160,7 @@ class Scheduler:
                 code="context_length_exceeded", param="max_tokens",
             )
         # priority checks, then the queue cap (which may evict a less important queued request)
-        return check_priority(self, req) or check_queue_cap(self, req)
+        return check_priority(self, req) or check_deadline(self, req) or check_queue_cap(self, req)
 
     def abort_request(self, rid: str, message: str = "aborted by the client", status_code: int = 499) -> bool:
         req = self.reqs.get(rid)
@@ -180,6 +188,7 @@ class Scheduler:
             out = self.run_batch(batch)
             if out is not None:
                 self.process_batch_result(batch, out)
+                self.ext.on_batch(batch)
         elif not self._idle_checked and not self.has_work():
             self.on_idle()
         self.last_batch = batch
@@ -260,7 +269,7 @@ class Scheduler:
             self.chunked_req = adder.add_chunked_req(chunked)
 
         if self.waiting_queue:
-            self.waiting_queue = self.policy.order(self.waiting_queue, self.policy_context())
+            self.waiting_queue = self.ext.order(self.waiting_queue)  # the policy, then aging
         max_new_reqs = self.args.prefill_max_requests
         victims: list[Req] = []  # running requests preempted by more important ones (priority.py)
         for req in self.waiting_queue:
@@ -297,6 +306,7 @@ class Scheduler:
                     req.admitted_before = True
                     req.cached_tokens = len(req.prefix_indices)
                     req.first_scheduled_time = now
+                    self.ext.on_first_admission(req, now)
                     self.stats.prompt_tokens += req.prompt_len
                     self.stats.cached_tokens += req.cached_tokens
             batch.prefix_lens.append(req.num_computed_tokens)
@@ -327,7 +337,7 @@ class Scheduler:
         ``retract_decode_steps`` more steps. Victims as SGLang picks them: fewest output tokens
         first, the longest prompt among equals. Their computed KV goes to the radix cache, so
         the recompute is mostly a cache hit if it survives."""
-        reqs = sorted(batch.reqs, key=lambda r: (len(r.output_ids), -r.prompt_len), reverse=True)
+        reqs = retract_order(self, batch.reqs)  # thrash.py: the cap, --retract-victim-policy
         retracted: list[Req] = []
         steps = max(self.args.retract_decode_steps, 1)
         first = True
@@ -457,6 +467,10 @@ class Scheduler:
         self._emit(req)
 
     # --- admin ---------------------------------------------------------------------------------
+    def set_schedule_policy(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Switch the policy and/or its parameters between steps, keeping every request (plugins.py)."""
+        return set_schedule_policy(self, params)
+
     def flush_cache(self) -> bool:
         """Drop every cached prefix; only when idle (as SGLang)."""
         if self.has_work():

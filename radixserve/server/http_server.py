@@ -38,6 +38,7 @@ from radixserve.server.common import (
 from radixserve.server.io_struct import GenerateReq
 from radixserve.server.openai_api import OpenAIServing
 from radixserve.server.protocol import AbortRequest, APIError, GenerateRequest, parse_body
+from radixserve.server.sched_fields import sched_fields
 from radixserve.server.tokenizer_manager import ClientGone, ReqState, ServerDead, TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -219,6 +220,21 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
             tm.abort(r)
         return {"success": bool(found), "aborted": found}
 
+    @app.post("/set_schedule_policy")
+    async def set_schedule_policy(request: Request) -> Response:
+        """Switch the scheduling policy and/or its parameters live (docs/scheduling.md)."""
+        raw = await request.body()
+        try:
+            params = json.loads(raw) if raw.strip() else None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(f"malformed JSON body: {e}", code="invalid_json") from None
+        if not isinstance(params, dict) or not params:
+            raise APIError('the body must be a JSON object such as {"schedule_policy": "lpm"}', code="invalid_json")
+        out = await tm.control("set_schedule_policy", params)
+        if not out.get("success"):
+            raise APIError(str(out.get("message") or out.get("error")), code="invalid_schedule_policy")
+        return JSONResponse(out)
+
     @app.get("/get_load")
     async def get_load() -> list[dict[str, Any]]:
         return [await tm.control("get_load")]
@@ -266,6 +282,7 @@ async def _native_generate(tm: TokenizerManager, request: Request, body: Generat
     if body.stream and not single:
         raise APIError("streaming takes a single prompt", param="stream")
     reqs = []
+    fields = sched_fields(request, body, openai=False)  # (tenant, deadline_ms)
     for ids, sp, rid in zip(prompts, sps, rids, strict=True):
         check_prompt(tm, ids, param)
         sp = dict(sp)
@@ -273,7 +290,7 @@ async def _native_generate(tm: TokenizerManager, request: Request, body: Generat
             sp.setdefault("logprobs", True)
             sp.setdefault("top_logprobs_num", body.top_logprobs_num)
         check_sampling_params(sp, tm.info.get("vocab_size"), openai=False)
-        reqs.append(GenerateReq(rid, ids, sp, body.priority))
+        reqs.append(GenerateReq(rid, ids, sp, body.priority, *fields))
     call = Call(tm, request, abort_is_error=False)
     await call.open(reqs)
     if body.stream:

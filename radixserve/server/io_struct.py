@@ -62,6 +62,8 @@ class GenerateReq(msgspec.Struct, tag=True):
     input_ids: list[int]
     sampling_params: dict[str, Any]
     priority: int | None = None
+    tenant: str | None = None  # vtc fairness (issue #5)
+    deadline_ms: float | None = None  # TTFT deadline relative to arrival at the scheduler (edf)
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -69,10 +71,12 @@ class AbortReq(msgspec.Struct, tag=True):
 
 
 class ControlReq(msgspec.Struct, tag=True):
-    """``op``: flush_cache, get_load, memory. Answered by a ``ControlReply`` with the same id."""
+    """``op``: flush_cache, get_load, memory, set_schedule_policy (with ``params``). Answered by a
+    ``ControlReply`` with the same id."""
 
     req_id: int
     op: str
+    params: dict[str, Any] | None = None
 
 
 # --- scheduler -> detokenizer ----------------------------------------------------------------------
@@ -135,6 +139,9 @@ class SchedulerStats(msgspec.Struct, tag=True):
     generated_tokens: int
     num_retractions: int
     forward_steps: int
+    num_preemptions: int = 0  # issue #5: priority preemptions, starved requests, deadline refusals
+    num_starved: int = 0
+    num_deadline_rejected: int = 0
 
 
 class ProcReady(msgspec.Struct, tag=True):

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from radixserve.server.tokenizer_manager import ReqState
 
 PREFIX = "radixserve:"
+MAX_TENANT_LABELS = 100
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
@@ -56,6 +57,21 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
         self.queue_time = hist("queue_time_seconds", "Time in the waiting queue before first scheduled.",
                                _LATENCY_BUCKETS)
+        # issue #5: per-class latency (labels priority and tenant; at most MAX_TENANT_LABELS tenants
+        # get their own label, the rest share "other"), preemption / starvation / deadline counters
+        cls_names = [*names, "priority", "tenant"]
+        self.queue_time_by_class = Histogram(
+            PREFIX + "queue_time_by_class_seconds", "Queue time by priority and tenant.", cls_names,
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft_by_class = Histogram(
+            PREFIX + "time_to_first_token_by_class_seconds", "Time to first token by priority and tenant.",
+            cls_names, buckets=_LATENCY_BUCKETS, registry=r)
+        self.num_preemptions = counter("num_preempted_reqs", "Running requests preempted by more important ones.")
+        self.num_starved = counter(
+            "num_starved_reqs", "Requests first scheduled after more than --starvation-threshold s of queueing.")
+        self.num_deadline_rejected = counter(
+            "num_deadline_rejected_reqs", "Requests refused by --deadline-admission (deadline_unmeetable).")
+        self._tenants: set[str] = set()
         self._last: SchedulerStats | None = None
 
     def on_scheduler_stats(self, s: SchedulerStats) -> None:
@@ -68,7 +84,9 @@ class ServerMetrics:
         self.gen_throughput.labels(**lb).set(s.gen_throughput)
         prev = self._last
         for counter, attr in ((self.prompt_tokens, "prompt_tokens"), (self.cached_tokens, "cached_tokens"),
-                              (self.generation_tokens, "generated_tokens"), (self.num_retractions, "num_retractions")):
+                              (self.generation_tokens, "generated_tokens"), (self.num_retractions, "num_retractions"),
+                              (self.num_preemptions, "num_preemptions"), (self.num_starved, "num_starved"),
+                              (self.num_deadline_rejected, "num_deadline_rejected")):
             delta = getattr(s, attr) - (getattr(prev, attr) if prev is not None else 0)
             if delta > 0:
                 counter.labels(**lb).inc(delta)
@@ -81,12 +99,24 @@ class ServerMetrics:
         self.queue_time.labels(**lb).observe(last.queue_time)
         if last.finished_reason is not None and last.finished_reason.is_abort:
             self.num_aborted.labels(**lb).inc()
+        cls = {**lb, "priority": "" if st.priority is None else str(st.priority), "tenant": self._tenant(st.tenant)}
+        self.queue_time_by_class.labels(**cls).observe(last.queue_time)
         ttft = st.ttft
         if ttft is not None:
+            self.ttft_by_class.labels(**cls).observe(ttft)
             self.ttft.labels(**lb).observe(ttft)
             n = last.completion_tokens
             if n > 1:
                 self.tpot.labels(**lb).observe((e2e - ttft) / (n - 1))
+
+    def _tenant(self, tenant: str | None) -> str:
+        t = tenant or ""
+        if t in self._tenants:
+            return t
+        if len(self._tenants) < MAX_TENANT_LABELS:
+            self._tenants.add(t)
+            return t
+        return "other"
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -29,6 +29,7 @@ from radixserve.server.common import (
 )
 from radixserve.server.io_struct import GenerateReq, StrOut
 from radixserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from radixserve.server.sched_fields import sched_fields
 from radixserve.server.tokenizer_manager import ClientGone, ReqState, TokenizerManager
 
 
@@ -47,6 +48,7 @@ class OpenAIServing:
     def _make_reqs(
         self, prompts: list[list[int]], body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
         logprobs: bool, top_logprobs: int, prompt_param: str,
+        fields: tuple[str | None, float | None] = (None, None),  # (tenant, deadline_ms): sched_fields.py
     ) -> list[GenerateReq]:
         base = uuid.uuid4().hex
         reqs = []
@@ -58,7 +60,7 @@ class OpenAIServing:
                 spi = dict(sp)
                 if sp["seed"] is not None:
                     spi["seed"] = sp["seed"] + i
-                reqs.append(GenerateReq(f"{base}-{p}-{i}", ids, spi, body.priority))
+                reqs.append(GenerateReq(f"{base}-{p}-{i}", ids, spi, body.priority, *fields))
         return reqs
 
     def _token_str(self, tid: int) -> str:
@@ -78,7 +80,8 @@ class OpenAIServing:
         if top and not body.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        reqs = self._make_reqs([ids], body, max_tokens, body.logprobs, top, "messages")
+        reqs = self._make_reqs([ids], body, max_tokens, body.logprobs, top, "messages",
+                               sched_fields(request, body, openai=True))
         call = Call(self.tm, request)
         await call.open(reqs)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -177,7 +180,8 @@ class OpenAIServing:
         if not prompts:
             raise APIError("the prompt is empty", param="prompt")
         nlp = body.logprobs
-        reqs = self._make_reqs(prompts, body, body.max_tokens, nlp is not None, nlp or 0, "prompt")
+        reqs = self._make_reqs(prompts, body, body.max_tokens, nlp is not None, nlp or 0, "prompt",
+                               sched_fields(request, body, openai=True))
         echo = [(t if t is not None else self.tokenizer.decode(ids)) if body.echo else ""
                 for t, ids in zip(texts, prompts, strict=True)]
         call = Call(self.tm, request)

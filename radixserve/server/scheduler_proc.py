@@ -164,7 +164,7 @@ class SchedulerServer:
                 # flush or a memory check sees every request that arrived before it.
                 self._add_items(items)
                 items = []
-                self.to_tm.send(ENCODER.encode(ControlReply(msg.req_id, self._control(msg.op))))
+                self.to_tm.send(ENCODER.encode(ControlReply(msg.req_id, self._control(msg.op, msg.params))))
         return items
 
     def send(self, outs: list[ReqOutput]) -> None:
@@ -180,8 +180,13 @@ class SchedulerServer:
             self.to_detok.send(ENCODER.encode(BatchTokenOut([out])))
             return None
         self.pending_meta[msg.rid] = (list(params.stop), params.skip_special_tokens)
-        return Req(msg.rid, msg.input_ids, params, arrival_time=self.sched.clock(), priority=msg.priority,
-                   eos_token_ids=self.eos_token_ids)
+        now = self.sched.clock()
+        req = Req(msg.rid, msg.input_ids, params, arrival_time=now, priority=msg.priority,
+                  eos_token_ids=self.eos_token_ids)
+        req.tenant = msg.tenant
+        if msg.deadline_ms is not None:
+            req.deadline = now + msg.deadline_ms / 1000.0
+        return req
 
     def _add_items(self, items: list[Req | tuple[str, str]]) -> None:
         for item in items:
@@ -213,7 +218,9 @@ class SchedulerServer:
         )
 
     # --- control ---------------------------------------------------------------------------------
-    def _control(self, op: str) -> dict[str, Any]:
+    def _control(self, op: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        if op == "set_schedule_policy":  # between steps: the queue and running batch stay
+            return self.sched.set_schedule_policy(dict(params or {}))
         if op == "flush_cache":
             return {"success": self.sched.flush_cache()}
         if op == "get_load":
@@ -306,4 +313,7 @@ class SchedulerServer:
             generated_tokens=st.generated_tokens,
             num_retractions=st.num_retractions,
             forward_steps=st.forward_steps,
+            num_preemptions=st.num_preemptions,
+            num_starved=st.num_starved,
+            num_deadline_rejected=st.num_deadline_rejected,
         )

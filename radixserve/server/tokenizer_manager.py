@@ -70,6 +70,8 @@ class ReqState:
     last: StrOut | None = None
     first_token_time: float | None = None
     finished: bool = False
+    priority: int | None = None  # per-class metrics (issue #5)
+    tenant: str | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -83,7 +85,7 @@ class RequestGroup:
         self.tm = tm
         now = time.perf_counter()
         self.reqs = reqs
-        self.states = [ReqState(r.rid, i, now) for i, r in enumerate(reqs)]
+        self.states = [ReqState(r.rid, i, now, priority=r.priority, tenant=r.tenant) for i, r in enumerate(reqs)]
         self.by_rid = {s.rid: s for s in self.states}
         self.queue: asyncio.Queue[tuple[ReqState, StrOut] | BaseException] = asyncio.Queue()
         self.closed = False
@@ -218,13 +220,13 @@ class TokenizerManager:
             return
         self.to_scheduler.send(ENCODER.encode(AbortReq(rid)))
 
-    async def control(self, op: str) -> dict[str, Any]:
+    async def control(self, op: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.dead:
             raise ServerDead(self.dead)
         req_id = next(self._control_ids)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.control_futures[req_id] = fut
-        await self.to_scheduler.send(ENCODER.encode(ControlReq(req_id, op)))
+        await self.to_scheduler.send(ENCODER.encode(ControlReq(req_id, op, params)))
         try:
             return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
         finally:

@@ -41,6 +41,14 @@ def test_api_key(server: ServerProcess) -> None:
     assert r2.usage is not None and r2.usage.completion_tokens <= 2
 
 
+def test_set_schedule_policy_needs_api_key(server: ServerProcess) -> None:
+    body = {"schedule_policy": "fcfs"}
+    r = httpx.post(f"{server.url}/set_schedule_policy", json=body)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(f"{server.url}/set_schedule_policy", json=body, headers=server.headers)
+    assert r.status_code == 200 and r.json()["success"] is True
+
+
 def test_max_queued_requests(server: ServerProcess) -> None:
     """20 requests at once against 2 running + 2 queued: each completes or gets 429 with
     Retry-After; none that was accepted is dropped; the server stays healthy."""
@@ -103,3 +111,4 @@ def test_scheduler_death_fails_health_and_exits_nonzero(server: ServerProcess) -
     assert code != 0
     time.sleep(0.5)
     assert not pid_alive(detok), "the detokenizer outlived the server"
+

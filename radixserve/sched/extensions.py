@@ -1,0 +1,41 @@
+"""The issue-#5 hooks the scheduler calls (docs/scheduling.md): ordering with aging and queue-aware
+marking, per-step observation (prefill throughput for deadline admission, the policy's
+``on_batch``), first-admission accounting."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import radixserve.sched.fairness
+import radixserve.sched.sjf  # noqa: F401 (registers sjf; fairness registers vtc, deadline edf)
+from radixserve.sched.aging import note_first_admission, order_with_aging
+from radixserve.sched.deadline import PrefillThroughput
+from radixserve.sched.queue_aware import mark_wanted
+from radixserve.sched.req import Req
+
+if TYPE_CHECKING:
+    from radixserve.sched.schedule_batch import ScheduleBatch
+    from radixserve.sched.scheduler import Scheduler
+
+
+class SchedExtensions:
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.throughput = PrefillThroughput(sched.args.deadline_prefill_tokens_per_s)
+
+    def order(self, waiting: list[Req]) -> list[Req]:
+        sched = self.sched
+        ctx = sched.policy_context()
+        out = order_with_aging(sched, sched.policy.order(waiting, ctx), ctx.now)
+        mark_wanted(sched)
+        return out
+
+    def on_batch(self, batch: ScheduleBatch) -> None:
+        sched = self.sched
+        self.throughput.observe(batch, sched)
+        hook = getattr(sched.policy, "on_batch", None)
+        if hook is not None:
+            hook(batch, sched)
+
+    def on_first_admission(self, req: Req, now: float) -> None:
+        note_first_admission(self.sched, req, now)

@@ -1,0 +1,66 @@
+"""Thrash-free preemption and retraction: a per-request cap and the victim order.
+
+- ``--max-preemptions-per-request`` (default 3): a request preempted (priority) or retracted
+  (decode out of KV) that many times in total is no longer chosen as a victim. Preemption simply
+  skips it; decode retraction takes it only when no other request is left to retract (the
+  alternative would be running out of KV memory).
+- ``--retract-victim-policy``: ``sglang`` (default) retracts as SGLang does, fewest output tokens
+  first, the longest prompt among equals; ``min-recompute`` retracts the request with the least
+  recompute cost first (SGLang's order among equals), and priority preemption picks, among the
+  least important candidates, the cheapest first.
+
+Recompute cost: a victim's KV goes to the radix cache when it is released, unlocked: under the
+memory pressure that caused the retraction it is the first thing eviction takes, so it is what the
+victim will likely recompute. That is its own KV beyond ``cache_protected_len`` plus the cached
+tokens only it pins (``lock_ref`` 1); a prefix shared with other running requests stays pinned.
+A returned victim keeps its ``queue_entry_time`` and, under ``min-recompute``, goes first in its
+priority class (``aging.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from radixserve.sched.req import Req
+
+if TYPE_CHECKING:
+    from radixserve.sched.scheduler import Scheduler
+
+
+def times_victimized(req: Req) -> int:
+    return req.num_preemptions + req.num_retractions
+
+
+def may_be_victim(sched: Scheduler, req: Req) -> bool:
+    return times_victimized(req) < sched.args.max_preemptions_per_request
+
+
+def recompute_cost(sched: Scheduler, req: Req) -> int:
+    """Tokens that become evictable when ``req`` lets go: its own KV beyond ``cache_protected_len``
+    plus the cached tokens only it pins (radix nodes with ``lock_ref`` 1 on its path). What other
+    running requests share stays pinned and costs nothing to get back."""
+    node: Any = req.last_node
+    root = sched.tree_cache.root
+    exclusive = 0
+    while node is not None and node is not root and getattr(node, "lock_ref", 0) == 1:
+        exclusive += len(node.key)
+        node = node.parent
+    return max(req.num_computed_tokens - req.cache_protected_len, 0) + exclusive
+
+
+def retract_order(sched: Scheduler, reqs: list[Req]) -> list[Req]:
+    """The running requests in retraction order: the *last* is retracted first."""
+    out = sorted(reqs, key=lambda r: (len(r.output_ids), -r.prompt_len), reverse=True)  # SGLang's
+    if sched.args.retract_victim_policy == "min-recompute":
+        out.sort(key=lambda r: recompute_cost(sched, r), reverse=True)  # stable: SGLang's order among equal costs
+    capped = [r for r in out if not may_be_victim(sched, r)]
+    if capped:  # retracted only when nothing else is left
+        out = capped + [r for r in out if may_be_victim(sched, r)]
+    return out
+
+
+def preemption_key(sched: Scheduler, req: Req) -> tuple[int, int, float]:
+    """Sort key of preemption candidates, first victim first: least important, then (min-recompute)
+    cheapest to recompute, then latest arrival."""
+    cost = recompute_cost(sched, req) if sched.args.retract_victim_policy == "min-recompute" else 0
+    return (-sched.prio.rank(req), cost, -req.arrival_time)

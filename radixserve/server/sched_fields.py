@@ -1,0 +1,42 @@
+"""Per-request scheduling fields from HTTP requests (docs/scheduling.md, issue #5).
+
+- tenant (vtc fairness): the ``x-tenant`` header, else the OpenAI ``user`` field / native ``tenant``.
+- TTFT deadline in ms: the ``x-ttft-slo-ms`` header, else the OpenAI ``ttft_slo_ms`` body field /
+  the native ``deadline_ms`` field. The scheduler process turns it into ``Req.deadline`` =
+  arrival (its clock) + ms / 1000.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from starlette.requests import Request
+
+from radixserve.server.protocol import APIError
+
+
+def _ms(value: Any, param: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except (TypeError, ValueError):
+        ms = -1.0
+    if isinstance(value, bool) or not math.isfinite(ms) or ms <= 0:
+        raise APIError(f"{param} must be a positive number of milliseconds, got {value!r}", param=param)
+    return ms
+
+
+def sched_fields(request: Request, body: Any, openai: bool) -> tuple[str | None, float | None]:
+    """(tenant, deadline_ms) of one HTTP request."""
+    extra = getattr(body, "model_extra", None) or {}
+    tenant = request.headers.get("x-tenant") or (getattr(body, "user", None) if openai else extra.get("tenant"))
+    if tenant is not None and not isinstance(tenant, str):
+        raise APIError("tenant must be a string", param="tenant")
+    header = request.headers.get("x-ttft-slo-ms")
+    if header is not None:
+        return tenant, _ms(header, "x-ttft-slo-ms")
+    if openai:
+        return tenant, _ms(extra.get("ttft_slo_ms"), "ttft_slo_ms")
+    return tenant, _ms(extra.get("deadline_ms"), "deadline_ms")
