@@ -1,0 +1,99 @@
+"""``radixserve simulate``'s options (kept free of torch so building the CLI parser stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from radixserve.config import ServerArgs
+from radixserve.sim.cost_model import COST_MODELS
+
+# H100 80 GB, 90% for weights + KV, Llama-2-7B fp16 weights 13.5 GB: the default KV pool
+GPU_MEM_BYTES = 80e9
+GPU_MEM_FRACTION = 0.9
+WEIGHT_BYTES = 13.5e9
+LINEAR_DEFAULT_POOL = 200_000
+
+# ServerArgs fields that mean nothing without a model or a server
+_SKIP_GROUPS = ("model", "server")
+EPILOG = """\
+examples:
+  radixserve simulate --num-requests 2000 --request-rate 40 --workload shared-prefix --compare fcfs,lpm,unified
+  radixserve simulate --priority-classes 0:0.8,10:0.2 --enable-priority-scheduling --plot sim.png
+  radixserve simulate --tenants a:10,b:1 --ttft-slo-ms 500 --output results.json
+  radixserve simulate --trace trace.jsonl --cost-model linear --ms-per-step 8 --ms-per-token 0.05
+
+All latencies are in virtual time (the cost model's GPU); "scheduler overhead" is the real CPU
+(wall) time the scheduler spends per step on this machine, forward excluded. See docs/simulator.md.
+"""
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=1000, help="Requests to generate (ignored with --trace).")
+    w.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random",
+                   help="random: independent prompts; shared-prefix: --num-prefix-groups system prompts of "
+                        "--prefix-len tokens + an own part of --input-len; multi-turn: conversations of --num-turns "
+                        "turns, each turn's prompt = the previous prompt + its answer + --turn-len new tokens.")
+    w.add_argument("--request-rate", type=float, default=10.0,
+                   help="Mean arrivals per second of virtual time (conversations/s for multi-turn); inf: all at t=0.")
+    w.add_argument("--arrival", choices=["poisson", "bursty"], default="poisson",
+                   help="poisson: exponential gaps; bursty: gamma gaps with coefficient of variation --burstiness.")
+    w.add_argument("--burstiness", type=float, default=4.0, help="--arrival bursty: CV of the inter-arrival gaps (1 = Poisson).")
+    w.add_argument("--input-len", type=int, default=512, help="Mean prompt tokens (own part for shared-prefix; first turn for multi-turn).")
+    w.add_argument("--output-len", type=int, default=128,
+                   help="Mean output tokens; each request's length is pre-sampled and the runner emits EOS there.")
+    w.add_argument("--len-dist", choices=["fixed", "uniform", "exponential"], default="uniform",
+                   help="Distribution of input and output lengths around their means.")
+    w.add_argument("--range-ratio", type=float, default=0.5, help="--len-dist uniform: lengths in [mean(1-r), mean(1+r)].")
+    w.add_argument("--num-prefix-groups", type=int, default=8, help="shared-prefix: number of distinct system prompts.")
+    w.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens of each system prompt.")
+    w.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation.")
+    w.add_argument("--turn-len", type=int, default=64, help="multi-turn: mean new user tokens per turn.")
+    w.add_argument("--think-time", type=float, default=5.0, help="multi-turn: mean seconds between a conversation's turns (open loop).")
+    w.add_argument("--priority-classes", default=None, metavar="VALUE:FRACTION,...",
+                   help="Request priority classes, e.g. 0:0.8,10:0.2 (value:fraction); results are reported per class.")
+    w.add_argument("--tenants", default=None, metavar="NAME:RATE,...",
+                   help="Tenants with relative request rates, e.g. a:10,b:1; sets req.tenant; results per tenant.")
+    w.add_argument("--ttft-slo-ms", type=float, default=None,
+                   help="TTFT deadline: sets req.deadline = arrival + this (virtual seconds) and reports SLO attainment.")
+    w.add_argument("--trace", default=None, metavar="FILE.jsonl",
+                   help="Replay a JSONL trace (fields: arrival_time, prompt_len or input_ids, output_len, priority, "
+                        "tenant, deadline_ms, prefix_group, prefix_len) instead of generating a workload.")
+    w.add_argument("--save-trace", default=None, metavar="FILE.jsonl", help="Write the workload as a JSONL trace.")
+    w.add_argument("--seed", type=int, default=0, help="Seed of the workload and of the scheduler's rng.")
+    w.add_argument("--context-length", type=int, default=4096, help="Model context (Llama-2: 4096); sizes ReqToTokenPool.")
+
+    c = p.add_argument_group("cost model")
+    c.add_argument("--cost-model", choices=COST_MODELS, default="h100-llama2-7b",
+                   help="h100-llama2-7b: measured Llama-2-7B operators on an H100 (bundled table) + analytic attention; "
+                        "h100-llama2-7b-shared: the same from ../shared/data/vidur-h100-llama-2-7b/mlp.csv; "
+                        "linear: --ms-per-step + --ms-per-token x tokens + --ms-per-context-token x context.")
+    c.add_argument("--kv-heads", type=int, default=32,
+                   help="h100 model: KV heads for the attention's KV bytes and the default pool (32: Llama-2-7B; 8: GQA like Llama-3-8B).")
+    c.add_argument("--step-overhead-ms", type=float, default=0.5, help="h100 model: fixed time per step (launches, sampling, sync).")
+    c.add_argument("--ms-per-step", type=float, default=10.0, help="linear model: fixed ms per step.")
+    c.add_argument("--ms-per-token", type=float, default=0.1, help="linear model: ms per new (computed) token.")
+    c.add_argument("--ms-per-context-token", type=float, default=0.0, help="linear model: ms per context token read.")
+
+    r = p.add_argument_group("run and output")
+    r.add_argument("--compare", default=None, metavar="RUN,RUN,...",
+                   help="Run several configurations on the same workload and print one table. RUN = a schedule policy "
+                        "(fcfs, lpm, ...), unified, unified-priority or priority, optionally followed by :field=value "
+                        "ServerArgs overrides, e.g. fcfs,lpm:lpm_fallback_threshold=0,unified.")
+    r.add_argument("--output", default=None, metavar="FILE.json", help="Write every run's result dict as JSON.")
+    r.add_argument("--plot", default=None, metavar="FILE.png", help="Plot KV usage over time and TTFT CDFs per class/run.")
+    r.add_argument("--no-progress", action="store_true", help="No tqdm progress bar.")
+    r.add_argument("--profile", default=None, metavar="FILE.prof",
+                   help="cProfile the run(s), write the stats here and print the top 25 functions by own time.")
+    r.add_argument("--max-steps", type=int, default=None,
+                   help="Stop after this many forward steps (a bounded overhead measurement); unfinished requests "
+                        "are left out of the latency results.")
+    r.add_argument("--skip-req-to-token-writes", action="store_true",
+                   help="Use a ReqToTokenPool without its table (only a model reads it): faster at 1,000+ running, "
+                        "but the scheduler overhead then leaves out the per-request table writes.")
+    # every engine option too; a ServerArgs field whose flag a simulator option already owns is left out
+    taken = set(p._option_string_actions)
+    skip = tuple(f.name for f in dataclasses.fields(ServerArgs)
+                 if f.metadata.get("group") in _SKIP_GROUPS or "--" + f.name.replace("_", "-") in taken)
+    ServerArgs.add_cli_args(p, skip=skip)

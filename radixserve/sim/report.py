@@ -1,0 +1,155 @@
+"""Tables and plots of simulation results."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from radixserve.sim.simulator import SimTrace
+
+
+def _f(v: Any, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+COLUMNS = (
+    ("run", lambda r: r["label"]),
+    ("out tok/s", lambda r: _f(r["throughput"]["output_tok_s"], 0)),
+    ("TTFT p50", lambda r: _f(r["ttft_ms"]["p50"])),
+    ("TTFT p99", lambda r: _f(r["ttft_ms"]["p99"])),
+    ("TPOT p50", lambda r: _f(r["tpot_ms"]["p50"], 2)),
+    ("TPOT p99", lambda r: _f(r["tpot_ms"]["p99"], 2)),
+    ("E2E p99", lambda r: _f(r["e2e_ms"]["p99"])),
+    ("queue p99", lambda r: _f(r["queue_ms"]["p99"])),
+    ("max wait s", lambda r: _f(r["max_wait_s"], 2)),
+    ("hit rate", lambda r: _f(r["cache_hit_rate"], 3)),
+    ("retract", lambda r: str(r["retractions"]["total"])),
+    ("preempt", lambda r: str(r["preemptions"]["total"])),
+    ("KV max", lambda r: _f(r["kv_usage"]["max"], 2)),
+    ("sched ms mean", lambda r: _f(r["wall"].get("sched_ms_mean"), 3)),
+    ("sched ms p99", lambda r: _f(r["wall"].get("sched_ms_p99"), 3)),
+)
+
+
+def table(rows: Sequence[list[str]], header: Sequence[str]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+            + " |" for r in rows]
+    return "\n".join([line, sep, *body])
+
+
+def compare_table(results: Sequence[dict[str, Any]]) -> str:
+    """One row per run (latencies in ms of virtual time; sched ms = scheduler CPU wall time per step)."""
+    return table([[f(r) for _, f in COLUMNS] for r in results], [h for h, _ in COLUMNS])
+
+
+def class_table(result: dict[str, Any]) -> str:
+    rows = []
+    for name, c in result.get("per_class", {}).items():
+        rows.append([name, str(c["requests"]), _f(c["output_tok_s"], 0), _f(c["ttft_ms"]["p50"]), _f(c["ttft_ms"]["p90"]),
+                     _f(c["ttft_ms"]["p99"]), _f(c["tpot_ms"]["p50"], 2), _f(c["tpot_ms"]["p99"], 2),
+                     _f(c["e2e_ms"]["p99"]), _f(c["queue_ms"]["p99"]), str(c["retractions"]), str(c["preemptions"]),
+                     _f(c.get("ttft_slo_attainment"), 3)])
+    if not rows:
+        return ""
+    header = ["class", "reqs", "out tok/s", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p99",
+              "queue p99", "retract", "preempt", "SLO met"]
+    return table(rows, header)
+
+
+def summary_text(r: dict[str, Any]) -> str:
+    w = r["wall"]
+    lines = [
+        f"== {r['label']}: {r['completed']} completed, {r['aborted']} aborted, {r['duration_s']:.2f} s virtual "
+        f"(GPU busy {r['gpu_busy_frac']:.0%}), simulated in {w['sim_wall_s']:.1f} s wall",
+        f"throughput: {r['throughput']['output_tok_s']:.0f} output tok/s, {r['throughput']['total_tok_s']:.0f} total tok/s, "
+        f"{r['throughput']['req_s']:.2f} req/s; cache hit rate {r['cache_hit_rate']:.3f}",
+    ]
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E"), ("queue_ms", "queue")):
+        p = r[key]
+        lines.append(f"{name:>6} ms: p50 {_f(p['p50'], 2)}  p90 {_f(p['p90'], 2)}  p99 {_f(p['p99'], 2)}  "
+                     f"max {_f(p['max'], 2)}")
+    lines.append(f"max wait {r['max_wait_s']:.3f} s; retractions {r['retractions']['total']} "
+                 f"({r['retractions']['per_request']:.4f}/req, max {r['retractions']['max_per_request']}); "
+                 f"preemptions {r['preemptions']['total']} ({r['preemptions']['per_request']:.4f}/req)")
+    if "ttft_slo_attainment" in r:
+        lines.append(f"TTFT SLO attainment {r['ttft_slo_attainment']:.3f}")
+    lines.append(f"KV usage mean {r['kv_usage']['mean']:.3f} max {r['kv_usage']['max']:.3f}; "
+                 f"max running {r['max_running']}, max waiting {r['max_waiting']}")
+    if w.get("steps"):
+        line = (f"scheduler overhead (CPU wall per step, forward excluded): mean {w['sched_ms_mean']:.3f} ms, "
+                f"p50 {w['sched_ms_p50']:.3f}, p99 {w['sched_ms_p99']:.3f}, max {w['sched_ms_max']:.3f} "
+                f"over {w['steps']} steps")
+        al = w.get("at_load", {})
+        if al.get("steps"):
+            line += (f"; at >= {al['running>=']} running + >= {al['waiting>=']} waiting: mean "
+                     f"{al['sched_ms_mean']:.3f} ms, p99 {al['sched_ms_p99']:.3f} ({al['steps']} steps)")
+        lines.append(line)
+    ct = class_table(r)
+    if ct:
+        lines.append(ct)
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[dict[str, Any]], traces: Sequence[SimTrace], path: str) -> None:
+    """KV usage (and running/waiting) over virtual time, and TTFT CDFs (per class for one run,
+    per run when comparing)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for res in results:
+        tl = res["kv_timeline"]
+        if tl:
+            ax1.plot([p[0] for p in tl], [p[1] for p in tl], label=f"{res['label']} KV usage", lw=1)
+    ax1.set_xlabel("virtual time (s)")
+    ax1.set_ylabel("KV usage (fraction held by running requests)")
+    ax1.set_ylim(0, 1.05)
+    if len(results) == 1 and results[0]["kv_timeline"]:
+        tl = results[0]["kv_timeline"]
+        ax1b = ax1.twinx()
+        ax1b.plot([p[0] for p in tl], [p[2] for p in tl], color="tab:green", lw=0.8, label="running")
+        ax1b.plot([p[0] for p in tl], [p[3] for p in tl], color="tab:red", lw=0.8, label="waiting")
+        ax1b.set_ylabel("requests")
+        ax1b.legend(loc="upper right", fontsize=8)
+    ax1.legend(loc="upper left", fontsize=8)
+    ax1.set_title("KV cache usage over time")
+
+    def cdf(values: list[float], label: str) -> None:
+        v = np.sort(np.asarray([x for x in values if not math.isnan(x)]) * 1e3)
+        if v.size:
+            ax2.plot(v, np.arange(1, v.size + 1) / v.size, label=label, lw=1.2)
+
+    if len(traces) == 1:
+        recs = traces[0].records
+        groups: dict[str, list[float]] = {}
+        for rec in recs:
+            if rec.priority is not None:
+                groups.setdefault(f"priority={rec.priority}", []).append(rec.ttft)
+            if rec.tenant is not None:
+                groups.setdefault(f"tenant={rec.tenant}", []).append(rec.ttft)
+        cdf([r.ttft for r in recs], "all")
+        for name in sorted(groups):
+            cdf(groups[name], name)
+    else:
+        for t in traces:
+            cdf([r.ttft for r in t.records], t.label)
+    ax2.set_xscale("log")
+    ax2.set_xlabel("TTFT (ms, virtual)")
+    ax2.set_ylabel("fraction of requests")
+    ax2.set_title("TTFT CDF")
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,406 @@
+"""The simulation loop: the real scheduler, radix cache and allocators over a cost-model runner.
+
+``SimRunner`` is a ``Runner``: ``forward(batch)`` advances a ``VirtualClock`` by the cost model's
+step time and returns one next token per request: the request's own token stream until it reaches
+its pre-sampled output length, then EOS. Everything above ``forward`` is the engine's own code:
+``make_scheduler`` (sglang or unified), ``PrefillAdder``, the policies, ``KVManager``,
+``RadixCache``/``ChunkCache``, ``TokenToKVPoolAllocator`` and ``ReqToTokenPool``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from radixserve.config import ServerArgs
+from radixserve.mem.allocator import TokenToKVPoolAllocator
+from radixserve.mem.base_cache import BasePrefixCache, ChunkCache
+from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.mem.kv_pool import ReqToTokenPool
+from radixserve.mem.radix_cache import RadixCache
+from radixserve.sched import make_scheduler
+from radixserve.sched.finish import FINISH_ABORT
+from radixserve.sched.kv_manager import KVManager
+from radixserve.sched.req import Req
+from radixserve.sched.sampling_params import SamplingParams
+from radixserve.sched.scheduler import Scheduler
+from radixserve.sim.cost_model import CostModel
+from radixserve.sim.workload import EOS_TOKEN_ID, RequestSpec, stream_token
+
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+VOCAB_SIZE = 32000
+
+
+class VirtualClock:
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class NoWriteReqToTokenPool(ReqToTokenPool):
+    """``--skip-req-to-token-writes``: a ReqToTokenPool without its [size, context] table. Only a
+    model's attention reads the table, so the simulator may skip the per-request ``torch.tensor``
+    writes (the top hot spot at 1,000 running; a GPU engine writes it in one kernel per batch)."""
+
+    def __init__(self, size: int, max_context_len: int) -> None:
+        super().__init__(size, 1)
+        self.max_context_len = max_context_len
+
+    def write(self, idx: int, start: int, slots: list[int]) -> None:
+        return None
+
+
+class SimRunner:
+    """Step time from ``cost``; tokens from each request's stream, EOS at its sampled length."""
+
+    def __init__(self, cost: CostModel, clock: VirtualClock) -> None:
+        self.cost = cost
+        self.clock = clock
+        self.sched: Scheduler | None = None  # set after the scheduler is built (it owns cur_batch)
+        self.wall = 0.0  # wall seconds spent in forward (excluded from the scheduler's overhead)
+        self.busy = 0.0  # virtual seconds of modelled GPU time
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        t0 = time.perf_counter()
+        assert self.sched is not None and self.sched.cur_batch is not None
+        reqs = self.sched.cur_batch.reqs
+        dt = self.cost.step_time(batch.extend_prefix_lens, batch.extend_seq_lens)
+        self.clock.now += dt
+        self.busy += dt
+        out = []
+        for req in reqs:
+            k = len(req.output_ids)
+            if k + 1 >= req.sim_output_len:  # type: ignore[attr-defined]
+                out.append(EOS_TOKEN_ID)
+            else:
+                out.append(stream_token(req.sim_stream, req.sim_offset + k))  # type: ignore[attr-defined]
+        self.wall += time.perf_counter() - t0
+        return ForwardOutput(next_token_ids=out)
+
+
+def build_sim_scheduler(
+    args: ServerArgs, cost: CostModel, context_len: int, clock: VirtualClock | None = None,
+    skip_req_to_token_writes: bool = False,
+) -> tuple[Scheduler, SimRunner, VirtualClock]:
+    """The engine's pools, cache and scheduler (as ``engine.build_scheduler``) without a model."""
+    clock = clock or VirtualClock()
+    if args.max_total_tokens is None:
+        raise ValueError("the simulator needs --max-total-tokens (KV pool size in tokens)")
+    max_reqs = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+    if args.scheduler == "unified":
+        max_reqs = max(max_reqs, args.max_num_seqs) if args.max_running_requests is None else max_reqs
+    r2t = (NoWriteReqToTokenPool if skip_req_to_token_writes else ReqToTokenPool)(max_reqs, context_len)
+    allocator = TokenToKVPoolAllocator(args.max_total_tokens, args.page_size)
+    cache: BasePrefixCache = (
+        ChunkCache(r2t, allocator) if args.disable_radix_cache else RadixCache(r2t, allocator, args.radix_eviction_policy)
+    )
+    runner = SimRunner(cost, clock)
+    sched = make_scheduler(args, runner, KVManager(r2t, allocator, cache), context_len=context_len,
+                           vocab_size=None, eos_token_ids=[EOS_TOKEN_ID], clock=clock)
+    runner.sched = sched
+    return sched, runner, clock
+
+
+def make_req(spec: RequestSpec) -> Req:
+    sp = SamplingParams(max_new_tokens=max(spec.output_len, 1), ignore_eos=False)
+    req = Req(spec.rid, spec.prompt_ids(), sp, arrival_time=spec.arrival_time, priority=spec.priority,
+              eos_token_ids=(EOS_TOKEN_ID,))
+    req.sim_output_len = spec.output_len  # type: ignore[attr-defined]
+    req.sim_stream = spec.stream  # type: ignore[attr-defined]
+    req.sim_offset = spec.stream_offset  # type: ignore[attr-defined]
+    if spec.tenant is not None:
+        req.tenant = spec.tenant  # type: ignore[attr-defined]  # read by tenant-aware policies
+    if spec.deadline_ms is not None:
+        req.deadline = spec.arrival_time + spec.deadline_ms / 1e3  # type: ignore[attr-defined]
+    return req
+
+
+@dataclass
+class ReqRecord:
+    priority: int | None
+    tenant: str | None
+    prompt_len: int
+    output_len: int
+    cached_tokens: int
+    ttft: float  # nan when no token was produced
+    e2e: float
+    tpot: float  # nan for one-token outputs
+    queue: float  # arrival -> first scheduled (nan if never scheduled)
+    retractions: int
+    preemptions: int
+    aborted: bool
+    deadline: float | None  # TTFT deadline in seconds after arrival
+
+
+@dataclass
+class SimTrace:
+    """Raw outcome of one run; ``summarize`` turns it into the result dict."""
+
+    label: str
+    records: list[ReqRecord] = field(default_factory=list)
+    timeline: list[tuple[float, float, int, int]] = field(default_factory=list)  # (t, kv usage, running, waiting)
+    step_sched_s: list[float] = field(default_factory=list)  # scheduler CPU (wall) seconds per step
+    step_running: list[int] = field(default_factory=list)
+    step_waiting: list[int] = field(default_factory=list)
+    duration: float = 0.0
+    gpu_busy: float = 0.0
+    wall_s: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+    truncated: bool = False  # stopped at max_steps with requests unfinished
+
+
+def _record(req: Req) -> ReqRecord:
+    arr = req.arrival_time
+    ft, fin = req.first_token_time, req.finished_time or arr
+    n = len(req.output_ids)
+    ttft = ft - arr if ft is not None else math.nan
+    tpot = (fin - ft) / (n - 1) if ft is not None and n > 1 else math.nan
+    queue = req.first_scheduled_time - arr if req.first_scheduled_time is not None else math.nan
+    dl = getattr(req, "deadline", None)
+    return ReqRecord(req.priority, getattr(req, "tenant", None), req.prompt_len, n, req.cached_tokens, ttft,
+                     fin - arr, tpot, queue, req.num_retractions, req.num_preemptions,
+                     isinstance(req.finished_reason, FINISH_ABORT), None if dl is None else dl - arr)
+
+
+def run(
+    args: ServerArgs,
+    specs: Sequence[RequestSpec],
+    cost: CostModel,
+    context_len: int,
+    label: str = "",
+    progress: bool = False,
+    max_timeline: int = 4000,
+    check_invariant: bool = True,
+    on_step: Callable[[Scheduler], None] | None = None,
+    skip_req_to_token_writes: bool = False,
+    max_steps: int | None = None,
+) -> SimTrace:
+    """Feed ``specs`` to a fresh scheduler at their arrival times and step it until all finish
+    (or until ``max_steps`` forward steps: then unfinished requests are left out of the results)."""
+    sched, runner, clock = build_sim_scheduler(args, cost, context_len,
+                                               skip_req_to_token_writes=skip_req_to_token_writes)
+    trace = SimTrace(label or args.schedule_policy)
+    live: dict[str, Req] = {}
+    n, i = len(specs), 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, desc=f"simulate {trace.label}", unit="req", mininterval=0.5)
+    wall0 = time.perf_counter()
+    stuck = 0
+    while i < n or sched.has_work():
+        if max_steps is not None and len(trace.step_sched_s) >= max_steps:
+            trace.truncated = True
+            break
+        if i < n and not sched.has_work() and specs[i].arrival_time > clock.now:
+            clock.now = specs[i].arrival_time  # idle: jump to the next arrival
+        while i < n and specs[i].arrival_time <= clock.now:
+            req = make_req(specs[i])
+            live[req.rid] = req
+            sched.add_request(req)
+            i += 1
+        fwd0 = runner.wall
+        t0 = time.perf_counter()
+        outs = sched.step()
+        spent = time.perf_counter() - t0 - (runner.wall - fwd0)
+        if sched.cur_batch is not None:
+            stuck = 0
+            trace.step_sched_s.append(spent)
+            trace.step_running.append(len(sched.running_batch.reqs))
+            trace.step_waiting.append(len(sched.waiting_queue))
+            trace.timeline.append((clock.now, sched.kv.usage(), len(sched.running_batch.reqs), len(sched.waiting_queue)))
+        elif sched.has_work():
+            stuck += 1
+            if i < n:
+                clock.now = max(clock.now, specs[i].arrival_time)
+            elif stuck > 3:
+                raise RuntimeError(f"the scheduler has work but schedules nothing ({len(sched.waiting_queue)} waiting)")
+        for o in outs:
+            if o.finished_reason is None:
+                continue
+            done_req = live.pop(o.rid, None)
+            if done_req is None:
+                continue
+            trace.records.append(_record(done_req))
+            if bar is not None:
+                bar.update(1)
+                if len(trace.records) % 500 == 0:
+                    bar.set_postfix_str(f"virtual {clock.now:.1f} s, {len(sched.running_batch.reqs)} running, "
+                                        f"{len(sched.waiting_queue)} waiting", refresh=False)
+        if on_step is not None:
+            on_step(sched)
+    if not trace.truncated:
+        sched.step()  # the idle step (runs the scheduler's own self-check when --idle-self-check)
+        if check_invariant:
+            sched.kv.check_invariant()
+    if bar is not None:
+        bar.close()
+    trace.wall_s = time.perf_counter() - wall0
+    trace.duration = clock.now
+    trace.gpu_busy = runner.busy
+    st = sched.stats
+    trace.stats = {
+        "forward_steps": st.forward_steps, "prefill_steps": st.prefill_steps, "decode_steps": st.decode_steps,
+        "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens, "prefill_tokens": st.prefill_tokens,
+        "generated_tokens": st.generated_tokens, "num_retractions": st.num_retractions,
+        "num_preemptions": st.num_preemptions, "num_aborted": st.num_aborted, "num_finished": st.num_finished,
+        "cache_hit_rate": st.cache_hit_rate,
+    }
+    if len(trace.timeline) > max_timeline:  # keep the plot and the JSON small
+        stride = math.ceil(len(trace.timeline) / max_timeline)
+        trace.timeline = trace.timeline[::stride]
+    return trace
+
+
+# --- summary ----------------------------------------------------------------------------------------
+def _pct(values: Sequence[float], scale: float = 1e3) -> dict[str, float | None]:
+    a = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
+    if a.size == 0:
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": round(float(a.mean()) * scale, 4), "p50": round(float(p50) * scale, 4),
+            "p90": round(float(p90) * scale, 4), "p99": round(float(p99) * scale, 4),
+            "max": round(float(a.max()) * scale, 4)}
+
+
+def _latency(records: Sequence[ReqRecord], duration: float) -> dict[str, Any]:
+    done = [r for r in records if not r.aborted]
+    out_tokens = sum(r.output_len for r in done)
+    d: dict[str, Any] = {
+        "requests": len(records),
+        "aborted": len(records) - len(done),
+        "output_tok_s": round(out_tokens / duration, 3) if duration > 0 else 0.0,
+        "ttft_ms": _pct([r.ttft for r in done]),
+        "tpot_ms": _pct([r.tpot for r in done]),
+        "e2e_ms": _pct([r.e2e for r in done]),
+        "queue_ms": _pct([r.queue for r in records]),
+        "retractions": sum(r.retractions for r in records),
+        "preemptions": sum(r.preemptions for r in records),
+    }
+    with_dl = [r for r in done if r.deadline is not None]
+    if with_dl:
+        met = sum(1 for r in with_dl if r.deadline is not None and not math.isnan(r.ttft) and r.ttft <= r.deadline)
+        d["ttft_slo_attainment"] = round(met / len(with_dl), 4)
+    return d
+
+
+def summarize(trace: SimTrace) -> dict[str, Any]:
+    """The result dict of one run. Everything outside ``"wall"`` is a pure function of the inputs
+    (seeded workload, options): two runs with the same seed give equal dicts but for ``"wall"``."""
+    recs = trace.records
+    done = [r for r in recs if not r.aborted]
+    dur = trace.duration
+    prompt = sum(r.prompt_len for r in done)
+    out_tok = sum(r.output_len for r in done)
+    n = max(len(recs), 1)
+    res: dict[str, Any] = {
+        "label": trace.label,
+        "num_requests": len(recs),
+        "completed": len(done),
+        "aborted": len(recs) - len(done),
+        "duration_s": round(dur, 6),
+        "gpu_busy_frac": round(trace.gpu_busy / dur, 4) if dur > 0 else 0.0,
+        "throughput": {
+            "output_tok_s": round(out_tok / dur, 3) if dur > 0 else 0.0,
+            "total_tok_s": round((out_tok + prompt) / dur, 3) if dur > 0 else 0.0,
+            "req_s": round(len(done) / dur, 4) if dur > 0 else 0.0,
+        },
+        "cache_hit_rate": round(trace.stats.get("cache_hit_rate", 0.0), 6),
+        "retractions": {"total": trace.stats.get("num_retractions", 0),
+                        "per_request": round(sum(r.retractions for r in recs) / n, 6),
+                        "max_per_request": max((r.retractions for r in recs), default=0)},
+        "preemptions": {"total": trace.stats.get("num_preemptions", 0),
+                        "per_request": round(sum(r.preemptions for r in recs) / n, 6),
+                        "max_per_request": max((r.preemptions for r in recs), default=0)},
+        "max_wait_s": round(max((r.queue for r in recs if not math.isnan(r.queue)), default=0.0), 6),
+        "stats": trace.stats,
+    }
+    if trace.truncated:
+        res["truncated_at_steps"] = len(trace.step_sched_s)
+    res.update({k: v for k, v in _latency(recs, dur).items() if k.endswith("_ms") or k == "ttft_slo_attainment"})
+    usage = [u for _, u, _, _ in trace.timeline]
+    res["kv_usage"] = {"mean": round(float(np.mean(usage)), 6) if usage else 0.0,
+                       "max": round(float(np.max(usage)), 6) if usage else 0.0}
+    res["max_running"] = max((r for _, _, r, _ in trace.timeline), default=0)
+    res["max_waiting"] = max((w for _, _, _, w in trace.timeline), default=0)
+    classes: dict[str, Any] = {}
+    for key, attr in (("priority", "priority"), ("tenant", "tenant")):
+        values = sorted({getattr(r, attr) for r in recs if getattr(r, attr) is not None}, key=str)
+        for v in values:
+            classes[f"{key}={v}"] = _latency([r for r in recs if getattr(r, attr) == v], dur)
+    if classes:
+        res["per_class"] = classes
+    res["kv_timeline"] = [[round(t, 6), round(u, 6), r, w] for t, u, r, w in trace.timeline]
+    res["wall"] = wall_summary(trace)
+    return res
+
+
+def wall_summary(trace: SimTrace, at_running: int = 1024, at_waiting: int = 8192) -> dict[str, Any]:
+    """The scheduler's CPU (wall) time per step: every step, and the steps at >= ``at_running``
+    running (or all slots full) with >= ``at_waiting`` waiting."""
+    s = np.asarray(trace.step_sched_s, dtype=float) * 1e3
+    d: dict[str, Any] = {"sim_wall_s": round(trace.wall_s, 3), "steps": int(s.size)}
+    if s.size:
+        d["sched_ms_mean"] = round(float(s.mean()), 4)
+        d["sched_ms_p50"] = round(float(np.percentile(s, 50)), 4)
+        d["sched_ms_p99"] = round(float(np.percentile(s, 99)), 4)
+        d["sched_ms_max"] = round(float(s.max()), 4)
+        run_ = np.asarray(trace.step_running)
+        wait = np.asarray(trace.step_waiting)
+        full = run_ >= min(at_running, int(run_.max()) if run_.size else 0)
+        mask = full & (wait >= at_waiting)
+        d["at_load"] = {"running>=": at_running, "waiting>=": at_waiting, "steps": int(mask.sum())}
+        if mask.any():
+            d["at_load"]["sched_ms_mean"] = round(float(s[mask].mean()), 4)
+            d["at_load"]["sched_ms_p99"] = round(float(np.percentile(s[mask], 99)), 4)
+    return d
+
+
+def args_for(base: ServerArgs, spec: str) -> tuple[str, ServerArgs]:
+    """One ``--compare`` item: ``NAME[:field=value:...]``. NAME is a schedule policy (``lpm``), a
+    scheduler (``unified``), ``priority`` (sglang + --enable-priority-scheduling) or
+    ``unified-priority``; the rest are ServerArgs overrides (``lpm:lpm_fallback_threshold=0``)."""
+    from radixserve.config import SCHEDULE_POLICIES
+
+    name, *overrides = spec.split(":")
+    changes: dict[str, Any] = {}
+    if name in ("unified", "unified-priority"):
+        changes.update(scheduler="unified", schedule_policy="fcfs", enable_priority_scheduling=False,
+                       scheduling_policy="priority" if name == "unified-priority" else "fcfs")
+    elif name == "priority":
+        changes.update(scheduler="sglang", scheduling_policy="fcfs", enable_priority_scheduling=True)
+    elif name in SCHEDULE_POLICIES:
+        changes.update(scheduler="sglang", scheduling_policy="fcfs", schedule_policy=name)
+    elif name:
+        raise ValueError(f"--compare: unknown item {name!r}; use a policy ({', '.join(SCHEDULE_POLICIES)}), "
+                         "unified, unified-priority or priority, optionally with :field=value overrides")
+    types = {f.name: f for f in dataclasses.fields(ServerArgs)}
+    for ov in overrides:
+        k, sep, v = ov.partition("=")
+        k = k.strip().replace("-", "_")
+        if not sep or k not in types:
+            raise ValueError(f"--compare: bad override {ov!r} (want field=value with a ServerArgs field)")
+        cur = getattr(base, k)
+        val: Any
+        if isinstance(cur, bool) or k.startswith(("enable_", "disable_")):
+            val = v.lower() in ("1", "true", "yes", "on")
+        elif v.lower() == "none":
+            val = None
+        elif isinstance(cur, int) or k in ("max_running_requests", "max_total_tokens", "max_queued_requests",
+                                           "prefill_max_requests", "default_priority_value"):
+            val = int(v)
+        elif isinstance(cur, float) or k == "queue_timeout":
+            val = float(v)
+        else:
+            val = v
+        changes[k] = val
+    return spec, base.replace(**changes)
