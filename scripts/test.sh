@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-ruff check radixserve tests
+ruff check radixserve tests examples scripts
 mypy
 lint-imports
 python -m pytest "$@"

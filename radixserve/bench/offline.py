@@ -1,0 +1,183 @@
+"""``radixserve bench offline``: the in-process engine on a fixed workload, optionally next to
+HF transformers ``generate`` (static batches) on the same prompts, same dtype, same run.
+
+Prints output tok/s, total tok/s, cache hit rate, TTFT P50/P95, and the decode step time at a
+given batch next to the time the model's matmuls alone take at that batch.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from radixserve.bench.workloads import BenchRequest, make_workload
+from radixserve.engine import Engine
+
+
+@dataclass
+class OfflineResult:
+    engine: str
+    workload: str
+    num_requests: int
+    duration_s: float
+    output_tokens: int
+    input_tokens: int
+    output_throughput: float
+    total_throughput: float
+    cache_hit_rate: float | None
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    retractions: int = 0
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def run_engine(engine: Engine, reqs: list[BenchRequest], workload: str, label: str = "radixserve") -> OfflineResult:
+    stats = engine.scheduler.stats
+    cached0, prompt0, retract0 = stats.cached_tokens, stats.prompt_tokens, stats.num_retractions
+    t0 = time.perf_counter()
+    outs = engine.generate(
+        input_ids=[r.input_ids for r in reqs],
+        sampling_params=[{"max_new_tokens": r.max_new_tokens, "temperature": 0.0, "ignore_eos": True} for r in reqs],
+    )
+    dur = time.perf_counter() - t0
+    assert isinstance(outs, list)
+    n_out = sum(len(o["output_ids"]) for o in outs)
+    n_in = sum(len(r.input_ids) for r in reqs)
+    ttfts = [o["meta_info"]["ttft"] for o in outs if o["meta_info"].get("ttft") is not None]
+    prompt = stats.prompt_tokens - prompt0
+    return OfflineResult(
+        label, workload, len(reqs), dur, n_out, n_in, n_out / dur, (n_in + n_out) / dur,
+        (stats.cached_tokens - cached0) / prompt if prompt else 0.0,
+        percentile(ttfts, 50), percentile(ttfts, 95), stats.num_retractions - retract0,
+    )
+
+
+def run_hf(engine: Engine, reqs: list[BenchRequest], workload: str, batch_size: int = 32) -> OfflineResult:
+    """HF transformers LlamaForCausalLM.generate on our dequantized weights, static batches."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from radixserve.model.loader import load_model
+
+    runner = engine.runner
+    cfg = LlamaConfig(**runner.model_config.to_hf_dict())
+    dtype = runner.dtype
+    model = LlamaForCausalLM(cfg)
+    model = model.to(dtype)  # type: ignore[call-arg,arg-type]
+    model.load_state_dict(load_model(runner.model_path, dtype, progress=False)[1], strict=False)
+    model.tie_weights()
+    model.eval()
+    pad = runner.model_config.eos_token_id or 0
+    t0 = time.perf_counter()
+    n_out = 0
+    ttfts: list[float] = []
+    for i in tqdm(range(0, len(reqs), batch_size), desc="hf generate", file=sys.stderr):
+        chunk = reqs[i : i + batch_size]
+        width = max(len(r.input_ids) for r in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for j, r in enumerate(chunk):  # left padding
+            ids[j, width - len(r.input_ids) :] = torch.tensor(r.input_ids)
+            mask[j, width - len(r.input_ids) :] = 1
+        new = max(r.max_new_tokens for r in chunk)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=pad)
+        n_out += (out.shape[1] - width) * len(chunk)
+        ttfts.extend([time.perf_counter() - t0] * len(chunk))  # upper bound: a batch ends together
+    dur = time.perf_counter() - t0
+    n_in = sum(len(r.input_ids) for r in reqs)
+    return OfflineResult("hf-transformers", workload, len(reqs), dur, n_out, n_in, n_out / dur,
+                         (n_in + n_out) / dur, None, None, None)
+
+
+def matmul_only_ms(engine: Engine, batch: int, iters: int = 5) -> float:
+    """Time of the model's GEMMs alone for one decode step at ``batch`` rows."""
+    mc = engine.runner.model_config
+    dtype = engine.runner.dtype
+    h, kv = mc.hidden_size, mc.num_kv_heads * mc.head_dim
+    q = mc.num_heads * mc.head_dim
+    shapes = [(h, q + 2 * kv), (q, h), (h, 2 * mc.intermediate_size), (mc.intermediate_size, h)]
+    ws = [torch.randn(o, i, dtype=dtype) for i, o in shapes]
+    head = torch.randn(mc.vocab_size, h, dtype=dtype)
+    xs = [torch.randn(batch, i, dtype=dtype) for i, _ in shapes]
+    xh = torch.randn(batch, h, dtype=dtype)
+
+    def once() -> None:
+        for _ in range(mc.num_layers):
+            for x, w in zip(xs, ws, strict=True):
+                torch.nn.functional.linear(x, w)
+        torch.nn.functional.linear(xh, head)
+
+    once()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        once()
+    return (time.perf_counter() - t0) / iters * 1000
+
+
+def decode_step_ms(engine: Engine, batch: int, input_len: int = 256, steps: int = 16) -> float:
+    """Mean wall time of decode steps with exactly ``batch`` running requests."""
+    reqs = make_workload("random", num_prompts=batch, input_len=input_len, output_len=steps + 1, seed=123)
+    log = engine.scheduler.stats.step_log
+    n0 = len(log)
+    run_engine(engine, reqs, "decode-probe")
+    times = [t for mode, bs, _, t in list(log)[n0:] if mode == "DECODE" and bs == batch]
+    return statistics.median(times) * 1000 if times else float("nan")
+
+
+def main(args: Any) -> int:
+    kw: dict[str, Any] = {}
+    if args.max_total_tokens:
+        kw["max_total_tokens"] = args.max_total_tokens
+    if args.scheduler != "sglang":
+        kw["scheduler"] = args.scheduler
+    engine = Engine(args.model_path, dtype=args.dtype, schedule_policy=args.schedule_policy, **kw)
+    wl_kw: dict[str, int] = {"seed": args.seed}
+    if args.num_prompts:
+        wl_kw["num_prompts" if args.workload != "shared-prefix" else "prompts_per_group"] = args.num_prompts
+    reqs = make_workload(args.workload, **wl_kw)
+    # warm-up (one tiny request), so the first timed step does not pay lazy initialisation
+    engine.generate(input_ids=reqs[0].input_ids[:16], sampling_params={"max_new_tokens": 2})
+    engine.flush_cache()
+    results = [run_engine(engine, reqs, args.workload)]
+    if args.compare_hf:
+        results.append(run_hf(engine, reqs, args.workload, args.hf_batch_size))
+    print(f"\n{'engine':<18}{'out tok/s':>11}{'total tok/s':>13}{'hit rate':>10}{'TTFT p50':>10}{'TTFT p95':>10}"
+          f"{'time s':>8}")
+    for r in results:
+        hit = f"{r.cache_hit_rate:.1%}" if r.cache_hit_rate is not None else "-"
+        p50 = f"{r.ttft_p50_s:.2f}" if r.ttft_p50_s is not None else "-"
+        p95 = f"{r.ttft_p95_s:.2f}" if r.ttft_p95_s is not None else "-"
+        print(f"{r.engine:<18}{r.output_throughput:>11.1f}{r.total_throughput:>13.1f}{hit:>10}{p50:>10}{p95:>10}"
+              f"{r.duration_s:>8.1f}")
+    if args.compare_hf:
+        print(f"ratio radixserve / HF output throughput: {results[0].output_throughput / results[1].output_throughput:.2f}x")
+    extra: dict[str, float] = {}
+    if args.decode_batch:
+        engine.flush_cache()
+        step = decode_step_ms(engine, args.decode_batch)
+        mm = matmul_only_ms(engine, args.decode_batch)
+        extra = {"decode_step_ms": step, "matmul_only_ms": mm}
+        print(f"decode step at batch {args.decode_batch}: {step:.1f} ms; model matmuls alone: {mm:.1f} ms "
+              f"({step / mm:.2f}x)")
+    print(f"dtype: {engine.runner.dtype}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"results": [asdict(r) for r in results], **extra, "dtype": str(engine.runner.dtype)}, f, indent=2)
+    return 0

@@ -1,0 +1,140 @@
+"""``radixserve`` command line: generate, serve, bench, simulate, route."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from radixserve.config import ServerArgs
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from radixserve.engine import Engine
+
+    args = ServerArgs.from_cli_args(ns)
+    kwargs = {k: v for k, v in vars(args).items() if k != "model_path"}
+    engine = Engine(args.model_path, **kwargs)
+    prompt = ns.prompt
+    if ns.chat:
+        prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])
+    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p,
+              "top_k": ns.top_k}
+    if ns.seed is not None:
+        params["seed"] = ns.seed
+    if ns.stream:
+        for chunk in engine.generate_stream(prompt, params):
+            sys.stdout.write(chunk["text"])
+            sys.stdout.flush()
+            if chunk["finished"]:
+                meta = chunk["meta_info"]
+        sys.stdout.write("\n")
+    else:
+        out = engine.generate(prompt, params)
+        assert isinstance(out, dict)
+        print(out["text"])
+        meta = out["meta_info"]
+    if ns.verbose:
+        print(json.dumps(meta, indent=2), file=sys.stderr)
+    fr = meta.get("finish_reason") or {}
+    if fr.get("type") == "abort":
+        print(f"error: {fr.get('message')}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from radixserve.server.launch import launch_server
+
+    return launch_server(ServerArgs.from_cli_args(ns))
+
+
+def _bench_serve(ns: argparse.Namespace) -> int:
+    from radixserve.bench.serving import main
+
+    return main(ns)
+
+
+def _bench_offline(ns: argparse.Namespace) -> int:
+    from radixserve.bench.offline import main
+
+    return main(ns)
+
+
+def _simulate(ns: argparse.Namespace) -> int:
+    from radixserve.sim.cli import main
+
+    return main(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="radixserve", description="An SGLang-shaped LLM serving engine.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="Generate text for one prompt in-process.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g.add_argument("prompt", help="The prompt text.")
+    g.add_argument("--chat", action="store_true", help="Wrap the prompt in the model's chat template.")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="Most tokens to generate.")
+    g.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature; 0 is greedy.")
+    g.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass.")
+    g.add_argument("--top-k", type=int, default=-1, help="Sample among the k likeliest tokens; -1 disables.")
+    g.add_argument("--seed", type=int, default=None, help="Per-request sampling seed.")
+    g.add_argument("--stream", action="store_true", help="Print tokens as they are generated.")
+    g.add_argument("-v", "--verbose", action="store_true", help="Print meta_info (token counts, finish reason).")
+    ServerArgs.add_cli_args(g)
+    g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="Serve a model over HTTP (OpenAI-compatible and SGLang-native APIs).")
+    ServerArgs.add_cli_args(s)
+    s.set_defaults(func=_serve)
+
+    b = sub.add_parser("bench", help="Benchmarks.")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bo = bsub.add_parser("offline", help="Throughput of the in-process engine on a fixed workload.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bo.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random",
+                    help="random: 128 prompts, 256 in / 128 out; shared-prefix: 8 groups x 16 prompts, "
+                         "512-token system prompt + 64-token question, 128 out; multi-turn: 16 conversations x 4 turns.")
+    bo.add_argument("--num-prompts", type=int, default=None,
+                    help="Override the workload's prompt count (per group for shared-prefix).")
+    bo.add_argument("--seed", type=int, default=0, help="Workload seed.")
+    bo.add_argument("--model-path", default=None, help="Model (default: the bundled SmolLM2).")
+    bo.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="Model dtype.")
+    bo.add_argument("--schedule-policy", default="fcfs", help="Waiting-queue policy.")
+    bo.add_argument("--scheduler", default="sglang", choices=["sglang", "unified"], help="Scheduler.")
+    bo.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens.")
+    bo.add_argument("--compare-hf", action="store_true",
+                    help="Also run HF transformers generate (static batches) on the same prompts and print the ratio.")
+    bo.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size.")
+    bo.add_argument("--decode-batch", type=int, default=0,
+                    help="Also time the decode step at this batch size next to the model's matmuls alone.")
+    bo.add_argument("--output", default=None, help="Write the results as JSON here.")
+    bo.set_defaults(func=_bench_offline)
+    bs = bsub.add_parser("serve", help="Load-test any OpenAI-compatible server (TTFT, TPOT, ITL, throughput).",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from radixserve.bench.serving import add_args as _bench_serve_args
+
+    _bench_serve_args(bs)
+    bs.set_defaults(func=_bench_serve)
+
+    from radixserve.sim.options import EPILOG as _SIM_EPILOG
+    from radixserve.sim.options import add_args as _sim_args
+
+    sm = sub.add_parser("simulate", help="Run the real scheduler against a cost-model GPU on a virtual clock.",
+                        description="Simulate serving: the real Scheduler, RadixCache, allocators and policies over "
+                                    "a runner whose step time comes from a cost model (no weights).",
+                        epilog=_SIM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _sim_args(sm)
+    sm.set_defaults(func=_simulate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    return int(ns.func(ns) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

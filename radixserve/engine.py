@@ -1,0 +1,286 @@
+"""``Engine``: the whole serving stack in one process (model runner + scheduler + detokenizer).
+
+    engine = Engine()                                  # the bundled SmolLM2, default options
+    engine = Engine(model_path, dtype="float32", max_total_tokens=4096, schedule_policy="lpm")
+    out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+    out["text"], out["output_ids"], out["meta_info"]["cached_tokens"]
+
+Every CLI option of ``ServerArgs`` is a keyword argument. The HTTP server runs the same pieces in
+separate processes; this class is the offline API, the benchmark's engine and the test harness.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.config import ServerArgs
+from radixserve.mem.allocator import TokenToKVPoolAllocator
+from radixserve.mem.base_cache import BasePrefixCache, ChunkCache
+from radixserve.mem.kv_pool import ReqToTokenPool
+from radixserve.mem.radix_cache import RadixCache
+from radixserve.model.detokenize import IncrementalDetokenizer
+from radixserve.model.model_runner import ModelRunner
+from radixserve.sched import make_scheduler
+from radixserve.sched.finish import FINISH_ABORT
+from radixserve.sched.io import ReqOutput
+from radixserve.sched.kv_manager import KVManager
+from radixserve.sched.req import Req
+from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
+from radixserve.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+class RequestError(Exception):
+    """A request the engine refused or aborted; ``status_code`` is the HTTP status to answer."""
+
+    def __init__(self, reason: FINISH_ABORT) -> None:
+        super().__init__(reason.message)
+        self.reason = reason
+
+
+def system_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def kv_pool_tokens(args: ServerArgs, bytes_per_token: int, context_len: int) -> int:
+    """Pool size in tokens: --max-total-tokens, or --mem-fraction-static of system memory."""
+    if args.max_total_tokens is not None:
+        tokens = args.max_total_tokens
+    else:
+        tokens = int(system_memory_bytes() * args.mem_fraction_static) // bytes_per_token
+        # NOTE: no point in more than enough for every request slot at full context.
+        tokens = min(tokens, (args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS) * context_len)
+    tokens -= tokens % args.page_size
+    if tokens < args.page_size:
+        raise ValueError(f"KV pool of {tokens} tokens is too small (page_size {args.page_size})")
+    return tokens
+
+
+@dataclass
+class _Tracked:
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    last: ReqOutput | None = None
+    start: float = 0.0
+    ttft: float | None = None
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, *, runner: ModelRunner | None = None, **kwargs: Any) -> None:
+        """``runner``: reuse an already loaded model (tests, benchmarks); its pools are rebuilt."""
+        self.server_args = args = ServerArgs(model_path=model_path, **kwargs)
+        self.runner = runner or ModelRunner(
+            args.model_path, dtype=args.dtype, attention_backend=args.attention_backend,
+            seed=args.random_seed, num_threads=args.num_threads,
+        )
+        self.model_config = self.runner.model_config
+        self.tokenizer = self.runner.tokenizer
+        self.context_len = args.context_length or self.model_config.max_position
+        self.scheduler = build_scheduler(args, self.runner, self.context_len)
+        self._rid_counter = itertools.count()
+
+    # --- public API ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        priority: int | None = None,
+        raise_on_error: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Generate for one prompt (returns a dict) or a list of prompts (returns a list).
+
+        A refused request comes back with ``meta_info.finish_reason.type == "abort"`` and the
+        reason, like SGLang's, unless ``raise_on_error`` (then ``RequestError``)."""
+        single, reqs = self._make_reqs(prompt, sampling_params, input_ids, priority)
+        results: dict[str, dict[str, Any]] = {}
+        for rid, _tracked, _delta, done in self._run(reqs):
+            if done is not None:
+                results[rid] = done
+        out = [results[r.rid] for r in reqs]
+        if raise_on_error:
+            for o in out:
+                fr = o["meta_info"]["finish_reason"]
+                if fr and fr["type"] == "abort":
+                    raise RequestError(FINISH_ABORT(fr["message"], status_code=fr["status_code"], code=fr["code"]))
+        return out[0] if single else out
+
+    def generate_stream(
+        self,
+        prompt: str | None = None,
+        sampling_params: dict[str, Any] | None = None,
+        input_ids: list[int] | None = None,
+        priority: int | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Yield ``{"text": delta, "output_ids": new ids, "finished": bool, "meta_info": ...}``."""
+        _, reqs = self._make_reqs(prompt, sampling_params, input_ids, priority)
+        for _rid, tracked, delta, done in self._run(reqs, stream=True):
+            assert tracked.last is not None
+            yield {
+                "text": delta,
+                "output_ids": tracked.last.new_token_ids,
+                "finished": done is not None,
+                "meta_info": self._meta(tracked),
+            }
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    def check_memory_invariant(self) -> None:
+        self.scheduler.kv.check_invariant()
+
+    # --- internals -----------------------------------------------------------------------------
+    def _make_reqs(
+        self,
+        prompt: str | list[str] | None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
+        input_ids: list[int] | list[list[int]] | None,
+        priority: int | None,
+    ) -> tuple[bool, list[Req]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt or input_ids")
+        ids_list: list[list[int]]
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if isinstance(prompt, str) else list(prompt)
+            ids_list = [self.tokenizer.encode(t) for t in texts]
+        else:
+            assert input_ids is not None
+            single = not input_ids or not isinstance(input_ids[0], list)
+            ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]  # type: ignore[arg-type]
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(ids_list):
+                raise ValueError("one sampling_params per prompt, or a single dict for all")
+            sps = sampling_params
+        else:
+            sps = [sampling_params or {}] * len(ids_list)
+        now = self.scheduler.clock()
+        reqs = []
+        for ids, sp in zip(ids_list, sps, strict=True):
+            try:
+                params = SamplingParams.from_dict(sp)
+            except (InvalidRequest, TypeError) as e:
+                params = None
+                err = FINISH_ABORT(str(e), param=getattr(e, "param", None))
+            req = Req(f"eng-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}", ids, params or SamplingParams(),
+                      arrival_time=now, priority=priority, eos_token_ids=tuple(self.tokenizer.stop_token_ids))
+            if params is None:
+                req.to_abort = err
+            reqs.append(req)
+        return single, reqs
+
+    def _run(
+        self, reqs: Sequence[Req], stream: bool = False
+    ) -> Iterator[tuple[str, _Tracked, str, dict[str, Any] | None]]:
+        sched = self.scheduler
+        tracked: dict[str, _Tracked] = {}
+        pending = set()
+        for req in reqs:
+            sp = req.sampling_params
+            tracked[req.rid] = _Tracked(
+                IncrementalDetokenizer(self._decoder(sp.skip_special_tokens), sp.stop), start=time.perf_counter()
+            )
+            pending.add(req.rid)
+            if req.to_abort is not None:  # invalid sampling params: finish through the normal path
+                sched._finish(req, req.to_abort)
+            else:
+                sched.add_request(req)
+        outs = sched.outputs
+        sched.outputs = []
+        while True:
+            for o in outs:
+                t = tracked.get(o.rid)
+                if t is None:
+                    continue
+                t.last = o
+                if t.ttft is None and o.new_token_ids:
+                    t.ttft = time.perf_counter() - t.start
+                t.output_ids.extend(o.new_token_ids)
+                t.logprobs.extend(o.new_logprobs)
+                t.top_logprobs.extend(o.new_top_logprobs)
+                finished = o.finished_reason is not None
+                delta = t.detok.feed(o.new_token_ids, finished=finished)
+                if finished:
+                    pending.discard(o.rid)
+                    yield o.rid, t, delta, self._result(t)
+                elif stream:
+                    yield o.rid, t, delta, None
+            if not pending:
+                break
+            outs = sched.step()
+        if not sched.has_work():
+            sched.step()  # the idle step runs the memory self-check
+
+    def _decoder(self, skip_special_tokens: bool) -> Callable[[Sequence[int]], str]:
+        tok = self.tokenizer
+        return lambda ids: tok.decode(list(ids), skip_special_tokens)
+
+    def _meta(self, t: _Tracked) -> dict[str, Any]:
+        o = t.last
+        assert o is not None
+        return {
+            "id": o.rid,
+            "prompt_tokens": o.prompt_tokens,
+            "completion_tokens": o.completion_tokens,
+            "cached_tokens": o.cached_tokens,
+            "finish_reason": o.finished_reason.to_json() if o.finished_reason else None,
+            "e2e_latency": time.perf_counter() - t.start,
+            "ttft": t.ttft,
+            "num_retractions": o.num_retractions,
+        }
+
+    def _result(self, t: _Tracked) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "text": t.detok.output_text,
+            "output_ids": t.output_ids,
+            "meta_info": self._meta(t),
+        }
+        if t.logprobs:
+            out["meta_info"]["output_token_logprobs"] = t.logprobs
+        if t.top_logprobs:
+            out["meta_info"]["output_top_logprobs"] = t.top_logprobs
+        return out
+
+
+def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int) -> Scheduler:
+    """Size the pools, attach them to the runner, and build the scheduler over them."""
+    bpt = runner.kv_bytes_per_token()
+    total = kv_pool_tokens(args, bpt, context_len)
+    max_reqs = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+    print(
+        f"[radixserve] KV cache: {total} tokens x {bpt} B/token = {total * bpt / 2**30:.2f} GiB "
+        f"({'--max-total-tokens' if args.max_total_tokens else f'--mem-fraction-static {args.mem_fraction_static}'}), "
+        f"page size {args.page_size}, {max_reqs} request slots, context {context_len}",
+        file=sys.stderr,
+    )
+    r2t = ReqToTokenPool(max_reqs, context_len)
+    allocator = TokenToKVPoolAllocator(total, args.page_size)
+    runner.attach_pools(runner.make_kv_pool(total, args.page_size), r2t)
+    cache: BasePrefixCache = (
+        ChunkCache(r2t, allocator) if args.disable_radix_cache else RadixCache(r2t, allocator, args.radix_eviction_policy)
+    )
+    tok = runner.tokenizer
+    return make_scheduler(
+        args, runner, KVManager(r2t, allocator, cache), context_len=context_len,
+        vocab_size=runner.model_config.vocab_size, eos_token_ids=list(tok.stop_token_ids),
+        detokenize=lambda ids: tok.decode(ids, True),
+    )
