@@ -101,13 +101,14 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
-        priority: int | None = None,
+        priority: int | list[int | None] | None = None,
         raise_on_error: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list of prompts (returns a list).
 
         A refused request comes back with ``meta_info.finish_reason.type == "abort"`` and the
-        reason, like SGLang's, unless ``raise_on_error`` (then ``RequestError``)."""
+        reason, like SGLang's, unless ``raise_on_error`` (then ``RequestError``). ``priority`` is one
+        value for every prompt or a list with one per prompt."""
         single, reqs = self._make_reqs(prompt, sampling_params, input_ids, priority)
         results: dict[str, dict[str, Any]] = {}
         for rid, _tracked, _delta, done in self._run(reqs):
@@ -154,7 +155,7 @@ class Engine:
         prompt: str | list[str] | None,
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
         input_ids: list[int] | list[list[int]] | None,
-        priority: int | None,
+        priority: int | list[int | None] | None,
     ) -> tuple[bool, list[Req]]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
@@ -173,16 +174,22 @@ class Engine:
             sps = sampling_params
         else:
             sps = [sampling_params or {}] * len(ids_list)
+        if isinstance(priority, list):
+            if len(priority) != len(ids_list):
+                raise ValueError("one priority per prompt, or a single value for all")
+            prios = list(priority)
+        else:
+            prios = [priority] * len(ids_list)
         now = self.scheduler.clock()
         reqs = []
-        for ids, sp in zip(ids_list, sps, strict=True):
+        for ids, sp, prio in zip(ids_list, sps, prios, strict=True):
             try:
                 params = SamplingParams.from_dict(sp)
             except (InvalidRequest, TypeError) as e:
                 params = None
                 err = FINISH_ABORT(str(e), param=getattr(e, "param", None))
             req = Req(f"eng-{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}", ids, params or SamplingParams(),
-                      arrival_time=now, priority=priority, eos_token_ids=tuple(self.tokenizer.stop_token_ids))
+                      arrival_time=now, priority=prio, eos_token_ids=tuple(self.tokenizer.stop_token_ids))
             if params is None:
                 req.to_abort = err
             reqs.append(req)
