@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from radixserve.mem.forward_batch import ForwardBatch
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
+from radixserve.model.cascade import SharedPrefixGroup, attend_shared, build_group, find_shared_prefixes
 
 
 class AttentionBackend(ABC):
@@ -133,6 +134,7 @@ class _Metadata:
     batch_id: int
     decode: _DecodeGroup | None
     extends: list[_Extend]
+    shared: list[tuple[torch.Tensor, SharedPrefixGroup]]  # (their tokens in the flat batch, group)
 
 
 @register_attention_backend("torch_native")
@@ -144,6 +146,8 @@ class TorchNativeAttention(AttentionBackend):
     per-request Python loop. GQA needs no repeat: the query heads of a KV head become the "query
     length" dimension (``q: [n, KVH, G, D]`` against ``k: [n, KVH, L, D]``). Requests with longer
     extends are looped, one SDPA call each, with a causal mask offset by their cached prefix.
+    Decode requests that share a long enough prefix of KV slots (radix cache hits) are attended as
+    groups that read the prefix once (``cascade.py``); ``share_prefixes = False`` turns that off.
     """
 
     def __init__(
@@ -151,6 +155,8 @@ class TorchNativeAttention(AttentionBackend):
     ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scaling)
         self._meta: _Metadata | None = None
+        # decode requests that share a cached prefix read it once per group (see cascade.py)
+        self.share_prefixes = True
         self._gather_bufs: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def init_forward_metadata(self, forward_batch: ForwardBatch, req_to_token_pool: ReqToTokenPool) -> None:
@@ -163,16 +169,29 @@ class TorchNativeAttention(AttentionBackend):
         rpi = fb.req_pool_indices
         dec_rows = [i for i, n in enumerate(ext_lens) if n == 1]
         decode: _DecodeGroup | None = None
+        shared: list[tuple[torch.Tensor, SharedPrefixGroup]] = []
         if dec_rows:
-            if len(dec_rows) == len(ext_lens):
-                token_idx = None
-                rows_rpi = rpi
-            else:
-                starts = _starts(ext_lens)
-                token_idx = torch.tensor([starts[i] for i in dec_rows], dtype=torch.int64)
-                rows_rpi = rpi.index_select(0, torch.tensor(dec_rows, dtype=torch.int64))
+            all_decode = len(dec_rows) == len(ext_lens)
+            starts = list(range(len(ext_lens))) if all_decode else _starts(ext_lens)
+            rpi_list = rpi.tolist()
             lens = [prefix_lens[i] + 1 for i in dec_rows]
-            decode = self._decode_group(r2t, rows_rpi, lens, token_idx)
+            grouped: set[int] = set()
+            if self.share_prefixes and len(dec_rows) > 1:
+                dec_rpi = [rpi_list[i] for i in dec_rows]
+                for members, p in find_shared_prefixes(r2t, dec_rpi, lens):
+                    grp = build_group(r2t, dec_rpi, lens, members, p)
+                    tok = torch.tensor([starts[dec_rows[m]] for m in members], dtype=torch.int64)
+                    shared.append((tok, grp))
+                    grouped.update(members)
+            rest = [j for j in range(len(dec_rows)) if j not in grouped]
+            if rest:
+                if all_decode and not grouped:
+                    token_idx = None
+                    rows_rpi = rpi
+                else:
+                    token_idx = torch.tensor([starts[dec_rows[j]] for j in rest], dtype=torch.int64)
+                    rows_rpi = torch.tensor([rpi_list[dec_rows[j]] for j in rest], dtype=torch.int64)
+                decode = self._decode_group(r2t, rows_rpi, [lens[j] for j in rest], token_idx)
         extends: list[_Extend] = []
         start = 0
         for i, n in enumerate(ext_lens):
@@ -184,7 +203,7 @@ class TorchNativeAttention(AttentionBackend):
                     mask = torch.arange(p + n).unsqueeze(0) <= (torch.arange(n) + p).unsqueeze(1)
                 extends.append(_Extend(start, start + n, p, kv_idx, mask))
             start += n
-        return _Metadata(id(fb), decode, extends)
+        return _Metadata(id(fb), decode, extends, shared)
 
     def _decode_group(
         self, r2t: torch.Tensor, rows_rpi: torch.Tensor, lens: list[int], token_idx: torch.Tensor | None
@@ -239,6 +258,9 @@ class TorchNativeAttention(AttentionBackend):
         if dec is not None and dec.token_idx is None:  # decode-only batch: no scatter needed
             return self._decode(q, dec, k_buf, v_buf)
         out = q.new_empty(T, H * D)
+        for tok, grp in meta.shared:
+            qs = q.index_select(0, tok).view(len(grp.members), self.num_kv_heads, G, D)
+            out.index_copy_(0, tok, attend_shared(qs, grp, k_buf, v_buf, self.scaling))
         if dec is not None:
             assert dec.token_idx is not None
             o = self._decode(q.index_select(0, dec.token_idx), dec, k_buf, v_buf)
