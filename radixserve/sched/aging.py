@@ -51,6 +51,23 @@ def order_with_aging(sched: Scheduler, order: list[Req], now: float) -> list[Req
     return sorted(order, key=key)
 
 
+def aged_rank(sched: Scheduler, req: Req, now: float, horizon: bool = True) -> float:
+    """The rank that priority preemption compares (lower is more important), aging included, so an
+    aged request that got in is not thrown out again by the next fresh arrival of a better class:
+    past the horizon a request ranks above everything; with a rate it keeps the units its time in
+    the system (queued or running) earned. Without aging this is the plain priority rank.
+    ``horizon=False`` (used for the newcomer) leaves the horizon out: passing it puts a request at
+    the head of the queue but gives it no right to preempt anyone."""
+    a = sched.args
+    rank = sched.prio.rank(req)
+    if req.queue_entry_time is None:
+        return rank
+    wait = now - req.queue_entry_time
+    if horizon and a.priority_aging_horizon is not None and wait >= a.priority_aging_horizon:
+        return -math.inf
+    return rank - (math.floor(a.priority_aging_rate * wait) if a.priority_aging_rate else 0)
+
+
 def note_first_admission(sched: Scheduler, req: Req, now: float) -> None:
     """Count a request that waited past ``--starvation-threshold`` before its first admission."""
     if req.queue_entry_time is not None and now - req.queue_entry_time > sched.args.starvation_threshold:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from radixserve.config import ServerArgs
+from radixserve.sched.aging import aged_rank
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.prefill_adder import AddReqResult, PrefillAdder
 from radixserve.sched.req import Req
@@ -164,10 +165,10 @@ def preempt_for(sched: Scheduler, req: Req, adder: PrefillAdder, victims: list[R
     running = sched.running_batch.reqs
     if not s.enabled or not running:
         return False
-    rank = s.rank
-    mine = rank(req)
+    now = sched.clock()
+    mine = aged_rank(sched, req, now, horizon=False)
     cands = sorted(  # thrash.py: the per-request cap, then the victim order
-        (r for r in running if rank(r) - mine > s.preemption_threshold and r.to_abort is None
+        (r for r in running if aged_rank(sched, r, now) - mine > s.preemption_threshold and r.to_abort is None
          and may_be_victim(sched, r)),
         key=lambda r: preemption_key(sched, r),
     )

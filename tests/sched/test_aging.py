@@ -115,3 +115,42 @@ def test_sjf_orders_by_uncached_prompt_plus_output() -> None:
                 order.append(r)
     assert order == [b, c, a, d]
     drain(sched)
+
+
+def _aged_victim_setup(**kw: object) -> tuple[Scheduler, Clock, Req]:
+    sched, _, _ = make_scheduler(enable_priority_scheduling=True, max_running_requests=1, **kw)
+    clock = Clock()
+    sched.clock = clock  # type: ignore[method-assign]
+    low = submit(sched, "low", prompt(1, 8), 12, priority=0)
+    clock.t += 6.0  # it waited 6 s before it got in
+    sched.step()
+    sched.step()
+    return sched, clock, low
+
+
+def test_aged_running_request_is_not_preempted_by_a_fresh_arrival() -> None:
+    """Past the horizon a running request outranks every newcomer for preemption; without aging
+    the same newcomer (priority 100 vs 0) preempts it."""
+    sched, _, low = _aged_victim_setup(priority_aging_horizon=5.0)
+    high = submit(sched, "high", prompt(2, 8), 4, priority=100)
+    sched.step()
+    assert low.num_preemptions == 0 and sched.waiting_queue == [high]
+    drain(sched)
+    sched2, _, low2 = _aged_victim_setup()
+    submit(sched2, "high", prompt(2, 8), 4, priority=100)
+    sched2.step()
+    assert low2.num_preemptions == 1
+    drain(sched2)
+
+
+def test_aging_rate_counts_toward_the_preemption_threshold() -> None:
+    """6 s at 2 units/s: the running request ranks 12 units better, so a newcomer 20 above it is
+    only 8 above its aged rank, under the threshold of 10; one 23 above (11 net) preempts."""
+    sched, _, low = _aged_victim_setup(priority_aging_rate=2.0)
+    submit(sched, "mid", prompt(2, 8), 4, priority=20)
+    sched.step()
+    assert low.num_preemptions == 0
+    submit(sched, "top", prompt(3, 8), 4, priority=23)
+    sched.step()
+    assert low.num_preemptions == 1
+    drain(sched)
