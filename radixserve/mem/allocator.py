@@ -14,6 +14,8 @@ Exact accounting: every slot is either free here, held by a request, or held by 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class OutOfKVSlots(RuntimeError):
     pass
@@ -51,6 +53,31 @@ class TokenToKVPoolAllocator:
         for p in pages:
             self._is_free[p] = 0
         return pages
+
+    def take_pages_in_turn(self, n: int, evict: Callable[[int], int]) -> list[int]:
+        """``n`` pages for ``n`` requests that each take one, in order: the same pages, and the same
+        ``evict`` calls, as ``n`` calls of ``_take_pages(1)``, each preceded by ``evict(page_size)``
+        when nothing at all is free (``KVManager.grow``'s rule), but in bulk."""
+        free = self._free_pages
+        out: list[int] = []
+        while len(out) < n:
+            if not free:
+                if not self._released:
+                    evict(self.page_size)
+                    if not self._released:
+                        raise OutOfKVSlots(f"need {n - len(out)} pages, 0 free")
+                free.extend(self._released)
+                self._released = []
+                free.sort(reverse=True)
+            k = min(n - len(out), len(free))
+            chunk = free[len(free) - k :]
+            del free[len(free) - k :]
+            chunk.reverse()
+            out.extend(chunk)
+        is_free = self._is_free
+        for p in out:
+            is_free[p] = 0
+        return out
 
     def alloc(self, need: int) -> list[int]:
         """``need`` fresh slots (a multiple of page_size when paged), whole pages, ascending."""

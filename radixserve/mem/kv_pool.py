@@ -69,3 +69,12 @@ class ReqToTokenPool:
     def write(self, idx: int, start: int, slots: list[int]) -> None:
         if slots:
             self.req_to_token[idx, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int64)
+
+    def write_many(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
+        """``req_to_token[rows[i], cols[i]] = slots[i]`` for every i, as one indexed assignment
+        (a decode step's writes: one slot per running request)."""
+        if slots:
+            t = self.req_to_token
+            dev = t.device
+            t[torch.tensor(rows, dtype=torch.int64, device=dev), torch.tensor(cols, dtype=torch.int64, device=dev)] = (
+                torch.tensor(slots, dtype=torch.int64, device=dev))

@@ -11,23 +11,33 @@ node pins its whole path, so ``lock_ref`` never decreases going up the tree.
 
 Eviction frees unlocked leaves in the order the eviction strategy gives (LRU by default); a parent
 whose last child went becomes a leaf and a candidate in turn. The set of evictable leaves is kept
-up to date on every change, so ``evict`` never walks the whole tree.
+up to date on every change, and so is a heap of them in eviction order (``leaf_heap.LeafHeap``),
+so ``evict`` never walks the whole tree.
+
+Watchers (``watch``): a reader that matched a key against the tree (``peek_prefix``) and stopped
+at node N before the child slot K can register a token there; ``token.invalidate()`` is called
+when that answer may change: a child is added under N at K, the child at K is split or evicted,
+or N itself is evicted (every token on N), or the tree is reset. ``sched.prefix_match`` keeps
+lpm's cached prefix lengths this way, so a queue of waiting requests is not re-matched each round.
 """
 
 from __future__ import annotations
 
-import heapq
 from typing import Any
 
 from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache, CacheableReq, MatchResult, RadixKey
 from radixserve.mem.evict_policy import EvictionStrategy, get_eviction_strategy
 from radixserve.mem.kv_pool import ReqToTokenPool
+from radixserve.mem.leaf_heap import LeafHeap
+
+END = object()  # watch key of a match that covered its whole key: only an eviction can change it
 
 
 class TreeNode:
     __slots__ = (
         "children", "parent", "key", "value", "lock_ref", "last_access_time", "hit_count", "extra_key", "id", "gen",
+        "heap_stamp", "watchers",
     )
 
     _next_id = 0
@@ -46,6 +56,8 @@ class TreeNode:
         # bumped whenever a child is added or removed; -1 once the node itself is evicted. Lets a
         # reader cache "the match stopped at this node" and know when to look again (sched.prefix_match).
         self.gen = 0
+        self.heap_stamp = 0  # only the LeafHeap entry carrying the latest stamp is live
+        self.watchers: dict[Any, list[Any]] | None = None  # watch key -> tokens (RadixCache.watch)
 
     def __lt__(self, other: TreeNode) -> bool:  # heap tie-break: stable and deterministic
         return self.id < other.id
@@ -78,19 +90,35 @@ class RadixCache(BasePrefixCache):
         eviction_policy: str | EvictionStrategy = "lru",
     ) -> None:
         super().__init__(req_to_token_pool, allocator)
-        self.strategy = (
+        self._leaves: set[TreeNode] = set()
+        self._strategy = (
             get_eviction_strategy(eviction_policy) if isinstance(eviction_policy, str) else eviction_policy
         )
+        self._heap = LeafHeap(self._strategy, self._leaves)
         self.reset()
+
+    @property
+    def strategy(self) -> EvictionStrategy:
+        return self._strategy
+
+    @strategy.setter
+    def strategy(self, strategy: EvictionStrategy) -> None:
+        self._strategy = strategy
+        self._heap = LeafHeap(strategy, self._leaves)
+        self._heap.rebuild()
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def reset(self) -> None:
+        old = getattr(self, "_root", None)
+        if old is not None:
+            self._kill(old)
         self._root = TreeNode()
         self._root.lock_ref = 1  # the root is never evicted
         self._evictable = 0
         self._protected = 0
         self._clock = 0
-        self._leaves: set[TreeNode] = set()  # unlocked, childless, non-root nodes
+        self._leaves.clear()  # unlocked, childless, non-root nodes
+        self._heap.rebuild()
         # bumped when a node is added or evicted (not on a split, which changes no match length)
         self.version = getattr(self, "version", 0) + 1
 
@@ -110,9 +138,52 @@ class RadixCache(BasePrefixCache):
 
     def _refresh_leaf(self, node: TreeNode) -> None:
         if node is not self._root and node.lock_ref == 0 and not node.children:
-            self._leaves.add(node)
+            if node not in self._leaves:
+                self._leaves.add(node)
+                self._heap.push(node)
         else:
             self._leaves.discard(node)
+
+    # --- watchers --------------------------------------------------------------------------------
+    def watch(self, node: TreeNode, key: Any, token: Any) -> None:
+        """Call ``token.invalidate()`` once when the child slot ``key`` of ``node`` changes or
+        ``node`` goes (``key`` is ``_child_key`` of the next token, or ``END``)."""
+        w = node.watchers
+        if w is None:
+            node.watchers = {key: [token]}
+            return
+        lst = w.get(key)
+        if lst is None:
+            w[key] = [token]
+        else:
+            lst.append(token)
+
+    @staticmethod
+    def _fire(node: TreeNode, key: Any) -> None:
+        w = node.watchers
+        if w:
+            lst = w.pop(key, None)
+            if lst:
+                for t in lst:
+                    t.invalidate()
+
+    @staticmethod
+    def _fire_all(node: TreeNode) -> None:
+        w = node.watchers
+        if w:
+            node.watchers = None
+            for lst in w.values():
+                for t in lst:
+                    t.invalidate()
+
+    def _kill(self, root: TreeNode) -> None:
+        """A reset: every node of the old tree is gone for its watchers."""
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            node.gen = -1
+            self._fire_all(node)
+            stack.extend(node.children.values())
 
     def _child_key(self, node: TreeNode, key: list[int] | tuple[int, ...], extra_key: str | None) -> Any:
         first: Any = key[0] if self.page_size == 1 else tuple(key[: self.page_size])
@@ -164,6 +235,7 @@ class RadixCache(BasePrefixCache):
         upper.hit_count = child.hit_count
         ck = self._child_key(parent, child.key, child.extra_key)
         parent.children[ck] = upper
+        self._fire(parent, ck)
         child.key, child.value = child.key[n:], child.value[n:]
         child.parent = upper
         upper.children[self._child_key(upper, child.key, child.extra_key)] = child
@@ -185,6 +257,7 @@ class RadixCache(BasePrefixCache):
                 leaf.last_access_time = now
                 node.children[ck] = leaf
                 node.gen += 1
+                self._fire(node, ck)
                 self.version += 1
                 self._evictable += len(leaf.key)
                 self._refresh_leaf(node)
@@ -263,26 +336,22 @@ class RadixCache(BasePrefixCache):
     def evict(self, num_tokens: int) -> int:
         if num_tokens <= 0 or not self._leaves:
             return 0
-        prio = self.strategy.priority
-        heap = [(prio(n), n) for n in self._leaves]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_tokens and heap:
-            _, node = heapq.heappop(heap)
-            if node not in self._leaves:  # stale entry
-                continue
+        for node in self._heap.pop_order():  # a parent left childless is pushed by _delete_leaf
             self.allocator.free(node.value)
             freed += len(node.value)
             self._delete_leaf(node)
-            parent = node.parent
-            if parent in self._leaves:
-                heapq.heappush(heap, (prio(parent), parent))
+            if freed >= num_tokens:
+                break
         return freed
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
         assert parent is not None
-        del parent.children[self._child_key(parent, node.key, node.extra_key)]
+        ck = self._child_key(parent, node.key, node.extra_key)
+        del parent.children[ck]
+        self._fire(parent, ck)
+        self._fire_all(node)
         parent.gen += 1
         node.gen = -1
         self.version += 1
@@ -366,6 +435,7 @@ class RadixCache(BasePrefixCache):
             )
         if leaves != self._leaves:
             raise AssertionError("the evictable-leaf set drifted")
+        self._heap.check()
 
     def all_values(self) -> list[int]:
         out: list[int] = []

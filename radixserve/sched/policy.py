@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.mem.radix_cache import RadixCache
+from radixserve.sched.lpm_order import IncrementalLPM
 from radixserve.sched.prefix_match import PrefixLengthCache, dfs_weight_order, lpm_sort_keys
 from radixserve.sched.req import Req
 
@@ -100,12 +101,18 @@ class LongestPrefixMatch(SchedulePolicy):
 
     def __init__(self) -> None:
         self.matches = PrefixLengthCache()
+        self.incremental = IncrementalLPM(self.matches)
 
     def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
         if not isinstance(ctx.tree_cache, RadixCache) or (
             ctx.lpm_fallback_threshold and len(waiting) > ctx.lpm_fallback_threshold
         ):
+            self.incremental.reset()
             return FCFS().order(waiting, ctx)
+        if not ctx.enable_priority:  # the same order, kept up to date between rounds (lpm_order.py)
+            return self.incremental.order(waiting, ctx.tree_cache, ctx.in_batch_check_threshold,
+                                          ctx.in_batch_deprioritize_threshold)
+        self.incremental.reset()
         keys = lpm_sort_keys(waiting, ctx.tree_cache, self.matches, ctx.in_batch_check_threshold,
                              ctx.in_batch_deprioritize_threshold)
         if ctx.enable_priority:

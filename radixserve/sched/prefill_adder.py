@@ -16,9 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum, auto
+from itertools import repeat
+from operator import attrgetter, sub
 
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.sched.req import Req
+
+_get_max_new = attrgetter("sampling_params.max_new_tokens")
+_get_output_ids = attrgetter("output_ids")
 
 
 class AddReqResult(Enum):
@@ -46,9 +51,11 @@ class PrefillAdder:
         self.rem_chunk_tokens = chunked_prefill_size
         self.page_size = page_size
         self.clip = clip_max_new_tokens
-        self.rem_total_token_offset = sum(
-            min(r.remaining_new_tokens, self.clip) * new_token_ratio for r in running_reqs
-        )
+        # sum(min(r.remaining_new_tokens, clip) * ratio for r in running): the same floats added in
+        # the same order, computed in C passes (this runs over every running request per prefill round)
+        remaining = map(max, map(sub, map(_get_max_new, running_reqs), map(len, map(_get_output_ids, running_reqs))),
+                        repeat(0))
+        self.rem_total_token_offset = sum(map(new_token_ratio.__mul__, map(min, remaining, repeat(self.clip))))
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None
 

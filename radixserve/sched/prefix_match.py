@@ -2,19 +2,21 @@
 
 ``PrefixLengthCache``: the cached-prefix length of every waiting request, kept up to date
 incrementally. SGLang re-matches every waiting request against the tree at every step, which is
-why it falls back to FCFS past 128 waiting requests. Here each request remembers where its match
-stopped: ``(node, node.gen, path length, match length)``. A node's ``gen`` changes only when a
-child is added under it or removed from it, and becomes -1 when the node itself is evicted, so:
+why it falls back to FCFS past 128 waiting requests. Here each request's sort key lives on the
+request (``Req.lpm_key``) and is recomputed only when the tree changed where its match stopped:
 
-- ``gen`` unchanged: nothing that could lengthen or shorten this match happened; the length stands
-  (a split of a node on the path changes no match length, and bumps nothing).
-- ``gen`` changed: look again from that node (its path is still cached), not from the root.
-- the node was evicted: climb to its nearest live ancestor and look again from there.
+- the read-only match (``RadixCache.peek_prefix``) stops at node N, before the child slot K of
+  the request's next token; the request registers a watcher there (``RadixCache.watch``);
+- the tree calls the watcher when a child is added at K, the child at K is split or evicted, N
+  itself is evicted, or the tree is reset: only then can the match length change (a split
+  elsewhere on the path changes no length). The watcher clears ``lpm_key``;
+- the next ordering re-matches only the requests whose key is cleared, from N (or N's nearest
+  live ancestor when N went), not from the root.
 
-So ordering N waiting requests costs O(N) attribute reads plus the sort, and only requests whose
-match could have changed walk the tree. The walk itself (``RadixCache.peek_prefix``) is read-only:
-no node split, no access-time update, no lock; the request being admitted is matched for real
-(``Req.init_next_round_input``) as before.
+So ordering N waiting requests costs a few C-level passes over the queue (``attrgetter`` over
+the keys, the in-batch check, one sort of ints) plus a walk for each request whose match may
+have changed, instead of a Python loop over all of them. The request being admitted is matched
+for real (``Req.init_next_round_input``) as before.
 
 ``in_batch_deprioritized``: SGLang's in-batch prefix caching check. ``dfs_weight_order``: SGLang's
 ``_sort_by_dfs_weight`` (seed 000, section 4.2.2.1).
@@ -22,82 +24,131 @@ no node split, no access-time update, no lock; the request being admitted is mat
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+from itertools import compress
+from operator import attrgetter
 from typing import Any
 
 from radixserve.mem.base_cache import BasePrefixCache
-from radixserve.mem.radix_cache import RadixCache, TreeNode
-from radixserve.sched.req import Req
+from radixserve.mem.radix_cache import END, RadixCache, TreeNode
+from radixserve.sched.req import LPM_STALE, Req
 
 _SHIFT = 64  # sort key = -length * 2**64 + arrival in microseconds (clamped to [0, 2**64))
 _BACK = 1 << 100  # added to the key of a request pushed to the back: after every other one
+_get_key = attrgetter("lpm_key")
+_get_group = attrgetter("lpm_group")
 
 
 class _Match:
-    """Where a waiting request's match stopped, and its sort key (``Req.prefix_match_cache``)."""
+    """Where a waiting request's match stopped (``Req.prefix_match_cache``); the watcher token."""
 
-    __slots__ = ("epoch", "node", "gen", "pos", "length", "key")
+    __slots__ = ("req", "root", "node", "pos", "length", "key", "sink")
 
-    def __init__(self, epoch: int, node: TreeNode, pos: int, length: int, arrival_us: int) -> None:
-        self.epoch, self.node, self.gen, self.pos, self.length = epoch, node, node.gen, pos, length
-        self.key = -length * (1 << _SHIFT) + arrival_us
+    def __init__(self, req: Req, root: TreeNode, node: TreeNode, pos: int, length: int, key: int,
+                 sink: list[Req]) -> None:
+        self.req, self.root, self.node, self.pos, self.length, self.key = req, root, node, pos, length, key
+        self.sink = sink
+
+    def invalidate(self) -> None:
+        req = self.req
+        if req.prefix_match_cache is self:  # else the request was re-matched, reset or admitted since
+            req.lpm_key = LPM_STALE
+            self.sink.append(req)
 
 
 class PrefixLengthCache:
     """Incremental cached-prefix lengths of waiting requests against one ``RadixCache``.
 
     ``sort_keys`` gives one int per request, ``-length * 2**64 + arrival_us``: ascending order is
-    longest match first, then arrival, and sorting ints is cheap. A request's entry is dropped when
+    longest match first, then arrival, and sorting ints is cheap. A request's key is dropped when
     it is retracted or preempted (``Req.reset_for_retract``): its outputs became prompt."""
 
     def __init__(self) -> None:
         self._root: Any = None
-        self._epoch = 0  # bumped when the tree is reset (a new root): every entry is stale
+        self._group_t = 0  # the in-batch check threshold the requests' lpm_group was made for
+        self.dirty: list[Req] = []  # requests whose key a watcher cleared (for lpm_order)
 
-    def sort_keys(self, reqs: Sequence[Req], tree: RadixCache) -> list[int]:
-        if tree.root is not self._root:
-            self._root = tree.root
-            self._epoch += 1
-        epoch = self._epoch
-        out: list[int] = []
-        append = out.append
-        for req in reqs:  # the hot loop: three attribute reads per request when nothing changed
-            c = req.prefix_match_cache
-            if c is not None and c.gen == c.node.gen and c.epoch == epoch:
-                append(c.key)
-                continue
-            append(self._refresh(req, tree, c if c is not None and c.epoch == epoch else None).key)
-        return out
+    def sort_keys(self, reqs: Sequence[Req], tree: RadixCache, group_t: int | None = None) -> list[int]:
+        """The keys; with ``group_t``, each request's ``lpm_group`` for that threshold is set too."""
+        if tree.root is not self._root or (group_t is not None and group_t != self._group_t):
+            self._root = tree.root  # another tree (a reset one fires its watchers itself)
+            self._group_t = self._group_t if group_t is None else group_t
+            for r in reqs:
+                r.lpm_key = LPM_STALE
+        self.dirty.clear()  # every cleared key among reqs is recomputed here
+        keys = list(map(_get_key, reqs))
+        if LPM_STALE in keys:  # int compares: fast
+            i = keys.index(LPM_STALE)
+            while True:
+                keys[i] = self._refresh(reqs[i], tree)
+                try:
+                    i = keys.index(LPM_STALE, i + 1)
+                except ValueError:
+                    break
+        return keys
 
     def prefix_lens(self, reqs: Sequence[Req], tree: RadixCache) -> list[int]:
         return [-(k >> _SHIFT) for k in self.sort_keys(reqs, tree)]
 
-    def _refresh(self, req: Req, tree: RadixCache, c: _Match | None) -> _Match:
+    def refresh(self, req: Req, tree: RadixCache) -> int:
+        """``req``'s key (and group), matched again if it was cleared."""
+        k = req.lpm_key
+        return self._refresh(req, tree) if k == LPM_STALE else k
+
+    def same_tree(self, tree: RadixCache, group_t: int) -> bool:
+        return tree.root is self._root and group_t == self._group_t
+
+    def _refresh(self, req: Req, tree: RadixCache) -> int:
         node: TreeNode | None = None
         pos = 0
-        if c is not None:
+        c = req.prefix_match_cache
+        if c is not None and c.root is tree.root:
             node, pos = c.node, c.pos
             while node.gen < 0:  # evicted: back to the nearest live ancestor
                 pos -= len(node.key)
                 node = node.parent
                 assert node is not None
         ids = req.origin_input_ids if not req.output_ids else req.fill_ids
-        node, pos, length = tree.peek_prefix(ids, req.extra_key, node, pos, limit=len(ids) - 1)
+        limit = len(ids) - 1
+        node, pos, length = tree.peek_prefix(ids, req.extra_key, node, pos, limit=limit)
         arrival_us = min(max(int(req.arrival_time * 1e6), 0), (1 << _SHIFT) - 1)
-        m = req.prefix_match_cache = _Match(self._epoch, node, pos, length, arrival_us)
-        return m
+        key = -length * (1 << _SHIFT) + arrival_us
+        m = req.prefix_match_cache = _Match(req, tree.root, node, pos, length, key, self.dirty)
+        req.lpm_key = key
+        if self._group_t > 0:
+            req.lpm_group = _group(req, self._group_t)
+        ps = tree.page_size
+        end = limit - limit % ps
+        tree.watch(node, END if pos >= end else tree._child_key(node, ids[pos : pos + ps], req.extra_key), m)
+        return key
+
+
+def _group(req: Req, t: int) -> Any:
+    if req.num_tokens - 1 < t:
+        return id(req)  # too short to ever share T tokens: a group of its own (an int: no bytes equal it)
+    ids = req.origin_input_ids if len(req.origin_input_ids) >= t else req.fill_ids
+    b = array("q", ids[:t]).tobytes()  # bytes cache their hash; a tuple of ints does not
+    return b if req.extra_key is None else (req.extra_key, b)
 
 
 def lpm_sort_keys(reqs: Sequence[Req], tree: RadixCache, cache: PrefixLengthCache, check_threshold: int,
                   deprioritize_threshold: int) -> list[int]:
     """lpm's sort key of each request (ascending): longest cached prefix first, then arrival;
-    the requests in-batch prefix caching pushes back after all others."""
-    keys = cache.sort_keys(reqs, tree)
+    the requests in-batch prefix caching pushes back after all others (``in_batch_deprioritized``:
+    a candidate, in queue order, whose group was already seen)."""
+    keys = cache.sort_keys(reqs, tree, deprioritize_threshold if deprioritize_threshold > 0 else None)
     if deprioritize_threshold > 0:
         floor = -check_threshold * (1 << _SHIFT)  # key >= floor <=> cached prefix <= check_threshold
-        cand = [i for i, k in enumerate(keys) if k >= floor]
-        for i in _deprioritized(reqs, cand, deprioritize_threshold):
-            keys[i] += _BACK
+        sel = list(map(floor.__le__, keys))
+        groups = list(compress(map(_get_group, reqs), sel))
+        if len(set(groups)) < len(groups):  # some candidate shares its group with an earlier one
+            seen: set[Any] = set()
+            for i, g in zip(compress(range(len(keys)), sel), groups, strict=False):
+                if g in seen:
+                    keys[i] += _BACK
+                else:
+                    seen.add(g)
     return keys
 
 

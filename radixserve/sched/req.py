@@ -21,6 +21,8 @@ from radixserve.mem.base_cache import BasePrefixCache, RadixKey
 from radixserve.sched.finish import FINISH_ABORT, BaseFinishReason
 from radixserve.sched.sampling_params import SamplingParams
 
+LPM_STALE = 1 << 200  # Req.lpm_key of a request lpm must match (again); above every real key
+
 
 class Req:
     def __init__(
@@ -63,6 +65,9 @@ class Req:
         # scheduling policies (issue #4)
         self.queue_entry_time: float | None = None  # when queued (scheduler clock); --queue-timeout
         self.prefix_match_cache: Any = None  # lpm's incremental match state (sched.prefix_match)
+        self.lpm_key = LPM_STALE  # lpm's sort key (sched.prefix_match); LPM_STALE: match again
+        self.lpm_group: Any = None  # lpm's in-batch check group (its first T tokens), set with lpm_key
+        self.lpm_order: Any = None  # lpm's total order key while in its kept queue (sched.lpm_order)
         self.admitted_before = False
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -128,6 +133,9 @@ class Req:
         self.extend_input_len = 0
         self.is_chunked = False
         self.prefix_match_cache = None  # its key grew: lpm must match it afresh
+        self.lpm_key = LPM_STALE
+        self.lpm_group = None
+        self.lpm_order = None
 
     def __repr__(self) -> str:
         return (f"Req(rid={self.rid!r}, prompt={self.prompt_len}, out={len(self.output_ids)}, "

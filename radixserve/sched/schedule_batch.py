@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum, auto
+from operator import attrgetter
 
 import torch
 
@@ -45,6 +46,8 @@ class ScheduleBatch:
         self.reqs.extend(other.reqs)
 
     def to_forward_batch(self, capture_logits: bool = False) -> ForwardBatch:
+        if self.forward_mode is ForwardMode.DECODE:
+            return self._decode_forward_batch(capture_logits)
         ids: list[int] = []
         positions: list[int] = []
         for req, start, n in zip(self.reqs, self.prefix_lens, self.extend_lens, strict=True):
@@ -57,25 +60,48 @@ class ScheduleBatch:
                 ids.extend(req.origin_input_ids[start:])
                 ids.extend(req.output_ids[: start + n - k])
             positions.extend(range(start, start + n))
-        sp = [r.sampling_params for r in self.reqs]
         seq_lens = [s + n for s, n in zip(self.prefix_lens, self.extend_lens, strict=True)]
+        return self._make(ids, positions, seq_lens, capture_logits)
+
+    def _decode_forward_batch(self, capture_logits: bool) -> ForwardBatch:
+        """One token per request at position ``prefix_len``: the same batch as the general path."""
+        ids: list[int] = []
+        append = ids.append
+        for req, start in zip(self.reqs, self.prefix_lens, strict=True):
+            k = len(req.origin_input_ids)
+            append(req.output_ids[start - k] if start >= k else req.origin_input_ids[start])
+        return self._make(ids, self.prefix_lens, [s + 1 for s in self.prefix_lens], capture_logits)
+
+    def _make(self, ids: list[int], positions: list[int], seq_lens: list[int], capture_logits: bool) -> ForwardBatch:
+        sp = list(map(_get_sp, self.reqs))
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             out_cache_loc=torch.tensor(self.out_slots, dtype=torch.int64),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
+            req_pool_indices=torch.tensor(list(map(_get_pool_idx, self.reqs)), dtype=torch.int64),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
             extend_prefix_lens=list(self.prefix_lens),
             extend_seq_lens=list(self.extend_lens),
             sampling=SamplingBatchInfo(
-                temperatures=[p.temperature for p in sp],
-                top_ps=[p.top_p for p in sp],
-                top_ks=[p.top_k for p in sp],
-                min_ps=[p.min_p for p in sp],
-                seeds=[p.seed for p in sp],
+                temperatures=list(map(_get_temperature, sp)),
+                top_ps=list(map(_get_top_p, sp)),
+                top_ks=list(map(_get_top_k, sp)),
+                min_ps=list(map(_get_min_p, sp)),
+                seeds=list(map(_get_seed, sp)),
                 steps=[len(r.output_ids) for r in self.reqs],
-                return_logprob=[p.logprobs for p in sp],
-                top_logprobs_nums=[p.top_logprobs_num for p in sp],
+                return_logprob=list(map(_get_logprobs, sp)),
+                top_logprobs_nums=list(map(_get_top_logprobs_num, sp)),
             ),
             capture_logits=capture_logits,
         )
+
+
+_get_sp = attrgetter("sampling_params")
+_get_pool_idx = attrgetter("req_pool_idx")
+_get_temperature = attrgetter("temperature")
+_get_top_p = attrgetter("top_p")
+_get_top_k = attrgetter("top_k")
+_get_min_p = attrgetter("min_p")
+_get_seed = attrgetter("seed")
+_get_logprobs = attrgetter("logprobs")
+_get_top_logprobs_num = attrgetter("top_logprobs_num")

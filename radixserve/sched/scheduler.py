@@ -24,6 +24,7 @@ from typing import Any
 from radixserve.config import ServerArgs
 from radixserve.mem.forward_batch import ForwardOutput, Runner
 from radixserve.sched.deadline import check_deadline
+from radixserve.sched.decode_step import process_decode_result
 from radixserve.sched.extensions import SchedExtensions
 from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, BaseFinishReason
 from radixserve.sched.io import ReqOutput
@@ -224,7 +225,7 @@ class Scheduler:
             self.running_batch.reqs.extend(done)
         self._apply_aborts()  # after the merge, so a request prefilled last step is aborted now too
         abort_timed_out(self)  # --queue-timeout
-        self.running_batch.reqs = [r for r in self.running_batch.reqs if not r.finished()]
+        self.running_batch.reqs = [r for r in self.running_batch.reqs if r.finished_reason is None]
         batch = self.get_new_batch_prefill()
         if batch is not None:
             return batch
@@ -295,11 +296,17 @@ class Scheduler:
         if not can_run:
             return None
 
-        admitted = {id(r) for r in can_run}
-        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        taken = can_run[1:] if can_run[0] is chunked else can_run  # the ones from the waiting queue
+        wq = self.waiting_queue
+        if wq[: len(taken)] == taken:  # the usual case: the head of the queue (identity compare)
+            self.waiting_queue = wq[len(taken) :]
+        else:
+            admitted = {id(r) for r in taken}
+            self.waiting_queue = [r for r in wq if id(r) not in admitted]
         batch = ScheduleBatch(can_run, ForwardMode.EXTEND)
         now = self.clock()
         for req in can_run:
+            req.prefix_match_cache = None  # lpm's match state is for waiting requests (and cycles back to req)
             if req.req_pool_idx is None:
                 self.kv.admit(req)
                 if not req.admitted_before:
@@ -327,9 +334,8 @@ class Scheduler:
         if batch.is_empty():
             return None
         batch.forward_mode = ForwardMode.DECODE
-        batch.prefix_lens = [r.num_computed_tokens for r in batch.reqs]
+        batch.prefix_lens, batch.out_slots = self.kv.grow_decode(batch.reqs)  # = grow(r, 1) for each
         batch.extend_lens = [1] * len(batch.reqs)
-        batch.out_slots = [s for r in batch.reqs for s in self.kv.grow(r, 1)]
         return batch
 
     def retract_decode(self, batch: ScheduleBatch) -> list[Req]:
@@ -368,7 +374,9 @@ class Scheduler:
 
     # --- running the model and its results -----------------------------------------------------
     def run_batch(self, batch: ScheduleBatch) -> ForwardOutput | None:
-        t0 = time.perf_counter()
+        # The step's duration on the scheduler's clock: wall time on the engine, virtual time under
+        # the simulator (whose runner advances the clock), so estimators built on it work in both.
+        t0 = self.clock()
         try:
             fb = batch.to_forward_batch()
             out = self.runner.forward(fb)
@@ -384,7 +392,7 @@ class Scheduler:
             return None
         self.stats.forward_steps += 1
         self.stats.step_log.append(
-            (batch.forward_mode.name, len(batch.reqs), fb.num_tokens, time.perf_counter() - t0))
+            (batch.forward_mode.name, len(batch.reqs), fb.num_tokens, self.clock() - t0))
         if batch.forward_mode.is_extend():
             self.stats.prefill_steps += 1
         else:
@@ -394,6 +402,9 @@ class Scheduler:
     def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
         now = self.clock()
         is_extend = batch.forward_mode.is_extend()
+        if not is_extend and out.logprobs is None and out.top_logprobs is None:
+            process_decode_result(self, batch, out, now)
+            return
         for i, req in enumerate(batch.reqs):
             if req.num_computed_tokens < req.num_tokens:  # a prompt chunk: no token yet
                 self.tree_cache.cache_unfinished_req(req)
@@ -439,20 +450,22 @@ class Scheduler:
 
     # --- outputs -------------------------------------------------------------------------------
     def _emit(self, req: Req) -> None:
-        n = len(req.output_ids)
+        out_ids = req.output_ids
+        n = len(out_ids)
         start = req.sent_len
         req.sent_len = n
-        self.outputs.append(ReqOutput(
-            rid=req.rid,
-            new_token_ids=req.output_ids[start:n],
-            finished_reason=req.finished_reason,
-            prompt_tokens=req.prompt_len,
-            completion_tokens=n,
-            cached_tokens=req.cached_tokens,
-            new_logprobs=req.output_logprobs[start:n],
-            new_top_logprobs=req.output_top_logprobs[start:n],
-            queue_time=(req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else 0.0,
-            num_retractions=req.num_retractions,
+        fst = req.first_scheduled_time
+        self.outputs.append(ReqOutput(  # positional: the fields' order (this runs per request per step)
+            req.rid,
+            out_ids[start:n],
+            req.finished_reason,
+            len(req.origin_input_ids),
+            n,
+            req.cached_tokens,
+            req.output_logprobs[start:n] if req.output_logprobs else [],
+            req.output_top_logprobs[start:n] if req.output_top_logprobs else [],
+            (fst - req.arrival_time) if fst else 0.0,
+            req.num_retractions,
         ))
 
     def _finish(self, req: Req, reason: BaseFinishReason) -> None:
@@ -487,3 +500,15 @@ class Scheduler:
             "num_waiting_reqs": len(self.waiting_queue),
             "num_tokens": self.kv.total_tokens - self.kv.reclaimable_size(),
         }
+
+
+def calm_garbage_collector() -> None:
+    """Call once the long-lived objects exist (weights, pools, a workload): move them out of the
+    collector's reach and make full collections rare. A scheduler allocates many short-lived objects
+    per step, and with the defaults a full collection over millions of live objects stalled single
+    steps by 100-300 ms (measured under the simulator at 1,024 running + 8,192 waiting)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 100)

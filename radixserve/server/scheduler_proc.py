@@ -28,7 +28,7 @@ from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import ReqOutput
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
-from radixserve.sched.scheduler import Scheduler
+from radixserve.sched.scheduler import Scheduler, calm_garbage_collector
 from radixserve.server.io_struct import (
     ENCODER,
     AbortReq,
@@ -100,6 +100,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int) -> N
     }
     to_tm.send(ENCODER.encode(ProcReady("scheduler", info=info)))
     server = SchedulerServer(args, scheduler, recv_sock, to_detok, to_tm, parent_pid)
+    calm_garbage_collector()
     try:
         scheduler.event_loop_normal(server.recv, server.send, server.should_stop)
     finally:

@@ -30,6 +30,7 @@ from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
 from radixserve.sched.scheduler import Scheduler
+from radixserve.sim import metrics
 from radixserve.sim.cost_model import CostModel
 from radixserve.sim.workload import EOS_TOKEN_ID, RequestSpec, stream_token
 
@@ -55,6 +56,9 @@ class NoWriteReqToTokenPool(ReqToTokenPool):
         self.max_context_len = max_context_len
 
     def write(self, idx: int, start: int, slots: list[int]) -> None:
+        return None
+
+    def write_many(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
         return None
 
 
@@ -138,6 +142,7 @@ class ReqRecord:
     preemptions: int
     aborted: bool
     deadline: float | None  # TTFT deadline in seconds after arrival
+    arrival: float = 0.0  # virtual seconds
 
 
 @dataclass
@@ -167,7 +172,7 @@ def _record(req: Req) -> ReqRecord:
     dl = getattr(req, "deadline", None)
     return ReqRecord(req.priority, getattr(req, "tenant", None), req.prompt_len, n, req.cached_tokens, ttft,
                      fin - arr, tpot, queue, req.num_retractions, req.num_preemptions,
-                     isinstance(req.finished_reason, FINISH_ABORT), None if dl is None else dl - arr)
+                     isinstance(req.finished_reason, FINISH_ABORT), None if dl is None else dl - arr, arr)
 
 
 def run(
@@ -293,9 +298,10 @@ def _latency(records: Sequence[ReqRecord], duration: float) -> dict[str, Any]:
     return d
 
 
-def summarize(trace: SimTrace) -> dict[str, Any]:
+def summarize(trace: SimTrace, args: ServerArgs | None = None) -> dict[str, Any]:
     """The result dict of one run. Everything outside ``"wall"`` is a pure function of the inputs
-    (seeded workload, options): two runs with the same seed give equal dicts but for ``"wall"``."""
+    (seeded workload, options): two runs with the same seed give equal dicts but for ``"wall"``.
+    ``args`` gives the tenant and VTC weights of the fairness figure (default: all 1, VTC's 1 and 2)."""
     recs = trace.records
     done = [r for r in recs if not r.aborted]
     dur = trace.duration
@@ -339,6 +345,10 @@ def summarize(trace: SimTrace) -> dict[str, Any]:
             classes[f"{key}={v}"] = _latency([r for r in recs if getattr(r, attr) == v], dur)
     if classes:
         res["per_class"] = classes
+    res["victims"] = metrics.victim_counts(recs)
+    for key, val in (("goodput", metrics.goodput(recs, dur)), ("tenant_fairness", metrics.tenant_fairness(recs, args))):
+        if val is not None:
+            res[key] = val
     res["kv_timeline"] = [[round(t, 6), round(u, 6), r, w] for t, u, r, w in trace.timeline]
     res["wall"] = wall_summary(trace)
     return res
@@ -398,7 +408,7 @@ def args_for(base: ServerArgs, spec: str) -> tuple[str, ServerArgs]:
         elif isinstance(cur, int) or k in ("max_running_requests", "max_total_tokens", "max_queued_requests",
                                            "prefill_max_requests", "default_priority_value"):
             val = int(v)
-        elif isinstance(cur, float) or k == "queue_timeout":
+        elif isinstance(cur, float) or str(types[k].type).startswith("float"):  # also float | None fields
             val = float(v)
         else:
             val = v
