@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--schedule-policy", default="fcfs", help="Waiting-queue policy.")
     bo.add_argument("--scheduler", default="sglang", choices=["sglang", "unified"], help="Scheduler.")
     bo.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens.")
+    bo.add_argument("--max-running-requests", type=int, default=None,
+                    help="Most requests decoding at once (default: the engine's own limit).")
     bo.add_argument("--compare-hf", action="store_true",
                     help="Also run HF transformers generate (static batches) on the same prompts and print the ratio.")
     bo.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size.")

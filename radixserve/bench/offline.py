@@ -145,6 +145,8 @@ def main(args: Any) -> int:
     kw: dict[str, Any] = {}
     if args.max_total_tokens:
         kw["max_total_tokens"] = args.max_total_tokens
+    if args.max_running_requests:
+        kw["max_running_requests"] = args.max_running_requests
     if args.scheduler != "sglang":
         kw["scheduler"] = args.scheduler
     engine = Engine(args.model_path, dtype=args.dtype, schedule_policy=args.schedule_policy, **kw)

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from radixserve.config import ServerArgs
+from radixserve.sched.scheduler import calm_garbage_collector
 from radixserve.sim.cost_model import H100Llama2CostModel, make_cost_model
 from radixserve.sim.options import (
     _SKIP_GROUPS,
@@ -29,7 +30,8 @@ def workload_config(ns: argparse.Namespace) -> WorkloadConfig:
         burstiness=ns.burstiness, input_len=ns.input_len, output_len=ns.output_len, len_dist=ns.len_dist,
         range_ratio=ns.range_ratio, num_prefix_groups=ns.num_prefix_groups, prefix_len=ns.prefix_len,
         num_turns=ns.num_turns, turn_len=ns.turn_len, think_time=ns.think_time, priority_classes=ns.priority_classes,
-        tenants=ns.tenants, ttft_slo_ms=ns.ttft_slo_ms, context_len=ns.context_length, seed=ns.seed,
+        tenants=ns.tenants, ttft_slo_ms=ns.ttft_slo_ms, ttft_slo_classes=ns.ttft_slo_classes,
+        context_len=ns.context_length, seed=ns.seed,
     )
 
 
@@ -62,6 +64,7 @@ def main(ns: argparse.Namespace) -> int:
           f"{cost.name}, KV pool {base.max_total_tokens} tokens, generated in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     runs = [args_for(base, item.strip()) for item in ns.compare.split(",")] if ns.compare else [("", base)]
+    calm_garbage_collector()
     prof = None
     if ns.profile:
         import cProfile
@@ -75,7 +78,7 @@ def main(ns: argparse.Namespace) -> int:
         trace = run(args, specs, cost, ns.context_length, label=label, progress=not ns.no_progress,
                     skip_req_to_token_writes=ns.skip_req_to_token_writes, max_steps=ns.max_steps)
         traces.append(trace)
-        results.append(summarize(trace))
+        results.append(summarize(trace, args))
     if prof is not None:
         import pstats
 

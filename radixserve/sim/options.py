@@ -57,6 +57,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Tenants with relative request rates, e.g. a:10,b:1; sets req.tenant; results per tenant.")
     w.add_argument("--ttft-slo-ms", type=float, default=None,
                    help="TTFT deadline: sets req.deadline = arrival + this (virtual seconds) and reports SLO attainment.")
+    w.add_argument("--ttft-slo-classes", default=None, metavar="MS:FRACTION,...",
+                   help="Mixed TTFT deadlines, e.g. 300:0.5,3000:0.5 (deadline ms:fraction of requests); "
+                        "excludes --ttft-slo-ms.")
     w.add_argument("--trace", default=None, metavar="FILE.jsonl",
                    help="Replay a JSONL trace (fields: arrival_time, prompt_len or input_ids, output_len, priority, "
                         "tenant, deadline_ms, prefix_group, prefix_len) instead of generating a workload.")

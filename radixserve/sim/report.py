@@ -30,6 +30,7 @@ COLUMNS = (
     ("hit rate", lambda r: _f(r["cache_hit_rate"], 3)),
     ("retract", lambda r: str(r["retractions"]["total"])),
     ("preempt", lambda r: str(r["preemptions"]["total"])),
+    ("victim max", lambda r: str(r["victims"]["max_per_request"]) if "victims" in r else "-"),
     ("KV max", lambda r: _f(r["kv_usage"]["max"], 2)),
     ("sched ms mean", lambda r: _f(r["wall"].get("sched_ms_mean"), 3)),
     ("sched ms p99", lambda r: _f(r["wall"].get("sched_ms_p99"), 3)),
@@ -45,9 +46,18 @@ def table(rows: Sequence[list[str]], header: Sequence[str]) -> str:
     return "\n".join([line, sep, *body])
 
 
+# shown only when some run has the figure
+OPTIONAL_COLUMNS = (
+    ("goodput", "goodput req/s", lambda r: _f(r["goodput"]["req_s"], 2) if "goodput" in r else "-"),
+    ("goodput", "SLO met frac", lambda r: _f(r["goodput"]["fraction"], 3) if "goodput" in r else "-"),
+    ("tenant_fairness", "Jain", lambda r: _f(r["tenant_fairness"]["jain"], 3) if "tenant_fairness" in r else "-"),
+)
+
+
 def compare_table(results: Sequence[dict[str, Any]]) -> str:
     """One row per run (latencies in ms of virtual time; sched ms = scheduler CPU wall time per step)."""
-    return table([[f(r) for _, f in COLUMNS] for r in results], [h for h, _ in COLUMNS])
+    cols = list(COLUMNS) + [(h, f) for key, h, f in OPTIONAL_COLUMNS if any(key in r for r in results)]
+    return table([[f(r) for _, f in cols] for r in results], [h for h, _ in cols])
 
 
 def class_table(result: dict[str, Any]) -> str:
@@ -55,12 +65,13 @@ def class_table(result: dict[str, Any]) -> str:
     for name, c in result.get("per_class", {}).items():
         rows.append([name, str(c["requests"]), _f(c["output_tok_s"], 0), _f(c["ttft_ms"]["p50"]), _f(c["ttft_ms"]["p90"]),
                      _f(c["ttft_ms"]["p99"]), _f(c["tpot_ms"]["p50"], 2), _f(c["tpot_ms"]["p99"], 2),
-                     _f(c["e2e_ms"]["p99"]), _f(c["queue_ms"]["p99"]), str(c["retractions"]), str(c["preemptions"]),
+                     _f(c["e2e_ms"]["p99"]), _f(c["queue_ms"]["p99"]), _f(c["queue_ms"]["max"]), str(c["retractions"]),
+                     str(c["preemptions"]),
                      _f(c.get("ttft_slo_attainment"), 3)])
     if not rows:
         return ""
     header = ["class", "reqs", "out tok/s", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p99",
-              "queue p99", "retract", "preempt", "SLO met"]
+              "queue p99", "queue max", "retract", "preempt", "SLO met"]
     return table(rows, header)
 
 
@@ -79,8 +90,21 @@ def summary_text(r: dict[str, Any]) -> str:
     lines.append(f"max wait {r['max_wait_s']:.3f} s; retractions {r['retractions']['total']} "
                  f"({r['retractions']['per_request']:.4f}/req, max {r['retractions']['max_per_request']}); "
                  f"preemptions {r['preemptions']['total']} ({r['preemptions']['per_request']:.4f}/req)")
+    if "victims" in r:
+        v = r["victims"]
+        lines.append(f"preempted + retracted: {v['per_request']:.4f}/req, max {v['max_per_request']} per request, "
+                     f"{v['requests_hit']} requests hit")
     if "ttft_slo_attainment" in r:
-        lines.append(f"TTFT SLO attainment {r['ttft_slo_attainment']:.3f}")
+        lines.append(f"TTFT SLO attainment {r['ttft_slo_attainment']:.3f} (of completed requests)")
+    if "goodput" in r:
+        g = r["goodput"]
+        lines.append(f"goodput {g['req_s']:.2f} req/s met their TTFT deadline ({g['met']} requests, "
+                     f"{g['fraction']:.3f} of all with a deadline, refused ones included)")
+    if "tenant_fairness" in r:
+        tf = r["tenant_fairness"]
+        shares = ", ".join(f"{t} {s:.3f}" for t, s in tf["share"].items())
+        lines.append(f"tenant fairness up to the last arrival ({tf['window_end_s']:.1f} s): Jain {_f(tf['jain'], 4)}; "
+                     f"weighted service shares {shares}")
     lines.append(f"KV usage mean {r['kv_usage']['mean']:.3f} max {r['kv_usage']['max']:.3f}; "
                  f"max running {r['max_running']}, max waiting {r['max_waiting']}")
     if w.get("steps"):

@@ -94,6 +94,7 @@ class WorkloadConfig:
     priority_classes: str | None = None  # "0:0.8,10:0.2"
     tenants: str | None = None  # "a:10,b:1"
     ttft_slo_ms: float | None = None
+    ttft_slo_classes: str | None = None  # "300:0.5,3000:0.5": TTFT deadline ms:fraction
     context_len: int = 4096
     seed: int = 0
 
@@ -149,6 +150,9 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
     rng = random.Random(cfg.seed)
     prios = parse_weights(cfg.priority_classes, "--priority-classes")
     tenants = parse_weights(cfg.tenants, "--tenants")
+    slos = parse_weights(cfg.ttft_slo_classes, "--ttft-slo-classes")
+    if slos and cfg.ttft_slo_ms is not None:
+        raise ValueError("--ttft-slo-ms and --ttft-slo-classes exclude each other")
     n = cfg.num_requests
     times = arrival_times(cfg, n, rng)
     seed_key = (cfg.seed + 1) * 1_000_003
@@ -164,7 +168,8 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
         p = pick(prios)
         spec.priority = int(p) if p is not None else None
         spec.tenant = pick(tenants)
-        spec.deadline_ms = cfg.ttft_slo_ms
+        slo = pick(slos)
+        spec.deadline_ms = float(slo) if slo is not None else cfg.ttft_slo_ms
 
     if cfg.workload in ("random", "shared-prefix"):
         for i in range(n):
@@ -185,7 +190,7 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
         for c in range(n_conv):
             t = times[c]
             prompt = _length(rng, cfg.input_len, cfg.len_dist, cfg.range_ratio)
-            tenant_prio = None
+            tenant_prio: tuple[int | None, str | None, float | None] | None = None
             for turn in range(cfg.num_turns):
                 if len(specs) >= n or prompt >= max_prompt:
                     break
@@ -193,10 +198,9 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
                 spec = RequestSpec(f"c{c}t{turn}", t, prompt, out_len, stream=seed_key + c, conversation=c, turn=turn)
                 if tenant_prio is None:
                     classify(spec)
-                    tenant_prio = (spec.priority, spec.tenant)
+                    tenant_prio = (spec.priority, spec.tenant, spec.deadline_ms)
                 else:
-                    spec.priority, spec.tenant = tenant_prio
-                    spec.deadline_ms = cfg.ttft_slo_ms
+                    spec.priority, spec.tenant, spec.deadline_ms = tenant_prio
                 specs.append(spec)
                 prompt += out_len + _length(rng, cfg.turn_len, cfg.len_dist, cfg.range_ratio)
                 t += rng.expovariate(1.0 / cfg.think_time) if cfg.think_time > 0 else 0.0

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every figure of docs/benchmarks.md and the real-model table of docs/scheduling.md, in one go.
+#   bash scripts/run_benchmarks.sh [OUT_DIR]      (about 40 minutes on a quiet 2-core machine)
+# Run it with nothing else busy: the machine has two cores and torch uses both.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+OUT=${1:-bench_out}
+PORT=${PORT:-30123}
+mkdir -p "$OUT"
+
+# issue: engine core -- offline engine vs HF transformers on the same prompts, same dtype
+radixserve bench offline --workload random --compare-hf --decode-batch 64 --output "$OUT/random.json"
+radixserve bench offline --workload shared-prefix --compare-hf --output "$OUT/shared_prefix.json"
+
+# issue: policies -- fcfs, lpm, dfs-weight and the unified scheduler on the shared-prefix workload
+for p in fcfs lpm dfs-weight; do
+    radixserve bench offline --workload shared-prefix --schedule-policy "$p" --output "$OUT/sched_$p.json"
+done
+radixserve bench offline --workload shared-prefix --scheduler unified --output "$OUT/sched_unified.json"
+
+# issue: serving -- the server at concurrency 32 vs the offline engine capped at 32 running
+radixserve bench offline --workload shared-prefix --max-running-requests 32 --output "$OUT/offline_c32.json"
+radixserve serve --port "$PORT" > "$OUT/server.log" 2>&1 &
+server=$!
+trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+for _ in $(seq 120); do
+    curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
+    sleep 1
+done
+common=(--base-url "http://127.0.0.1:$PORT" --workload shared-prefix --output-len 128 --disable-tqdm)
+radixserve bench serve "${common[@]}" --num-prompts 16 --max-concurrency 32 --output "$OUT/serve_c32.json"
+curl -s -X POST "http://127.0.0.1:$PORT/flush_cache" > /dev/null
+radixserve bench serve "${common[@]}" --num-prompts 2 --max-concurrency 1 --output "$OUT/serve_c1.json"
