@@ -10,7 +10,10 @@ PORT=${PORT:-30123}
 mkdir -p "$OUT"
 
 # issue: engine core -- offline engine vs HF transformers on the same prompts, same dtype
+# (dtype auto: bfloat16 on CPUs with native bf16 GEMMs, float32 elsewhere; float32 for comparison)
 radixserve bench offline --workload random --compare-hf --decode-batch 64 --output "$OUT/random.json"
+radixserve bench offline --workload random --dtype float32 --compare-hf --decode-batch 64 \
+    --output "$OUT/random_fp32.json"
 radixserve bench offline --workload shared-prefix --compare-hf --output "$OUT/shared_prefix.json"
 
 # issue: policies -- fcfs, lpm, dfs-weight and the unified scheduler on the shared-prefix workload
@@ -18,6 +21,13 @@ for p in fcfs lpm dfs-weight; do
     radixserve bench offline --workload shared-prefix --schedule-policy "$p" --output "$OUT/sched_$p.json"
 done
 radixserve bench offline --workload shared-prefix --scheduler unified --output "$OUT/sched_unified.json"
+# the same under KV pressure: a 12,000-token pool holds the running requests but not every group's prefix
+for p in fcfs lpm dfs-weight; do
+    radixserve bench offline --workload shared-prefix --schedule-policy "$p" --max-total-tokens 12000 \
+        --output "$OUT/sched_${p}_tight.json"
+done
+radixserve bench offline --workload shared-prefix --scheduler unified --max-total-tokens 12000 \
+    --output "$OUT/sched_unified_tight.json"
 
 # issue: serving -- the server at concurrency 32 vs the offline engine capped at 32 running
 radixserve bench offline --workload shared-prefix --max-running-requests 32 --output "$OUT/offline_c32.json"

@@ -105,7 +105,11 @@ def test_streaming_equals_non_streaming(engine: Engine) -> None:
     assert chunks[-1]["finished"] and not chunks[0]["finished"]
 
 
-def test_seeded_sampling_is_reproducible_across_batches(engine: Engine) -> None:
+def test_seeded_sampling_is_reproducible_across_batches() -> None:
+    # NOTE: float32, where a row's logits do not depend on what else is in the batch. In bfloat16 (the
+    # default on CPUs with native bf16) the GEMMs round differently per batch shape, so a seeded
+    # request reproduces exactly only when it is batched the same way (docs/model.md).
+    engine = Engine(runner=ModelRunner(None, dtype="float32"), max_total_tokens=4096, context_length=2048)
     params = {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.95, "seed": 1234, "ignore_eos": True}
     alone = engine.generate("The weather today", params)
     batched = engine.generate(["Unrelated prompt here", "The weather today", "Another"],

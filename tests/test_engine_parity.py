@@ -88,17 +88,24 @@ def test_all_at_once(runner: ModelRunner, prompts: list[list[int]], reference: l
     eng.check_memory_invariant()
 
 
+SHARED_TAILS = [1, 3, 5, 9, 17, 25, 40, 60, 90, 120, 150, 200]
+
+
 def test_shared_prefix_hits_cache(hf_model: Any, runner: ModelRunner, prompts: list[list[int]]) -> None:
+    """12 prompts (601 to 800 tokens) behind one 600-token prefix: the first pays for it, the other
+    11 find it in the radix cache, and all 12 still generate exactly HF's 64 tokens."""
     base = prompts[-1][:600]
-    group = [base + p[:20] for p in prompts[1:7]]
-    ref = [hf_greedy(hf_model, p, 16) for p in group]
+    text = prompts[-1]
+    group = [base + text[600 + 13 * i : 600 + 13 * i + n] for i, n in enumerate(SHARED_TAILS)]
+    assert len(group) == 12 and all(len(p) == 600 + n for p, n in zip(group, SHARED_TAILS, strict=True))
+    ref = [hf_greedy(hf_model, p, NEW_TOKENS) for p in group]
     eng = _engine(runner)
-    params = dict(GREEDY, max_new_tokens=16)
-    first = eng.generate(input_ids=group[0], sampling_params=params)
-    rest = eng.generate(input_ids=group[1:], sampling_params=params)
+    first = eng.generate(input_ids=group[0], sampling_params=GREEDY)
+    rest = eng.generate(input_ids=group[1:], sampling_params=GREEDY)
+    assert isinstance(rest, list)
     outs = [first, *rest]
-    for o, r in zip(outs, ref, strict=True):
-        assert o["output_ids"] == r
+    for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
+        assert o["output_ids"] == r, f"shared-prefix prompt {i} diverged"
     assert first["meta_info"]["cached_tokens"] == 0
     for o in rest:
         assert o["meta_info"]["cached_tokens"] >= 600

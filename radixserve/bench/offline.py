@@ -131,14 +131,37 @@ def matmul_only_ms(engine: Engine, batch: int, iters: int = 5) -> float:
     return (time.perf_counter() - t0) / iters * 1000
 
 
-def decode_step_ms(engine: Engine, batch: int, input_len: int = 256, steps: int = 16) -> float:
-    """Mean wall time of decode steps with exactly ``batch`` running requests."""
+def decode_step_ms(engine: Engine, batch: int, input_len: int = 256, steps: int = 16) -> tuple[float, float]:
+    """Median wall time of decode steps with exactly ``batch`` running requests, as
+    ``(whole engine step, runner forward)``. The whole step runs from one ``Scheduler.step`` call to
+    the next: scheduling, the forward, result processing and the engine's detokenization."""
     reqs = make_workload("random", num_prompts=batch, input_len=input_len, output_len=steps + 1, seed=123)
-    log = engine.scheduler.stats.step_log
+    sched = engine.scheduler
+    log = sched.stats.step_log
     n0 = len(log)
-    run_engine(engine, reqs, "decode-probe")
-    times = [t for mode, bs, _, t in list(log)[n0:] if mode == "DECODE" and bs == batch]
-    return statistics.median(times) * 1000 if times else float("nan")
+    starts: list[tuple[float, int]] = []  # (start time, step_log length before the step)
+    inner = sched.step
+
+    def timed_step() -> list[Any]:
+        starts.append((time.perf_counter(), len(log)))
+        return inner()
+
+    sched.step = timed_step  # type: ignore[method-assign]
+    try:
+        run_engine(engine, reqs, "decode-probe")
+    finally:
+        del sched.step  # back to the class's method
+    entries = list(log)
+    whole = [
+        t1 - t0 for (t0, k), (t1, _) in zip(starts, starts[1:], strict=False)
+        if k < len(entries) and entries[k][0] == "DECODE" and entries[k][1] == batch
+    ]
+    fwd = [t for mode, bs, _, t in entries[n0:] if mode == "DECODE" and bs == batch]
+    return _median_ms(whole), _median_ms(fwd)
+
+
+def _median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1000 if xs else float("nan")
 
 
 def main(args: Any) -> int:
@@ -173,11 +196,11 @@ def main(args: Any) -> int:
     extra: dict[str, float] = {}
     if args.decode_batch:
         engine.flush_cache()
-        step = decode_step_ms(engine, args.decode_batch)
+        step, fwd = decode_step_ms(engine, args.decode_batch)
         mm = matmul_only_ms(engine, args.decode_batch)
-        extra = {"decode_step_ms": step, "matmul_only_ms": mm}
-        print(f"decode step at batch {args.decode_batch}: {step:.1f} ms; model matmuls alone: {mm:.1f} ms "
-              f"({step / mm:.2f}x)")
+        extra = {"decode_step_ms": step, "decode_forward_ms": fwd, "matmul_only_ms": mm}
+        print(f"decode step at batch {args.decode_batch}: {step:.1f} ms (runner forward {fwd:.1f} ms); "
+              f"model matmuls alone: {mm:.1f} ms (step / matmuls {step / mm:.2f}x)")
     print(f"dtype: {engine.runner.dtype}")
     if args.output:
         with open(args.output, "w") as f:

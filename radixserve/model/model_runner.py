@@ -41,11 +41,12 @@ def cpu_flags() -> set[str]:
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"auto"``: bfloat16 only where the CPU has native bf16 GEMMs (AMX / AVX512-BF16), else float32.
+    """``"auto"``: bfloat16 where the CPU has native bf16 GEMMs (AMX / AVX512-BF16), else float32.
 
-    Measured on this project's AVX2-only CPU (AMD EPYC, 2 cores; scripts/bench_model_step.py): one
-    decode step at batch 64 costs ~6x more in bfloat16 than in float32, since oneDNN/MKL emulate bf16
-    there; with AMX the reverse holds.
+    Measured with scripts/bench_model_step.py (docs/model.md): on an AVX512-BF16 EPYC a batch-64
+    decode step is ~12% faster in bf16 (attention, memory-bound, gains nothing) and prefill ~21%;
+    on an AVX2-only CPU, where bf16 is emulated, a step costs ~6x more than float32. bf16 logits
+    depend on the batch shape; ``float32`` is the choice when outputs must not depend on batching.
     """
     if isinstance(dtype, str) and dtype.lower() == "auto":
         flags = cpu_flags()
