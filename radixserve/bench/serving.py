@@ -6,7 +6,12 @@ streamed, so that every request's TTFT and inter-token latencies can be measured
 
 - arrivals: a Poisson process at ``--request-rate`` req/s (``inf``: all at once), at most
   ``--max-concurrency`` in flight;
-- multi-turn: a conversation's turn t is sent only after its turn t-1 has finished;
+- multi-turn: a conversation's turn t is sent only after its turn t-1 has finished, and its prompt
+  is turn t-1's prompt + the reply the server generated (its token ids, asked for with vLLM's
+  ``return_token_ids``) + the turn's new user tokens: every turn extends the previous one exactly,
+  as a chat does, and the server's prefix cache can hit on the whole history (``cached_tokens``,
+  from ``usage.prompt_tokens_details``, is reported per request). A server that returns no token
+  ids gets the workload's random stand-in for the reply instead (counted in the report);
 - reported: request / token throughput and P50 / P95 / P99 of TTFT, TPOT (per request, time per
   output token after the first), ITL (every gap between streamed chunks) and end-to-end latency.
 """
@@ -66,6 +71,9 @@ class RequestResult:
     start: float = 0.0
     error: str | None = None
     status: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server says
+    group: int = 0
+    turn: int = 0
 
     @property
     def tpot(self) -> float | None:
@@ -99,6 +107,7 @@ class ServingBenchmark:
         self.ns = ns
         self.base = ns.base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+        self.replies = {"real": 0, "stand_in": 0}  # multi-turn: where each turn's reply tokens came from
 
     async def _discover(self, client: httpx.AsyncClient) -> tuple[str, int]:
         model = self.ns.model
@@ -126,12 +135,16 @@ class ServingBenchmark:
         return make_workload("multi-turn", num_conversations=ns.num_prompts, num_turns=ns.num_turns,
                              first_len=ns.input_len, turn_len=ns.turn_len, **common)
 
-    async def send(self, client: httpx.AsyncClient, model: str, req: BenchRequest) -> RequestResult:
-        payload = {
-            "model": model, "prompt": req.input_ids, "max_tokens": req.max_new_tokens, "ignore_eos": True,
+    async def send(self, client: httpx.AsyncClient, model: str, req: BenchRequest, prompt: list[int],
+                   reply_ids: list[int] | None = None) -> RequestResult:
+        """Stream one request; with ``reply_ids``, ask for the generated token ids and gather them there."""
+        payload: dict[str, Any] = {
+            "model": model, "prompt": prompt, "max_tokens": req.max_new_tokens, "ignore_eos": True,
             "temperature": self.ns.temperature, "stream": True, "stream_options": {"include_usage": True},
         }
-        res = RequestResult(False, len(req.input_ids))
+        if reply_ids is not None:
+            payload["return_token_ids"] = True
+        res = RequestResult(False, len(prompt), group=req.group, turn=req.turn)
         t0 = res.start = time.perf_counter()
         last = t0
         chunks = 0
@@ -156,6 +169,8 @@ class ServingBenchmark:
                     now = time.perf_counter()
                     if msg.get("choices"):
                         chunks += 1
+                        if reply_ids is not None:
+                            reply_ids.extend(msg["choices"][0].get("token_ids") or [])
                         if res.ttft is None:
                             res.ttft = now - t0
                         else:
@@ -163,6 +178,9 @@ class ServingBenchmark:
                         last = now
                     if msg.get("usage"):
                         res.output_tokens = int(msg["usage"]["completion_tokens"])
+                        details = msg["usage"].get("prompt_tokens_details") or {}
+                        if details.get("cached_tokens") is not None:
+                            res.cached_tokens = int(details["cached_tokens"])
         except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
             res.error = f"{type(e).__name__}: {e}"
             return res
@@ -179,20 +197,33 @@ class ServingBenchmark:
             reqs = self.workload(vocab)
             rng = random.Random(ns.seed)
             sem = asyncio.Semaphore(ns.max_concurrency) if ns.max_concurrency else None
+            multi_turn = ns.workload == "multi-turn"
             turn_done: dict[tuple[int, int], asyncio.Event] = {(r.group, r.turn): asyncio.Event() for r in reqs}
+            history: dict[int, list[int]] = {}  # multi-turn: a conversation's last prompt + its real reply
+            # the workload's stand-in for the reply to turn t travels with turn t + 1
+            stand_in = {(r.group, r.turn - 1): r.stand_in_reply for r in reqs if r.turn > 0}
             bar = tqdm(total=len(reqs), desc=f"bench {ns.workload}", disable=ns.disable_tqdm, file=sys.stderr)
             results: list[RequestResult] = []
 
             async def one(req: BenchRequest, delay: float) -> None:
                 await asyncio.sleep(delay)
-                if ns.workload == "multi-turn" and req.turn > 0:
+                prompt = req.input_ids
+                if multi_turn and req.turn > 0:
                     await turn_done[(req.group, req.turn - 1)].wait()
+                    if req.group in history:  # else turn t-1 broke down: the workload's own prompt
+                        prompt = history[req.group] + req.user_ids
+                reply: list[int] | None = [] if multi_turn else None
                 try:
                     if sem is not None:
                         async with sem:
-                            res = await self.send(client, model, req)
+                            res = await self.send(client, model, req, prompt, reply)
                     else:
-                        res = await self.send(client, model, req)
+                        res = await self.send(client, model, req, prompt, reply)
+                    if reply is not None:
+                        real = res.ok and bool(reply)
+                        if res.ok:
+                            self.replies["real" if real else "stand_in"] += 1
+                        history[req.group] = prompt + (reply if real else stand_in.get((req.group, req.turn), []))
                 finally:
                     turn_done[(req.group, req.turn)].set()
                 results.append(res)
@@ -233,6 +264,7 @@ class ServingBenchmark:
             "tpot": _summary([t for r in ok if (t := r.tpot) is not None]),
             "itl": _summary([x for r in ok for x in r.itl]),
             "e2e_latency": _summary([r.e2e for r in ok]),
+            **({"multi_turn_replies": dict(self.replies)} if ns.workload == "multi-turn" else {}),
             "requests": [asdict(r) for r in results],
         }
 

@@ -4,13 +4,16 @@ numbers compare. Prompts are drawn from ordinary (non-special) token ids with a 
 - ``random``: independent prompts of ``input_len`` tokens.
 - ``shared-prefix``: ``num_groups`` groups; each group's prompts share a ``system_len``-token system
   prompt and differ in a ``question_len``-token question.
-- ``multi-turn``: conversations whose every turn extends the previous turn's prompt.
+- ``multi-turn``: conversations whose every turn extends the previous turn's prompt. Offline, a turn's
+  prompt holds a random stand-in for the previous answer; ``bench serve`` sends, as a chat does, the
+  previous turn's prompt + the answer the server really generated + the turn's new user tokens
+  (``BenchRequest.user_ids``), so the server's prefix cache sees the whole history again.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -19,6 +22,9 @@ class BenchRequest:
     max_new_tokens: int
     group: int = 0
     turn: int = 0
+    # multi-turn, turn > 0: input_ids == previous turn's input_ids + stand_in_reply + user_ids
+    user_ids: list[int] = field(default_factory=list)
+    stand_in_reply: list[int] = field(default_factory=list)
 
 
 def _tokens(rng: random.Random, n: int, low: int, high: int) -> list[int]:
@@ -60,14 +66,20 @@ def multi_turn_workload(
     vocab: int = 49152,
     seed: int = 0,
 ) -> list[BenchRequest]:
-    """Turn t of a conversation = turn t-1's prompt + a stand-in for its answer + a new message."""
+    """Turn t of a conversation = turn t-1's prompt + a stand-in for its answer + a new message
+    (``bench serve`` replaces the stand-in by the real answer)."""
     rng = random.Random(seed)
     out = []
     for c in range(num_conversations):
         prompt = _tokens(rng, first_len, 200, vocab - 200)
+        reply: list[int] = []
+        user: list[int] = []
         for t in range(num_turns):
-            out.append(BenchRequest(list(prompt), output_len, group=c, turn=t))
-            prompt = prompt + _tokens(rng, output_len + turn_len, 200, vocab - 200)
+            out.append(BenchRequest(list(prompt), output_len, group=c, turn=t, user_ids=user, stand_in_reply=reply))
+            # NOTE: one draw for answer + message, so the offline workload stays what it always was
+            new = _tokens(rng, output_len + turn_len, 200, vocab - 200)
+            reply, user = new[:output_len], new[output_len:]
+            prompt = prompt + new
     return out
 
 

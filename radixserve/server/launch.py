@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Generator
 from multiprocessing.process import BaseProcess
@@ -123,11 +124,13 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
     bar = tqdm(total=LOAD_STAGES, desc=f"Loading {name}", unit="stage",
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}] {postfix}")
 
+    interactive = sys.stderr.isatty()
+
     def progress(stage: str) -> None:
         if stage:
             bar.set_postfix_str(stage, refresh=False)
             bar.update(1)
-        else:
+        elif interactive:  # the elapsed-time tick; in a log file it would only repeat the line
             bar.refresh()
 
     tm: TokenizerManager | None = None
@@ -148,9 +151,11 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
     assert tm is not None
 
     app = create_app(tm, model_path, pid_map(procs))
+    # NOTE: h11 always, not httptools when it happens to be installed: how an HTTP/2 preface is
+    # parsed (and so refused, see http_server._Guard) must not depend on the environment
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level == "debug", timeout_graceful_shutdown=3,
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=5, http="h11")
     server = _Server(config)
 
     def on_fatal(reason: str) -> None:

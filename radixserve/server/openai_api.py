@@ -3,7 +3,9 @@
 ``n`` fans out into n requests with derived rids (seeds ``seed + i`` when seeded); usage counts
 a prompt once per prompt, as OpenAI does. Streams end with ``data: [DONE]``; the usage-only chunk
 (empty ``choices``) is sent only with ``stream_options.include_usage``. An error after the stream
-started is sent as a ``data: {"error": ...}`` event.
+started is sent as a ``data: {"error": ...}`` event. ``/v1/completions`` takes vLLM's
+``return_token_ids``: each choice (each chunk, streamed) then carries ``token_ids``, and
+``prompt_token_ids`` once; ``radixserve bench serve`` builds multi-turn histories from them.
 """
 
 from __future__ import annotations
@@ -189,7 +191,7 @@ class OpenAIServing:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             first = await call.first_outputs()
-            return StreamingResponse(self._completion_stream(call, first, body, rid, created, echo),
+            return StreamingResponse(self._completion_stream(call, first, body, rid, created, echo, prompts),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             states = await call.wait_all()
@@ -199,13 +201,17 @@ class OpenAIServing:
         for st in states:
             assert st.last is not None and st.last.finished_reason is not None
             prefix = echo[st.index // body.n]
-            choices.append({
+            choice = {
                 "index": st.index,
                 "text": prefix + st.text,
                 "logprobs": self._completion_logprobs(st.output_ids, st.logprobs, st.top_logprobs, len(prefix))
                 if nlp is not None else None,
                 "finish_reason": st.last.finished_reason.openai_reason,
-            })
+            }
+            if body.return_token_ids:
+                choice["prompt_token_ids"] = prompts[st.index // body.n]
+                choice["token_ids"] = list(st.output_ids)
+            choices.append(choice)
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": self.tm.model_name,
             "choices": choices, "usage": _usage(states, body.n),
@@ -213,7 +219,7 @@ class OpenAIServing:
 
     async def _completion_stream(
         self, call: Call, first: list[tuple[ReqState, StrOut]], body: CompletionRequest, rid: str, created: int,
-        echo: list[str],
+        echo: list[str], prompts: list[list[int]],
     ) -> AsyncIterator[bytes]:
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.tm.model_name}
         if body.include_usage:
@@ -229,17 +235,22 @@ class OpenAIServing:
                     yield SSE_DONE
                     return
                 text = o.text
+                extra: dict[str, Any] = {"token_ids": list(o.new_token_ids)} if body.return_token_ids else {}
                 if st.index not in offsets:
                     text = echo[st.index // body.n] + text
                     offsets[st.index] = 0
+                    if body.return_token_ids:
+                        extra["prompt_token_ids"] = prompts[st.index // body.n]
                 lp = None
                 if body.logprobs is not None and o.new_token_ids:
                     lp = self._completion_logprobs(o.new_token_ids, o.new_logprobs, o.new_top_logprobs,
                                                    offsets[st.index])
                 offsets[st.index] += len(text)
-                if text or lp is not None or fr is not None:
+                # NOTE: with token ids, a token whose text is still held back (part of a character
+                # or of a possible stop string) gets a chunk of its own, so no id goes missing
+                if text or lp is not None or fr is not None or extra.get("token_ids"):
                     yield sse({**base, "choices": [{"index": st.index, "text": text, "logprobs": lp,
-                                                    "finish_reason": fr.openai_reason if fr else None}]})
+                                                    "finish_reason": fr.openai_reason if fr else None, **extra}]})
             if body.include_usage:
                 yield sse({**base, "choices": [], "usage": _usage(call.group.states, body.n)})
             yield SSE_DONE

@@ -91,6 +91,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: the choices carry token_ids (and prompt_token_ids)
 
 
 class ChatMessage(BaseModel):

@@ -1,13 +1,16 @@
-"""A server of its own: --api-key, --max-queued-requests, and what happens when the scheduler
-process dies (/health fails, the server exits non-zero, nothing hangs, nothing is orphaned)."""
+"""A server of its own: --api-key, --max-queued-requests, and what happens when the scheduler or
+the detokenizer process dies (/health fails, the server exits non-zero, nothing hangs, nothing is
+orphaned)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -16,15 +19,23 @@ import pytest
 from tests.server.helpers import API_KEY, ServerProcess, assert_memory_ok, pid_alive, wait_idle
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("--max-queued-requests", "2", "--max-running-requests", "2", api_key=API_KEY)
+def _started(srv: ServerProcess) -> Iterator[ServerProcess]:
     try:
         srv.wait_ready()
         yield srv
     finally:
         srv.kill()
         os.unlink(srv.log.name)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    yield from _started(ServerProcess("--max-queued-requests", "2", "--max-running-requests", "2", api_key=API_KEY))
+
+
+@pytest.fixture
+def fresh_server() -> Iterator[ServerProcess]:
+    yield from _started(ServerProcess(api_key=API_KEY))
 
 
 def test_api_key(server: ServerProcess) -> None:
@@ -50,35 +61,43 @@ def test_set_schedule_policy_needs_api_key(server: ServerProcess) -> None:
 
 
 def test_max_queued_requests(server: ServerProcess) -> None:
-    """20 requests at once against 2 running + 2 queued: each completes or gets 429 with
-    Retry-After; none that was accepted is dropped; the server stays healthy."""
+    """20 requests at once, through the official client, against 2 running + 2 queued: each one
+    either completes with all its tokens (ignore_eos) or is refused with 429 ``queue_full`` and a
+    Retry-After; none that was accepted is dropped; the server stays healthy, its memory intact."""
+    max_tokens = 6
 
-    async def one(client: httpx.AsyncClient, i: int, stream: bool) -> tuple[int, str | None, int]:
-        body = {"prompt": f"Request number {i}:", "max_tokens": 6, "ignore_eos": True, "stream": stream}
-        if not stream:
-            r = await client.post("/v1/completions", json=body)
-            n = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else 0
-            return r.status_code, r.headers.get("retry-after"), n
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                return r.status_code, r.headers.get("retry-after"), 0
-            n = len([ln async for ln in r.aiter_lines() if ln.startswith("data:") and "[DONE]" not in ln])
-            return 200, None, n
+    async def one(client: openai.AsyncOpenAI, model: str, i: int, stream: bool) -> tuple[str, Any]:
+        kw: dict[str, Any] = dict(model=model, prompt=f"Request number {i}:", max_tokens=max_tokens,
+                                  extra_body={"ignore_eos": True})
+        try:
+            if stream:
+                chunks = [c async for c in await client.completions.create(
+                    stream=True, stream_options={"include_usage": True}, **kw)]
+                usage = chunks[-1].usage
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            else:
+                r = await client.completions.create(**kw)
+                usage, finish = r.usage, [r.choices[0].finish_reason]
+        except openai.RateLimitError as e:  # anything else fails the test
+            return "refused", e
+        assert usage is not None
+        return "done", (usage.completion_tokens, finish)
 
-    async def burst() -> list[tuple[int, str | None, int]]:
-        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as client:
-            return await asyncio.gather(*(one(client, i, stream=i % 2 == 0) for i in range(20)))
+    async def burst() -> list[tuple[str, Any]]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        async with client:
+            model = (await client.models.list()).data[0].id
+            return await asyncio.gather(*(one(client, model, i, stream=i % 2 == 0) for i in range(20)))
 
     results = asyncio.run(burst())
-    codes = [r[0] for r in results]
-    assert set(codes) <= {200, 429}, codes
-    assert codes.count(429) > 0 and codes.count(200) >= 2
-    for code, retry_after, n in results:
-        if code == 429:
-            assert retry_after is not None
+    kinds = [k for k, _ in results]
+    assert kinds.count("refused") > 0 and kinds.count("done") >= 2, kinds
+    for kind, got in results:
+        if kind == "done":
+            assert got == (max_tokens, ["length"])  # accepted: every token, nothing cut short
         else:
-            assert n > 0
+            assert got.status_code == 429 and got.code == "queue_full", got.body
+            assert int(got.response.headers["retry-after"]) > 0
     with server.client() as c:
         assert c.get("/health").status_code == 200
         assert_memory_ok(wait_idle(c))
@@ -86,17 +105,21 @@ def test_max_queued_requests(server: ServerProcess) -> None:
         assert r.status_code == 200
 
 
-def test_scheduler_death_fails_health_and_exits_nonzero(server: ServerProcess) -> None:
-    sched, detok = server.pids["scheduler"], server.pids["detokenizer"]
+def _check_child_death(server: ServerProcess, victim: str) -> None:
+    """Kill one child process mid-stream: the stream ends with an error event, /health fails, the
+    server exits non-zero, and the other child does not outlive it."""
+    other = "detokenizer" if victim == "scheduler" else "scheduler"
+    pid, other_pid = server.pids[victim], server.pids[other]
     with server.client() as c:
-        # a request in flight when the scheduler dies gets an error, it does not hang
+        # a request in flight when the process dies gets an error, it does not hang
         with c.stream("POST", "/v1/completions", json={"prompt": "Once", "max_tokens": 1000, "ignore_eos": True,
                                                        "stream": True}) as r:
             lines = r.iter_lines()
             next(ln for ln in lines if ln.startswith("data:"))
-            os.kill(sched, signal.SIGKILL)
-            rest = [ln for ln in lines if ln.startswith("data:")]
-        assert any('"error"' in ln for ln in rest), rest[-3:]
+            os.kill(pid, signal.SIGKILL)
+            rest = [ln[5:].strip() for ln in lines if ln.startswith("data:")]
+        errors = [json.loads(ln)["error"] for ln in rest if '"error"' in ln]
+        assert errors and errors[0]["code"] == "server_unavailable", rest[-3:]
     health_failed = False
     deadline = time.monotonic() + 30
     while server.proc.poll() is None and time.monotonic() < deadline:
@@ -109,6 +132,14 @@ def test_scheduler_death_fails_health_and_exits_nonzero(server: ServerProcess) -
     code = server.proc.wait(timeout=5)
     assert health_failed
     assert code != 0
+    assert f"the {victim} process died" in server.log_text()
     time.sleep(0.5)
-    assert not pid_alive(detok), "the detokenizer outlived the server"
+    assert not pid_alive(other_pid), f"the {other} outlived the server"
 
+
+def test_detokenizer_death_fails_health_and_exits_nonzero(fresh_server: ServerProcess) -> None:
+    _check_child_death(fresh_server, "detokenizer")
+
+
+def test_scheduler_death_fails_health_and_exits_nonzero(server: ServerProcess) -> None:
+    _check_child_death(server, "scheduler")  # last: it ends the module's server

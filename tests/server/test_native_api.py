@@ -169,18 +169,3 @@ def test_http2_preface_is_refused_cleanly(shared_server: ServerProcess, c: httpx
     assert c.get("/health").status_code == 200
     assert c.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
 
-
-def test_bench_serve_against_server(shared_server: ServerProcess, tmp_path: Any) -> None:
-    from radixserve.cli import main
-
-    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    code = main(["bench", "serve", "--base-url", shared_server.url, "--workload", "shared-prefix",
-                 "--num-groups", "2", "--num-prompts", "2", "--system-len", "32", "--question-len", "8",
-                 "--output-len", "4", "--request-rate", "20", "--max-concurrency", "4", "--output", str(out),
-                 "--plot", str(png), "--disable-tqdm"])
-    assert code == 0
-    rep = json.loads(out.read_text())
-    assert rep["completed"] == 4 and rep["failed"] == 0 and rep["total_output_tokens"] == 16
-    for key in ("ttft", "tpot", "itl", "e2e_latency"):
-        assert rep[key]["p50_ms"] is not None and rep[key]["p99_ms"] >= rep[key]["p50_ms"]
-    assert png.stat().st_size > 1000
