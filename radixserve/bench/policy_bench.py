@@ -8,6 +8,8 @@ of ``num_waiting`` waiting requests with the fcfs fallback disabled (``--lpm-fal
 - ``warm``: later steps with an unchanged tree (a decode step);
 - ``churn``: steps after which the tree changed: one prefill's prompt inserted and some leaves
   evicted (a typical prefill step);
+- ``resort``: a round that falls back to the full sort (the kept order is dropped, as after an
+  abort from the middle of the queue, aging's re-sort or a policy switch); the matches are kept;
 - ``naive``: for reference, re-matching every request from the root with ``match_prefix``, as
   SGLang does each step (the reason it falls back to fcfs past 128 requests).
 
@@ -70,7 +72,8 @@ def bench_lpm_order(
     num_seqs: int = 2000, seq_len: int = 500, num_waiting: int = 10000, repeats: int = 5, naive: bool = True,
     seed: int = 0,
 ) -> dict[str, float]:
-    """Milliseconds per lpm ordering (see the module docstring)."""
+    """Milliseconds per lpm ordering (see the module docstring); ``churn_rematched_min``/``_max``: how
+    many requests a churn round matched again."""
     tree, seqs = build_tree(num_seqs, seq_len, seed=seed)
     waiting = make_waiting(seqs, num_waiting, seed + 1)
     policy = get_policy("lpm")
@@ -90,12 +93,21 @@ def bench_lpm_order(
 
     out = {"cold_ms": timed("cold")}
     out["warm_ms"] = statistics.median(timed("warm") for _ in range(repeats))
-    churn = []
+    churn, rematched = [], []
+    matches = policy.matches  # type: ignore[attr-defined]
     for _ in range(repeats):
         _insert(tree, rng.choice(seqs)[: rng.randrange(50, seq_len)] + [rng.randrange(1, 32000) for _ in range(300)])
         tree.evict(seq_len)
+        n0 = matches.num_matched
         churn.append(timed("churn"))
+        rematched.append(matches.num_matched - n0)
     out["churn_ms"] = statistics.median(churn)
+    out["churn_rematched_min"], out["churn_rematched_max"] = min(rematched), max(rematched)
+    resort = []
+    for _ in range(repeats):
+        policy.incremental.reset()  # type: ignore[attr-defined]
+        resort.append(timed("resort"))
+    out["resort_ms"] = statistics.median(resort)
     for name, v in cpu.items():  # CPU time: steadier than wall time on a shared machine
         out[f"{name}_cpu_ms"] = statistics.median(v)
     if naive:
@@ -124,7 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"lpm ordering of {a.num_waiting} waiting requests, tree of {a.num_seqs} x {a.seq_len} tokens, "
           f"fallback disabled:")
     for k, v in r.items():
-        print(f"  {k[:-3]:>10}: {v:8.2f} ms")
+        if k.endswith("_ms"):
+            print(f"  {k[:-3]:>10}: {v:8.2f} ms")
+        else:  # requests matched again in a churn round (their watcher fired)
+            print(f"  {k}: {v}")
 
 
 if __name__ == "__main__":

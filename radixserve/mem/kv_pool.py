@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.mem.forward_batch import int64_tensor
+
 
 class KVPool:
     def __init__(
@@ -68,7 +70,7 @@ class ReqToTokenPool:
 
     def write(self, idx: int, start: int, slots: list[int]) -> None:
         if slots:
-            self.req_to_token[idx, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int64)
+            self.req_to_token[idx, start : start + len(slots)] = int64_tensor(slots)
 
     def write_many(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
         """``req_to_token[rows[i], cols[i]] = slots[i]`` for every i, as one indexed assignment
@@ -76,5 +78,4 @@ class ReqToTokenPool:
         if slots:
             t = self.req_to_token
             dev = t.device
-            t[torch.tensor(rows, dtype=torch.int64, device=dev), torch.tensor(cols, dtype=torch.int64, device=dev)] = (
-                torch.tensor(slots, dtype=torch.int64, device=dev))
+            t[int64_tensor(rows).to(dev), int64_tensor(cols).to(dev)] = int64_tensor(slots).to(dev)

@@ -112,16 +112,28 @@ class IncrementalLPM:
         keys = lpm_sort_keys(waiting, tree, self.matches, check, t)
         idx = sorted(range(len(waiting)), key=keys.__getitem__)
         out = list(map(waiting.__getitem__, idx))
-        self._groups, self._kept, self._touched = {}, {}, set()
-        for pos, i in enumerate(idx):
-            r = waiting[i]
-            r.lpm_order = (keys[i], 0, 0, pos)
-            if t > 0:
-                self._groups.setdefault(r.lpm_group, set()).add(r)
-        if t > 0:
-            floor = -check * (1 << _SHIFT)
-            for g, members in self._groups.items():
-                self._kept[g] = _first_candidate(members, floor, {})
+        groups: dict[Any, set[Req]] = {}
+        kept: dict[Any, Req | None] = {}
+        self._groups, self._kept, self._touched = groups, kept, set()
+        ordered = enumerate(zip(out, map(keys.__getitem__, idx), strict=True))
+        if t <= 0:
+            for pos, (r, k) in ordered:
+                r.lpm_order = (k, 0, 0, pos)
+            return out
+        # one pass in queue order: the first candidate met in a group is the one
+        # ``_first_candidate`` would pick (the smallest lpm_order, i.e. the smallest position)
+        floor = -check * (1 << _SHIFT)
+        for pos, (r, k) in ordered:
+            r.lpm_order = (k, 0, 0, pos)
+            g = r.lpm_group
+            members = groups.get(g)
+            if members is None:
+                groups[g] = {r}
+                kept[g] = r if r.lpm_key >= floor else None
+            else:
+                members.add(r)
+                if kept[g] is None and r.lpm_key >= floor:
+                    kept[g] = r
         return out
 
     # --- incremental ----------------------------------------------------------------------------

@@ -23,8 +23,9 @@ examples:
   radixserve simulate --tenants a:10,b:1 --ttft-slo-ms 500 --output results.json
   radixserve simulate --trace trace.jsonl --cost-model linear --ms-per-step 8 --ms-per-token 0.05
 
-All latencies are in virtual time (the cost model's GPU); "scheduler overhead" is the real CPU
-(wall) time the scheduler spends per step on this machine, forward excluded. See docs/simulator.md.
+All latencies are in virtual time (the cost model's GPU); "scheduler overhead" is the real wall
+time the scheduler spends per step on this machine and "scheduler CPU" its process CPU time, forward
+excluded. See docs/simulator.md.
 """
 
 

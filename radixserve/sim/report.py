@@ -55,7 +55,7 @@ OPTIONAL_COLUMNS = (
 
 
 def compare_table(results: Sequence[dict[str, Any]]) -> str:
-    """One row per run (latencies in ms of virtual time; sched ms = scheduler CPU wall time per step)."""
+    """One row per run (latencies in ms of virtual time; sched ms = scheduler wall time per step, forward excluded)."""
     cols = list(COLUMNS) + [(h, f) for key, h, f in OPTIONAL_COLUMNS if any(key in r for r in results)]
     return table([[f(r) for _, f in cols] for r in results], [h for h, _ in cols])
 
@@ -79,7 +79,8 @@ def summary_text(r: dict[str, Any]) -> str:
     w = r["wall"]
     lines = [
         f"== {r['label']}: {r['completed']} completed, {r['aborted']} aborted, {r['duration_s']:.2f} s virtual "
-        f"(GPU busy {r['gpu_busy_frac']:.0%}), simulated in {w['sim_wall_s']:.1f} s wall",
+        f"(GPU busy {r['gpu_busy_frac']:.0%}), simulated in {w['sim_wall_s']:.1f} s wall"
+        + (f" ({w['sim_cpu_s']:.1f} s CPU)" if "sim_cpu_s" in w else ""),
         f"throughput: {r['throughput']['output_tok_s']:.0f} output tok/s, {r['throughput']['total_tok_s']:.0f} total tok/s, "
         f"{r['throughput']['req_s']:.2f} req/s; cache hit rate {r['cache_hit_rate']:.3f}",
     ]
@@ -105,17 +106,32 @@ def summary_text(r: dict[str, Any]) -> str:
         shares = ", ".join(f"{t} {s:.3f}" for t, s in tf["share"].items())
         lines.append(f"tenant fairness up to the last arrival ({tf['window_end_s']:.1f} s): Jain {_f(tf['jain'], 4)}; "
                      f"weighted service shares {shares}")
+    if "deadline_admission" in r:
+        da = r["deadline_admission"]
+        e = da["estimate_tok_s"]
+        lines.append(f"deadline admission: estimated prefill rate per step p5 {e['p5']:.0f}, median {e['p50']:.0f}, "
+                     f"mean {e['mean']:.0f}, p95 {e['p95']:.0f}, max {e['max']:.0f} tok/s; prompt tokens prefilled "
+                     f"over the run {da['served_prefill_tok_s']:.0f} tok/s")
     lines.append(f"KV usage mean {r['kv_usage']['mean']:.3f} max {r['kv_usage']['max']:.3f}; "
                  f"max running {r['max_running']}, max waiting {r['max_waiting']}")
     if w.get("steps"):
-        line = (f"scheduler overhead (CPU wall per step, forward excluded): mean {w['sched_ms_mean']:.3f} ms, "
+        line = (f"scheduler overhead (wall per step, forward excluded): mean {w['sched_ms_mean']:.3f} ms, "
                 f"p50 {w['sched_ms_p50']:.3f}, p99 {w['sched_ms_p99']:.3f}, max {w['sched_ms_max']:.3f} "
                 f"over {w['steps']} steps")
         al = w.get("at_load", {})
         if al.get("steps"):
             line += (f"; at >= {al['running>=']} running + >= {al['waiting>=']} waiting: mean "
-                     f"{al['sched_ms_mean']:.3f} ms, p99 {al['sched_ms_p99']:.3f} ({al['steps']} steps)")
+                     f"{al['sched_ms_mean']:.3f} ms, p50 {al['sched_ms_p50']:.3f}, p99 {al['sched_ms_p99']:.3f} "
+                     f"({al['steps']} steps)")
         lines.append(line)
+        if "sched_cpu_ms_mean" in w:
+            line = (f"scheduler CPU (process time per step, forward excluded): mean {w['sched_cpu_ms_mean']:.3f} ms, "
+                    f"p50 {w['sched_cpu_ms_p50']:.3f}, p99 {w['sched_cpu_ms_p99']:.3f}, "
+                    f"max {w['sched_cpu_ms_max']:.3f}")
+            if al.get("steps") and "sched_cpu_ms_mean" in al:
+                line += (f"; at load: mean {al['sched_cpu_ms_mean']:.3f} ms, p50 {al['sched_cpu_ms_p50']:.3f}, "
+                         f"p99 {al['sched_cpu_ms_p99']:.3f}, max {al['sched_cpu_ms_max']:.3f}")
+            lines.append(line)
     ct = class_table(r)
     if ct:
         lines.append(ct)

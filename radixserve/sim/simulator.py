@@ -70,10 +70,11 @@ class SimRunner:
         self.clock = clock
         self.sched: Scheduler | None = None  # set after the scheduler is built (it owns cur_batch)
         self.wall = 0.0  # wall seconds spent in forward (excluded from the scheduler's overhead)
+        self.cpu = 0.0  # process CPU seconds spent in forward (likewise)
         self.busy = 0.0  # virtual seconds of modelled GPU time
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         assert self.sched is not None and self.sched.cur_batch is not None
         reqs = self.sched.cur_batch.reqs
         dt = self.cost.step_time(batch.extend_prefix_lens, batch.extend_seq_lens)
@@ -87,6 +88,7 @@ class SimRunner:
             else:
                 out.append(stream_token(req.sim_stream, req.sim_offset + k))  # type: ignore[attr-defined]
         self.wall += time.perf_counter() - t0
+        self.cpu += time.process_time() - c0
         return ForwardOutput(next_token_ids=out)
 
 
@@ -152,12 +154,15 @@ class SimTrace:
     label: str
     records: list[ReqRecord] = field(default_factory=list)
     timeline: list[tuple[float, float, int, int]] = field(default_factory=list)  # (t, kv usage, running, waiting)
-    step_sched_s: list[float] = field(default_factory=list)  # scheduler CPU (wall) seconds per step
+    step_sched_s: list[float] = field(default_factory=list)  # scheduler wall seconds per step (forward excluded)
+    step_sched_cpu_s: list[float] = field(default_factory=list)  # scheduler process CPU seconds per step (likewise)
     step_running: list[int] = field(default_factory=list)
     step_waiting: list[int] = field(default_factory=list)
     duration: float = 0.0
     gpu_busy: float = 0.0
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # process CPU seconds of the whole run
+    prefill_estimate: list[float] = field(default_factory=list)  # --deadline-admission's tokens/s after each step
     stats: dict[str, Any] = field(default_factory=dict)
     truncated: bool = False  # stopped at max_steps with requests unfinished
 
@@ -200,7 +205,8 @@ def run(
         from tqdm import tqdm
 
         bar = tqdm(total=n, desc=f"simulate {trace.label}", unit="req", mininterval=0.5)
-    wall0 = time.perf_counter()
+    estimator = getattr(getattr(sched, "ext", None), "throughput", None) if args.deadline_admission else None
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     stuck = 0
     while i < n or sched.has_work():
         if max_steps is not None and len(trace.step_sched_s) >= max_steps:
@@ -213,13 +219,17 @@ def run(
             live[req.rid] = req
             sched.add_request(req)
             i += 1
-        fwd0 = runner.wall
-        t0 = time.perf_counter()
+        fwd0, fwd_cpu0 = runner.wall, runner.cpu
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = sched.step()
         spent = time.perf_counter() - t0 - (runner.wall - fwd0)
+        spent_cpu = time.process_time() - c0 - (runner.cpu - fwd_cpu0)
         if sched.cur_batch is not None:
             stuck = 0
             trace.step_sched_s.append(spent)
+            trace.step_sched_cpu_s.append(spent_cpu)
+            if estimator is not None:
+                trace.prefill_estimate.append(estimator.tokens_per_s)
             trace.step_running.append(len(sched.running_batch.reqs))
             trace.step_waiting.append(len(sched.waiting_queue))
             trace.timeline.append((clock.now, sched.kv.usage(), len(sched.running_batch.reqs), len(sched.waiting_queue)))
@@ -250,6 +260,7 @@ def run(
     if bar is not None:
         bar.close()
     trace.wall_s = time.perf_counter() - wall0
+    trace.cpu_s = time.process_time() - cpu0
     trace.duration = clock.now
     trace.gpu_busy = runner.busy
     st = sched.stats
@@ -349,30 +360,47 @@ def summarize(trace: SimTrace, args: ServerArgs | None = None) -> dict[str, Any]
     for key, val in (("goodput", metrics.goodput(recs, dur)), ("tenant_fairness", metrics.tenant_fairness(recs, args))):
         if val is not None:
             res[key] = val
+    if trace.prefill_estimate and dur > 0:  # what --deadline-admission believed, against what was served
+        est = np.asarray(trace.prefill_estimate, dtype=float)
+        res["deadline_admission"] = {
+            "estimate_tok_s": {"p5": round(float(np.percentile(est, 5)), 1),
+                               "p50": round(float(np.percentile(est, 50)), 1),
+                               "mean": round(float(est.mean()), 1),
+                               "p95": round(float(np.percentile(est, 95)), 1),
+                               "max": round(float(est.max()), 1)},
+            "served_prefill_tok_s": round(trace.stats.get("prefill_tokens", 0) / dur, 1),
+        }
     res["kv_timeline"] = [[round(t, 6), round(u, 6), r, w] for t, u, r, w in trace.timeline]
     res["wall"] = wall_summary(trace)
     return res
 
 
 def wall_summary(trace: SimTrace, at_running: int = 1024, at_waiting: int = 8192) -> dict[str, Any]:
-    """The scheduler's CPU (wall) time per step: every step, and the steps at >= ``at_running``
-    running (or all slots full) with >= ``at_waiting`` waiting."""
+    """The scheduler's time per step, forward excluded, as wall time (``sched_ms_*``) and as process
+    CPU time (``sched_cpu_ms_*``, steadier on a shared machine): every step, and the steps at
+    >= ``at_running`` running (or all slots full) with >= ``at_waiting`` waiting (``at_load``)."""
     s = np.asarray(trace.step_sched_s, dtype=float) * 1e3
-    d: dict[str, Any] = {"sim_wall_s": round(trace.wall_s, 3), "steps": int(s.size)}
+    c = np.asarray(trace.step_sched_cpu_s, dtype=float) * 1e3
+    d: dict[str, Any] = {"sim_wall_s": round(trace.wall_s, 3), "sim_cpu_s": round(trace.cpu_s, 3), "steps": int(s.size)}
     if s.size:
-        d["sched_ms_mean"] = round(float(s.mean()), 4)
-        d["sched_ms_p50"] = round(float(np.percentile(s, 50)), 4)
-        d["sched_ms_p99"] = round(float(np.percentile(s, 99)), 4)
-        d["sched_ms_max"] = round(float(s.max()), 4)
+        for name, v in (("sched_ms", s), ("sched_cpu_ms", c)):
+            if v.size == s.size:
+                d.update(_ms_stats(name, v))
         run_ = np.asarray(trace.step_running)
         wait = np.asarray(trace.step_waiting)
         full = run_ >= min(at_running, int(run_.max()) if run_.size else 0)
         mask = full & (wait >= at_waiting)
         d["at_load"] = {"running>=": at_running, "waiting>=": at_waiting, "steps": int(mask.sum())}
         if mask.any():
-            d["at_load"]["sched_ms_mean"] = round(float(s[mask].mean()), 4)
-            d["at_load"]["sched_ms_p99"] = round(float(np.percentile(s[mask], 99)), 4)
+            for name, v in (("sched_ms", s), ("sched_cpu_ms", c)):
+                if v.size == s.size:
+                    d["at_load"].update(_ms_stats(name, v[mask]))
     return d
+
+
+def _ms_stats(name: str, v: np.ndarray) -> dict[str, float]:
+    return {f"{name}_mean": round(float(v.mean()), 4), f"{name}_p50": round(float(np.percentile(v, 50)), 4),
+            f"{name}_p99": round(float(np.percentile(v, 99)), 4), f"{name}_max": round(float(v.max()), 4)}
 
 
 def args_for(base: ServerArgs, spec: str) -> tuple[str, ServerArgs]:
