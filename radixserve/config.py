@@ -121,7 +121,8 @@ class ServerArgs:
     vtc_output_weight: float = _opt(2.0, "vtc: counter charge per output token (w_q).")
     max_preemptions_per_request: int = _opt(
         3, "A request is preempted or retracted at most this many times; then it is no victim (unless "
-        "retraction has no other choice).")
+        "retraction has no other choice). Returned victims go first in their class. 0 turns the guard off "
+        "(no cap; victims re-queued where the policy puts them, as SGLang does).")
     retract_victim_policy: str = _opt(
         "sglang", "Victim order of decode retraction: sglang (fewest outputs first) or min-recompute "
         "(least tokens to recompute first; returned victims go first in their class).",

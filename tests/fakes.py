@@ -55,7 +55,8 @@ def make_scheduler(
     args = ServerArgs(page_size=page_size, disable_radix_cache=not radix, **kw)  # type: ignore[arg-type]
     r2t = ReqToTokenPool(max_reqs, context_len)
     alloc = TokenToKVPoolAllocator(pool_tokens, page_size)
-    cache: BasePrefixCache = RadixCache(r2t, alloc) if radix else ChunkCache(r2t, alloc)
+    # as engine.build_scheduler builds it: --radix-eviction-policy picks the eviction strategy
+    cache: BasePrefixCache = RadixCache(r2t, alloc, args.radix_eviction_policy) if radix else ChunkCache(r2t, alloc)
     kv = KVManager(r2t, alloc, cache)
     runner = EchoRunner(r2t)
     # the class --scheduler asks for (sglang: Scheduler, unified: UnifiedScheduler)

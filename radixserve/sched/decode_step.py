@@ -1,5 +1,6 @@
 """A decode step's results without logprobs: ``Scheduler.process_batch_result`` with the same
-checks in the same order, less per-request work (it runs for every running request every step)."""
+checks in the same order, less per-request work (it runs for every running request every step);
+and ``check_finished``, the stop checks both use."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from radixserve.mem.forward_batch import ForwardOutput
 from radixserve.sched.finish import FINISH_LENGTH, FINISH_STOP, BaseFinishReason
+from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
@@ -45,7 +47,7 @@ def process_decode_result(sched: Scheduler, batch: ScheduleBatch, out: ForwardOu
         elif len(req.origin_input_ids) + n_out >= context_len:
             reason = FINISH_LENGTH(n_out)
         elif sp.stop and detok is not None:
-            reason = sched._check_finished(req)
+            reason = check_finished(sched, req)
         if reason is not None:
             sched.stats.generated_tokens += generated
             generated = 0
@@ -54,3 +56,25 @@ def process_decode_result(sched: Scheduler, batch: ScheduleBatch, out: ForwardOu
         else:
             emit(req)
     sched.stats.generated_tokens += generated
+
+
+def check_finished(sched: Scheduler, req: Req) -> BaseFinishReason | None:
+    """Whether ``req`` stops after its last output token: EOS (unless ``ignore_eos``), a stop token
+    id, ``max_new_tokens``, the context full, or a stop string in the detokenized tail."""
+    sp = req.sampling_params
+    tok = req.output_ids[-1]
+    if not sp.ignore_eos and tok in req.eos_token_ids:
+        return FINISH_STOP(tok)
+    if tok in sp.stop_token_ids:
+        return FINISH_STOP(tok)
+    if len(req.output_ids) >= sp.max_new_tokens:
+        return FINISH_LENGTH(sp.max_new_tokens)
+    if req.num_tokens >= sched.context_len:
+        return FINISH_LENGTH(len(req.output_ids))
+    if sp.stop and sched.detokenize is not None:
+        window = max(len(s) for s in sp.stop) + 2
+        tail = sched.detokenize(req.output_ids[-window:])
+        for s in sp.stop:
+            if s in tail:
+                return FINISH_STOP(s)
+    return None

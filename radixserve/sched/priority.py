@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from radixserve.config import ServerArgs
 from radixserve.sched.aging import aged_rank
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.prefill_adder import AddReqResult, PrefillAdder
 from radixserve.sched.req import Req
-from radixserve.sched.thrash import may_be_victim, preemption_key
+from radixserve.sched.thrash import exclusive_cached_tokens, may_be_victim, preemption_key
 
 if TYPE_CHECKING:
     from radixserve.sched.scheduler import Scheduler
@@ -145,17 +145,6 @@ def abort_timed_out(sched: Scheduler) -> None:
 
 
 # --- preemption (the sglang scheduler) ------------------------------------------------------------
-def _exclusive_cached_tokens(sched: Scheduler, req: Req) -> int:
-    """Cached tokens only ``req`` pins: evictable once it lets go (its nodes with lock_ref 1)."""
-    node: Any = req.last_node
-    root = sched.tree_cache.root
-    n = 0
-    while node is not None and node is not root and getattr(node, "lock_ref", 0) == 1:
-        n += len(node.key)
-        node = node.parent
-    return n
-
-
 def preempt_for(sched: Scheduler, req: Req, adder: PrefillAdder, victims: list[Req], need_slot: bool) -> bool:
     """Make room for ``req`` (a request slot if ``need_slot``, and the KV budget ``add_one_req``
     asks for) by preempting running requests it beats by more than the threshold, least important
@@ -182,7 +171,7 @@ def preempt_for(sched: Scheduler, req: Req, adder: PrefillAdder, victims: list[R
         chosen.append(r)
         need_slots -= 1
         need_tokens -= (min(r.remaining_new_tokens, clip) * ratio + len(r.kv_indices) - r.cache_protected_len
-                        + _exclusive_cached_tokens(sched, r))
+                        + exclusive_cached_tokens(sched, r))
     if not chosen or need_tokens > 0 or need_slots > 0:
         return False
     gone = {id(r) for r in chosen}
@@ -192,9 +181,11 @@ def preempt_for(sched: Scheduler, req: Req, adder: PrefillAdder, victims: list[R
         sched.kv.release(r)  # computed KV -> radix cache; resumes mostly as a cache hit
         r.reset_for_retract()
         r.num_preemptions += 1
+        sched.stats.by_class.add(r, "preemptions")
         victims.append(r)
     adder.available_tokens = sched.kv.available_size()
     sched.stats.num_preemptions += len(chosen)
+    sched.ext.note_victims(chosen)
     return True
 
 

@@ -42,6 +42,7 @@ class Req:
         self.sampling_params = sampling_params or SamplingParams()
         self.arrival_time = arrival_time
         self.priority = priority
+        self.requested_priority = priority  # as sent; ``priority`` may get the default (metrics labels)
         self.extra_key = extra_key
         self.eos_token_ids = frozenset(eos_token_ids)
 

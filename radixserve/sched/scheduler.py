@@ -23,10 +23,11 @@ from typing import Any
 
 from radixserve.config import ServerArgs
 from radixserve.mem.forward_batch import ForwardOutput, Runner
+from radixserve.sched.class_stats import ClassCounters
 from radixserve.sched.deadline import check_deadline
-from radixserve.sched.decode_step import process_decode_result
+from radixserve.sched.decode_step import check_finished, process_decode_result
 from radixserve.sched.extensions import SchedExtensions
-from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, BaseFinishReason
+from radixserve.sched.finish import FINISH_ABORT, BaseFinishReason
 from radixserve.sched.io import ReqOutput
 from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.plugins import make_policy, set_schedule_policy
@@ -41,9 +42,9 @@ from radixserve.sched.priority import (
     preempt_for,
 )
 from radixserve.sched.req import Req
+from radixserve.sched.retract import retract_decode
 from radixserve.sched.sampling_params import InvalidRequest
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
-from radixserve.sched.thrash import retract_order
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class SchedulerStats:
     num_preemptions: int = 0  # running requests preempted by more important ones (priority.py)
     num_starved: int = 0  # first admitted after more than --starvation-threshold s of queueing (aging.py)
     num_deadline_rejected: int = 0  # refused by --deadline-admission (deadline.py)
+    by_class: ClassCounters = field(default_factory=ClassCounters)  # preemptions, retractions, starved by class
     # (mode name, batch size, tokens, wall seconds) of recent forwards, for benchmarks and logs
     step_log: deque[tuple[str, int, int, float]] = field(default_factory=lambda: deque(maxlen=20000))
 
@@ -340,37 +342,8 @@ class Scheduler:
 
     def retract_decode(self, batch: ScheduleBatch) -> list[Req]:
         """Send requests back to the waiting queue until the rest can decode for
-        ``retract_decode_steps`` more steps. Victims as SGLang picks them: fewest output tokens
-        first, the longest prompt among equals. Their computed KV goes to the radix cache, so
-        the recompute is mostly a cache hit if it survives."""
-        reqs = retract_order(self, batch.reqs)  # thrash.py: the cap, --retract-victim-policy
-        retracted: list[Req] = []
-        steps = max(self.args.retract_decode_steps, 1)
-        first = True
-        while first or self.kv.decode_tokens_needed(reqs, steps) > self.kv.reclaimable_size():
-            if len(reqs) == 1:
-                if self.kv.decode_tokens_needed(reqs) > self.kv.reclaimable_size():
-                    victim = reqs.pop()
-                    self.kv.release(victim)
-                    self._finish(victim, FINISH_ABORT(
-                        "out of KV memory with a single request running", status_code=500,
-                        err_type="server_error", code="out_of_memory"))
-                break
-            first = False
-            victim = reqs.pop()
-            self.kv.release(victim)
-            victim.reset_for_retract()
-            victim.num_retractions += 1
-            retracted.append(victim)
-        self.stats.num_retractions += len(retracted)
-        batch.reqs = [r for r in batch.reqs if r in reqs]
-        self.waiting_queue.extend(retracted)
-        total_decoded = sum(len(r.output_ids) for r in batch.reqs)
-        total_max_new = sum(r.max_new_tokens for r in batch.reqs)
-        self.new_token_ratio = min(1.0, (total_decoded + steps * len(batch.reqs)) / (total_max_new + 1))
-        if retracted:
-            logger.info("retracted %d requests; new_token_ratio=%.3f", len(retracted), self.new_token_ratio)
-        return retracted
+        ``retract_decode_steps`` more steps, then raise ``new_token_ratio`` (retract.py)."""
+        return retract_decode(self, batch)
 
     # --- running the model and its results -----------------------------------------------------
     def run_batch(self, batch: ScheduleBatch) -> ForwardOutput | None:
@@ -419,7 +392,7 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             self.stats.generated_tokens += 1
-            reason = self._check_finished(req)
+            reason = check_finished(self, req)
             if reason is not None:
                 self.kv.release(req)
                 self._finish(req, reason)
@@ -428,25 +401,6 @@ class Scheduler:
                 if is_extend and (batch.forward_mode is ForwardMode.EXTEND or batch.prefix_lens[i] < req.prompt_len):
                     self.tree_cache.cache_unfinished_req(req)  # make the prompt shareable now
                 self._emit(req)
-
-    def _check_finished(self, req: Req) -> BaseFinishReason | None:
-        sp = req.sampling_params
-        tok = req.output_ids[-1]
-        if not sp.ignore_eos and tok in req.eos_token_ids:
-            return FINISH_STOP(tok)
-        if tok in sp.stop_token_ids:
-            return FINISH_STOP(tok)
-        if len(req.output_ids) >= sp.max_new_tokens:
-            return FINISH_LENGTH(sp.max_new_tokens)
-        if req.num_tokens >= self.context_len:
-            return FINISH_LENGTH(len(req.output_ids))
-        if sp.stop and self.detokenize is not None:
-            window = max(len(s) for s in sp.stop) + 2
-            tail = self.detokenize(req.output_ids[-window:])
-            for s in sp.stop:
-                if s in tail:
-                    return FINISH_STOP(s)
-        return None
 
     # --- outputs -------------------------------------------------------------------------------
     def _emit(self, req: Req) -> None:

@@ -1,9 +1,10 @@
 """Thrash-free preemption and retraction: a per-request cap and the victim order.
 
-- ``--max-preemptions-per-request`` (default 3): a request preempted (priority) or retracted
-  (decode out of KV) that many times in total is no longer chosen as a victim. Preemption simply
-  skips it; decode retraction takes it only when no other request is left to retract (the
-  alternative would be running out of KV memory).
+- ``--max-preemptions-per-request`` (default 3; 0 turns the guard off): a request preempted
+  (priority) or retracted (decode out of KV) that many times in total is no longer chosen as a
+  victim. Preemption simply skips it; decode retraction takes it only when no other request is
+  left to retract (the alternative would be running out of KV memory). While the guard is on, a
+  returned victim keeps its place at the front of its class (``aging.py``).
 - ``--retract-victim-policy``: ``sglang`` (default) retracts as SGLang does, fewest output tokens
   first, the longest prompt among equals; ``min-recompute`` retracts the request with the least
   recompute cost first (SGLang's order among equals), and priority preemption picks, among the
@@ -13,8 +14,9 @@ Recompute cost: a victim's KV goes to the radix cache when it is released, unloc
 memory pressure that caused the retraction it is the first thing eviction takes, so it is what the
 victim will likely recompute. That is its own KV beyond ``cache_protected_len`` plus the cached
 tokens only it pins (``lock_ref`` 1); a prefix shared with other running requests stays pinned.
-A returned victim keeps its ``queue_entry_time`` and, under ``min-recompute``, goes first in its
-priority class (``aging.py``).
+A returned victim keeps its ``queue_entry_time`` and, with the guard on or under ``min-recompute``,
+goes first in its priority class (``aging.py``). With the guard off (0) and ``sglang``, victims are
+chosen and re-queued as SGLang does: the policy puts them back wherever its key says.
 """
 
 from __future__ import annotations
@@ -32,20 +34,26 @@ def times_victimized(req: Req) -> int:
 
 
 def may_be_victim(sched: Scheduler, req: Req) -> bool:
-    return times_victimized(req) < sched.args.max_preemptions_per_request
+    cap = sched.args.max_preemptions_per_request
+    return cap <= 0 or times_victimized(req) < cap
 
 
 def recompute_cost(sched: Scheduler, req: Req) -> int:
     """Tokens that become evictable when ``req`` lets go: its own KV beyond ``cache_protected_len``
     plus the cached tokens only it pins (radix nodes with ``lock_ref`` 1 on its path). What other
     running requests share stays pinned and costs nothing to get back."""
+    return max(req.num_computed_tokens - req.cache_protected_len, 0) + exclusive_cached_tokens(sched, req)
+
+
+def exclusive_cached_tokens(sched: Scheduler, req: Req) -> int:
+    """Cached tokens only ``req`` pins: evictable once it lets go (its nodes with lock_ref 1)."""
     node: Any = req.last_node
     root = sched.tree_cache.root
-    exclusive = 0
+    n = 0
     while node is not None and node is not root and getattr(node, "lock_ref", 0) == 1:
-        exclusive += len(node.key)
+        n += len(node.key)
         node = node.parent
-    return max(req.num_computed_tokens - req.cache_protected_len, 0) + exclusive
+    return n
 
 
 def retract_order(sched: Scheduler, reqs: list[Req]) -> list[Req]:

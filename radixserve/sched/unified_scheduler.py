@@ -66,6 +66,7 @@ class UnifiedScheduler(Scheduler):
         victim.reset_for_retract()
         victim.num_preemptions += 1
         self.stats.num_preemptions += 1
+        self.stats.by_class.add(victim, "preemptions")
         self.waiting_queue.insert(0, victim)
 
     def _order_waiting(self) -> None:
@@ -136,6 +137,7 @@ class UnifiedScheduler(Scheduler):
                     req.admitted_before = True
                     req.cached_tokens = len(req.prefix_indices)
                     req.first_scheduled_time = self.clock()
+                    self.ext.on_first_admission(req, req.first_scheduled_time)  # the starvation counters
                     self.stats.prompt_tokens += req.prompt_len
                     self.stats.cached_tokens += req.cached_tokens
                 running.append(req)

@@ -142,6 +142,8 @@ class SchedulerStats(msgspec.Struct, tag=True):
     num_preemptions: int = 0  # issue #5: priority preemptions, starved requests, deadline refusals
     num_starved: int = 0
     num_deadline_rejected: int = 0
+    # cumulative (priority, tenant, preemptions, retractions, starved) per class (sched/class_stats.py)
+    by_class: list[tuple[str, str, int, int, int]] = []
 
 
 class ProcReady(msgspec.Struct, tag=True):

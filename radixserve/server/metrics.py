@@ -57,8 +57,9 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
         self.queue_time = hist("queue_time_seconds", "Time in the waiting queue before first scheduled.",
                                _LATENCY_BUCKETS)
-        # issue #5: per-class latency (labels priority and tenant; at most MAX_TENANT_LABELS tenants
-        # get their own label, the rest share "other"), preemption / starvation / deadline counters
+        # issue #5: per-class latency and counters (labels priority and tenant; at most
+        # MAX_TENANT_LABELS tenants get their own label, the rest share "other"), and the global
+        # preemption / starvation / deadline counters
         cls_names = [*names, "priority", "tenant"]
         self.queue_time_by_class = Histogram(
             PREFIX + "queue_time_by_class_seconds", "Queue time by priority and tenant.", cls_names,
@@ -71,8 +72,19 @@ class ServerMetrics:
             "num_starved_reqs", "Requests first scheduled after more than --starvation-threshold s of queueing.")
         self.num_deadline_rejected = counter(
             "num_deadline_rejected_reqs", "Requests refused by --deadline-admission (deadline_unmeetable).")
+        # the same counters by class, from the scheduler's per-class totals (sched/class_stats.py)
+        self.num_preemptions_by_class = Counter(
+            PREFIX + "num_preempted_reqs_by_class", "Running requests preempted, by priority and tenant.",
+            cls_names, registry=r)
+        self.num_retractions_by_class = Counter(
+            PREFIX + "num_retracted_reqs_by_class", "Requests retracted from decode, by priority and tenant.",
+            cls_names, registry=r)
+        self.num_starved_by_class = Counter(
+            PREFIX + "num_starved_reqs_by_class", "Starved requests (see num_starved_reqs), by priority and tenant.",
+            cls_names, registry=r)
         self._tenants: set[str] = set()
         self._last: SchedulerStats | None = None
+        self._last_by_class: dict[tuple[str, str], tuple[int, int, int]] = {}
 
     def on_scheduler_stats(self, s: SchedulerStats) -> None:
         lb = self.labels
@@ -91,6 +103,14 @@ class ServerMetrics:
             if delta > 0:
                 counter.labels(**lb).inc(delta)
         self._last = s
+        by_class = (self.num_preemptions_by_class, self.num_retractions_by_class, self.num_starved_by_class)
+        for priority, tenant, *counts in s.by_class:
+            before = self._last_by_class.get((priority, tenant), (0, 0, 0))
+            cls = {**lb, "priority": priority, "tenant": self._tenant(tenant)}
+            for counter, now_n, prev_n in zip(by_class, counts, before, strict=True):
+                if now_n > prev_n:
+                    counter.labels(**cls).inc(now_n - prev_n)
+            self._last_by_class[(priority, tenant)] = (counts[0], counts[1], counts[2])
 
     def on_request_finished(self, st: ReqState, last: StrOut, now: float) -> None:
         lb = self.labels

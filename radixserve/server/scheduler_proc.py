@@ -317,4 +317,5 @@ class SchedulerServer:
             num_preemptions=st.num_preemptions,
             num_starved=st.num_starved,
             num_deadline_rejected=st.num_deadline_rejected,
+            by_class=st.by_class.rows(),
         )

@@ -1,38 +1,107 @@
-"""--radix-eviction-policy queue-aware keeps the prefix a waiting request needs (LRU evicts it)."""
+"""--radix-eviction-policy queue-aware keeps the prefix a waiting request needs (LRU evicts it), set
+as a ServerArgs field and built the way the engine and the simulator build their scheduler."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
-from radixserve.mem.evict_policy import QueueAwareStrategy
-from tests.fakes import drain, expected_tokens, make_scheduler
+from radixserve.config import ServerArgs
+from radixserve.mem.evict_policy import LFUStrategy, LRUStrategy, QueueAwareStrategy
+from radixserve.mem.radix_cache import RadixCache
+from radixserve.sched.req import Req
+from radixserve.sched.scheduler import Scheduler
+from tests.fakes import VOCAB, EchoRunner, drain, expected_tokens, make_scheduler
 from tests.sched.policy_helpers import prompt, submit
 
+CTX = 512
 
-def _run(policy: str) -> int:
-    sched, _, kv = make_scheduler(pool_tokens=100, prefill_max_requests=1, radix_eviction_policy=policy)
-    if policy == "queue-aware":  # tests.fakes builds the RadixCache itself: give it the strategy
-        kv.tree_cache.strategy = QueueAwareStrategy()  # type: ignore[attr-defined]
+
+class StubModelRunner(EchoRunner):
+    """What ``engine.build_scheduler`` needs of a ``ModelRunner``, with EchoRunner's tokens."""
+
+    class _Tok:
+        stop_token_ids = (0,)
+
+        def decode(self, ids: list[int], skip_special: bool = True) -> str:
+            return " ".join(map(str, ids))
+
+    class _Cfg:
+        vocab_size = VOCAB
+
+    tokenizer = _Tok()
+    model_config = _Cfg()
+
+    def kv_bytes_per_token(self) -> int:
+        return 64
+
+    def make_kv_pool(self, size: int, page_size: int = 1) -> None:
+        return None
+
+    def attach_pools(self, kv_pool: Any, req_to_token_pool: Any) -> None:
+        self.pool = req_to_token_pool
+
+
+def _args(policy: str) -> ServerArgs:
+    return ServerArgs(max_total_tokens=100, max_running_requests=16, prefill_max_requests=1,
+                      radix_eviction_policy=policy)
+
+
+def build_fakes(policy: str) -> Scheduler:
+    return make_scheduler(pool_tokens=100, prefill_max_requests=1, radix_eviction_policy=policy)[0]
+
+
+def build_engine(policy: str) -> Scheduler:
+    from radixserve.engine import build_scheduler  # the engine's own construction path
+
+    return build_scheduler(_args(policy), StubModelRunner(), CTX)  # type: ignore[arg-type]
+
+
+def build_sim(policy: str) -> Scheduler:
+    from radixserve.sim.cost_model import make_cost_model
+    from radixserve.sim.simulator import build_sim_scheduler
+
+    return build_sim_scheduler(_args(policy), make_cost_model("linear"), CTX)[0]
+
+
+BUILDERS: dict[str, Callable[[str], Scheduler]] = {"fakes": build_fakes, "engine": build_engine, "sim": build_sim}
+
+
+def _submit(sched: Scheduler, rid: str, ids: list[int]) -> Req:
+    req = submit(sched, rid, ids, 1)
+    req.sim_output_len, req.sim_stream, req.sim_offset = 1, 0, 0  # type: ignore[attr-defined]  # SimRunner
+    return req
+
+
+def _run(sched: Scheduler) -> int:
+    kv = sched.kv
     p, q = prompt(1, 30), prompt(2, 30)
-    submit(sched, "warm-p", p, 1)
+    _submit(sched, "warm-p", p)
     drain(sched)
-    submit(sched, "warm-q", q, 1)  # q is the more recently used
+    _submit(sched, "warm-q", q)  # q is the more recently used
     drain(sched)
-    assert kv.tree_cache.evictable_size() == 60
-    r = submit(sched, "r", prompt(3, 45), 1)  # first in line; needs 45 slots: 40 free, evict one leaf
-    w = submit(sched, "w", p + prompt(4, 5), 1)  # waits a round; reuses p
+    assert kv.tree_cache.evictable_size() == 60 and kv.available_size() == 40
+    r = _submit(sched, "r", prompt(3, 45))  # first in line; needs 45 slots: 40 free, evict one leaf
+    w = _submit(sched, "w", p + prompt(4, 5))  # waits a round; reuses p
     drain(sched)
-    for x in (r, w):
-        assert x.output_ids == expected_tokens(x.origin_input_ids, 1)
+    assert r.finished() and w.finished() and sched.stats.num_finished == 4
+    if isinstance(sched.runner, EchoRunner):  # (the simulator's runner samples its own tokens)
+        for x in (r, w):
+            assert x.output_ids == expected_tokens(x.origin_input_ids, 1)
     return w.cached_tokens
 
 
-def test_lru_evicts_the_waiting_prefix() -> None:
-    assert _run("lru") == 0
-
-
-def test_queue_aware_keeps_it() -> None:
-    assert _run("queue-aware") == 30
+@pytest.mark.parametrize("path", sorted(BUILDERS))
+@pytest.mark.parametrize("policy, strategy, cached", [
+    ("lru", LRUStrategy, 0),  # p is the least recently used leaf: evicted for r
+    ("queue-aware", QueueAwareStrategy, 30),  # p is wanted by w: q goes instead
+])
+def test_eviction_policy_from_server_args(path: str, policy: str, strategy: type, cached: int) -> None:
+    sched = BUILDERS[path](policy)
+    assert isinstance(sched.tree_cache, RadixCache) and type(sched.tree_cache.strategy) is strategy
+    assert _run(sched) == cached
 
 
 def test_strategy_orders_unwanted_first() -> None:
@@ -49,6 +118,8 @@ def test_strategy_orders_unwanted_first() -> None:
     assert sorted([a, b], key=s.priority) == [a, b]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "queue-aware"])
-def test_config_accepts(policy: str) -> None:
-    make_scheduler(radix_eviction_policy=policy)
+@pytest.mark.parametrize("policy, strategy", [("lru", LRUStrategy), ("lfu", LFUStrategy),
+                                              ("queue-aware", QueueAwareStrategy)])
+def test_config_accepts(policy: str, strategy: type) -> None:
+    sched = make_scheduler(radix_eviction_policy=policy)[0]
+    assert type(sched.tree_cache.strategy) is strategy  # type: ignore[attr-defined]

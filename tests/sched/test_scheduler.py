@@ -1,23 +1,21 @@
-"""``Scheduler`` driven end to end by ``EchoRunner``: exact outputs, exact cache hits, retraction,
-aborts, limits and stop conditions. Every test that drains checks the KV invariant (drain does)."""
+"""``Scheduler`` driven end to end by ``EchoRunner``: exact outputs, exact cache hits, aborts,
+limits and stop conditions (retraction: test_retract.py; a failing runner:
+test_runner_failures.py). Every test that drains checks the KV invariant (drain does)."""
 
 from __future__ import annotations
 
-import logging
 import random
 from typing import Any
 
 import pytest
 
 from radixserve.mem.base_cache import ChunkCache
-from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from radixserve.sched.io import ReqOutput
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
-from radixserve.sched.schedule_batch import ForwardMode
 from radixserve.sched.scheduler import Scheduler
-from tests.fakes import EchoRunner, drain, expected_tokens, make_scheduler
+from tests.fakes import drain, expected_tokens, make_scheduler
 
 
 def submit(sched: Scheduler, rid: str, prompt: list[int], max_new: int = 8, **sp: Any) -> Req:
@@ -200,124 +198,6 @@ def test_without_radix_cache() -> None:
     assert_exact(outs2, [c])
     assert all(o.cached_tokens == 0 for o in outs + outs2)
     assert kv.available_size() == kv.total_tokens
-
-
-# --- retraction ------------------------------------------------------------------------------
-
-
-def test_small_pool_retracts_and_outputs_stay_exact() -> None:
-    sched, runner, kv = make_scheduler(pool_tokens=48, clip_max_new_tokens=2)
-    reqs = [submit(sched, f"r{i}", prompt(200 + i, 6), 30) for i in range(4)]
-    outs = drain(sched)
-    assert sched.stats.num_retractions > 0
-    assert_exact(outs, reqs)
-    assert sum(finals(outs)[r.rid].num_retractions for r in reqs) == sched.stats.num_retractions
-
-
-def test_small_pool_retracts_paged_chunked() -> None:
-    sched, runner, kv = make_scheduler(pool_tokens=64, page_size=4, chunked_prefill_size=8, clip_max_new_tokens=4)
-    reqs = [submit(sched, f"r{i}", prompt(300 + i, 5 + i), 40) for i in range(6)]
-    outs = drain(sched)
-    assert sched.stats.num_retractions > 0
-    assert_exact(outs, reqs)
-
-
-def _three_running(steps: int) -> tuple[Scheduler, EchoRunner, Any, list[Req], list[int]]:
-    """r1 (prompt 9, 2 outputs), r2 (prompt 5, 1 output), r3 (prompt 7, 1 output), all running,
-    and every other KV slot taken (returned as the hog)."""
-    sched, runner, kv = make_scheduler(pool_tokens=128, retract_decode_steps=steps, new_token_ratio_decay_steps=100)
-    r1 = submit(sched, "r1", prompt(11, 9), 20)
-    sched.step()
-    sched.step()
-    r2 = submit(sched, "r2", prompt(12, 5), 20)
-    r3 = submit(sched, "r3", prompt(13, 7), 20)
-    sched.step()
-    assert [len(r.output_ids) for r in (r1, r2, r3)] == [2, 1, 1]
-    assert kv.tree_cache.evictable_size() == 0
-    hog = kv.allocator.alloc(kv.available_size())
-    return sched, runner, kv, [r1, r2, r3], hog
-
-
-def test_retraction_victim_fewest_outputs_then_longest_prompt() -> None:
-    sched, runner, kv, (r1, r2, r3), hog = _three_running(steps=1)
-    sched.step()
-    # r3 and r2 have the fewest outputs; r3 has the longer prompt. r1 (longest prompt) is safe.
-    assert sched.waiting_queue == [r3]
-    assert sched.running_batch.reqs == [r1, r2]
-    assert (r1.num_retractions, r2.num_retractions, r3.num_retractions) == (0, 0, 1)
-    assert sched.stats.num_retractions == 1
-    assert r3.req_pool_idx is None and r3.kv_indices == [] and r3.last_node is None
-    assert sched.cur_batch is not None and sched.cur_batch.forward_mode is ForwardMode.DECODE
-    assert runner.batches[-1].batch_size == 2
-    # (decoded 2+1 + steps 1 * 2 survivors) / (max_new 20+20 + 1)
-    assert sched.new_token_ratio == pytest.approx(5 / 41)
-    kv.allocator.free(hog)
-    outs = drain(sched)
-    fin = finals(outs)
-    assert fin["r3"].num_retractions == 1
-    got = tokens(outs)
-    assert got["r3"] == expected_tokens(r3.origin_input_ids, 20)[1:]  # its first token came before
-    assert r1.output_ids == expected_tokens(r1.origin_input_ids, 20)
-    assert r2.output_ids == expected_tokens(r2.origin_input_ids, 20)
-    assert r3.output_ids == expected_tokens(r3.origin_input_ids, 20)
-
-
-def test_retraction_keeps_going_until_survivors_have_headroom() -> None:
-    sched, runner, kv, (r1, r2, r3), hog = _three_running(steps=20)
-    sched.step()
-    # After r3 (7 slots back): 2 survivors need 40 > 7, so r2 goes too; one survivor needs 1 step only.
-    assert sched.waiting_queue == [r3, r2]
-    assert sched.running_batch.reqs == [r1]
-    assert sched.stats.num_retractions == 2
-    assert sched.new_token_ratio == 1.0  # min(1, (2 + 20) / (20 + 1))
-    kv.allocator.free(hog)
-    drain(sched)
-    for r in (r1, r2, r3):
-        assert r.output_ids == expected_tokens(r.origin_input_ids, 20)
-
-
-def test_new_token_ratio_decays_per_decode_step_to_the_floor() -> None:
-    sched, runner, kv, reqs, hog = _three_running(steps=1)
-    init, floor = 0.7, 0.7 * 0.14
-    decay = (init - floor) / 100
-    assert (sched.init_new_token_ratio, sched.min_new_token_ratio) == (pytest.approx(init), pytest.approx(floor))
-    assert sched.new_token_ratio_decay == pytest.approx(decay)
-    assert sched.new_token_ratio == pytest.approx(init - decay)  # one decode step so far (r1's)
-    sched.step()  # the retraction raises it
-    ratio = 5 / 41
-    assert sched.new_token_ratio == pytest.approx(ratio)
-    kv.allocator.free(hog)
-    decodes = 0
-    reached_floor = False
-    while sched.has_work():
-        before, retractions = sched.new_token_ratio, sched.stats.num_retractions
-        sched.step()
-        assert sched.stats.num_retractions == retractions
-        if sched.cur_batch is not None and sched.cur_batch.forward_mode is ForwardMode.DECODE:
-            decodes += 1
-            assert sched.new_token_ratio == pytest.approx(max(before - decay, floor))
-        elif sched.cur_batch is None and not sched.has_work():
-            assert sched.new_token_ratio == init  # reset when the engine goes idle
-        else:
-            assert sched.new_token_ratio == before
-        reached_floor |= sched.new_token_ratio == pytest.approx(floor)
-    assert decodes > 5 and reached_floor
-    drain(sched)
-    assert sched.new_token_ratio == init
-
-
-def test_single_request_out_of_memory_is_aborted() -> None:
-    sched, runner, kv = make_scheduler(pool_tokens=32, idle_self_check=False)  # the hog is no leak
-    a = submit(sched, "a", prompt(14, 6), 10)
-    sched.step()
-    hog = kv.allocator.alloc(kv.available_size())
-    outs = sched.step()
-    assert [o.rid for o in outs] == ["a"]
-    reason = outs[0].finished_reason
-    assert isinstance(reason, FINISH_ABORT) and (reason.status_code, reason.code) == (500, "out_of_memory")
-    assert a.req_pool_idx is None
-    kv.allocator.free(hog)
-    drain(sched)
 
 
 # --- invalid requests ------------------------------------------------------------------------
@@ -571,96 +451,6 @@ def test_stop_strings_via_detokenize() -> None:
     r2 = submit(sched, "r2", p, 10, stop=[span])
     drain(sched)
     assert r2.output_ids == exp[:6]
-
-
-# --- a failing runner ------------------------------------------------------------------------
-
-
-class FlakyRunner(EchoRunner):
-    """Raises on the given forward calls (0-based), otherwise an EchoRunner."""
-
-    def __init__(self, pool: Any, fail_on: set[int]) -> None:
-        super().__init__(pool)
-        self.fail_on = fail_on
-        self.calls = 0
-
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        n, self.calls = self.calls, self.calls + 1
-        if n in self.fail_on:
-            raise RuntimeError("device fell over")
-        return super().forward(batch)
-
-
-def flaky(fail_on: set[int], **kw: Any) -> tuple[Scheduler, FlakyRunner, Any]:
-    sched, _, kv = make_scheduler(**kw)
-    runner = FlakyRunner(kv.req_to_token_pool, fail_on)
-    sched.runner = runner
-    return sched, runner, kv
-
-
-@pytest.fixture(autouse=True)
-def _quiet_scheduler_logs() -> Any:
-    logger = logging.getLogger("radixserve.sched.scheduler")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    yield
-    logger.setLevel(level)
-
-
-def _assert_internal_error(out: ReqOutput) -> None:
-    reason = out.finished_reason
-    assert isinstance(reason, FINISH_ABORT)
-    assert (reason.status_code, reason.err_type, reason.code) == (500, "server_error", "internal_error")
-
-
-def test_runner_failure_in_prefill_aborts_that_batch_only() -> None:
-    sched, runner, kv = flaky({0})
-    p = prompt(70, 10)
-    submit(sched, "a", p, 5)
-    submit(sched, "b", prompt(71, 4), 5)
-    outs = sched.step()
-    assert sorted(o.rid for o in outs) == ["a", "b"]
-    for o in outs:
-        _assert_internal_error(o)
-    assert kv.tree_cache.total_size() == 0  # KV that was never written is not cached
-    c = submit(sched, "c", p, 5)
-    d = submit(sched, "d", prompt(72, 7), 5)
-    outs = drain(sched)
-    assert_exact(outs, [c, d])
-    assert finals(outs)["c"].cached_tokens == 0
-    assert sched.stats.num_aborted == 2
-
-
-def test_runner_failure_in_decode() -> None:
-    sched, runner, kv = flaky({2})
-    p = prompt(73, 10)
-    a = submit(sched, "a", p, 6)
-    sched.step()
-    sched.step()
-    outs = sched.step()  # the failing decode
-    assert [o.rid for o in outs] == ["a"]
-    _assert_internal_error(outs[0])
-    assert a.output_ids == expected_tokens(p, 2)
-    assert kv.tree_cache.evictable_size() == 10  # the prompt's KV (computed) stays cached
-    b = submit(sched, "b", p, 6)
-    outs = drain(sched)
-    assert_exact(outs, [b])
-    assert finals(outs)["b"].cached_tokens == 9
-
-
-def test_runner_failure_mid_chunk() -> None:
-    sched, runner, kv = flaky({1}, chunked_prefill_size=8, page_size=4)
-    p = prompt(74, 20)
-    submit(sched, "a", p, 4)
-    sched.step()
-    outs = sched.step()
-    _assert_internal_error(outs[0])
-    assert sched.chunked_req is None
-    assert kv.tree_cache.evictable_size() == 8  # the first chunk was computed and cached
-    b = submit(sched, "b", p, 4)
-    outs = drain(sched)
-    assert_exact(outs, [b])
-    assert finals(outs)["b"].cached_tokens == 8
 
 
 # --- a randomized soak: many configurations, exact outputs, the invariant at every idle ------

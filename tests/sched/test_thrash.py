@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from radixserve.sched.req import Req
+from radixserve.sched.schedule_batch import ForwardMode
 from radixserve.sched.thrash import recompute_cost, retract_order
 from tests.fakes import drain, expected_tokens, make_scheduler
 from tests.sched.policy_helpers import assert_exact, prompt, submit
@@ -85,3 +88,83 @@ def test_retraction_cap_orders_capped_last() -> None:
     kv.allocator.free(hog)
     drain(sched)
     _exact(r1, r1b, r2)
+
+
+# --- a returned victim keeps its place at the front of its class --------------------------------
+def _retracted_victim(cap: int, priorities: bool = False):  # type: ignore[no-untyped-def]
+    """``sjf``, one request per prefill. a (2 outputs) and v (1 output, priority 5) decode; every
+    free slot is taken; w (priority 5, a smaller job than v) arrives and cannot be admitted; the
+    next decode retracts v (fewest outputs); n (priority 5, small) arrives after. With priorities,
+    h (10) and lo (1) wait too."""
+    kw = dict(enable_priority_scheduling=True, priority_scheduling_preemption_threshold=100) if priorities else {}
+    sched, _, kv = make_scheduler(pool_tokens=128, retract_decode_steps=1, schedule_policy="sjf",
+                                  prefill_max_requests=1, max_preemptions_per_request=cap, **kw)
+    a = submit(sched, "a", prompt(21, 9), 20, priority=5)
+    sched.step()
+    sched.step()  # a decodes
+    v = submit(sched, "v", prompt(22, 7), 20, priority=5)
+    sched.step()  # v prefilled
+    assert [len(a.output_ids), len(v.output_ids)] == [2, 1]
+    kv.tree_cache.evict(kv.tree_cache.evictable_size())
+    hog = kv.allocator.alloc(kv.available_size())
+    extra = []
+    if priorities:
+        extra = [submit(sched, "h", prompt(23, 20), 20, priority=10), submit(sched, "lo", prompt(24, 3), 1, priority=1)]
+    w = submit(sched, "w", prompt(25, 5), 2, priority=5)
+    sched.step()  # no room for w; the decode retracts v
+    assert sched.stats.num_retractions == 1 and v.num_retractions == 1 and sched.running_batch.reqs == [a]
+    n = submit(sched, "n", prompt(26, 4), 2, priority=5)
+    kv.allocator.free(hog)
+    return sched, kv, v, w, n, extra
+
+
+def _admission_order(sched) -> list[str]:  # type: ignore[no-untyped-def]
+    """Step until the queue is empty; the requests of each prefill batch in order."""
+    order: list[str] = []
+    while sched.waiting_queue:
+        sched.step()
+        b = sched.cur_batch
+        if b is not None and b.forward_mode is ForwardMode.EXTEND:
+            order += [r.rid for r in b.reqs]
+    return order
+
+
+@pytest.mark.parametrize("cap, front", [(3, True), (1, True), (0, False)])
+def test_retracted_request_returns_to_the_front_of_its_class(cap: int, front: bool) -> None:
+    sched, kv, v, w, n, _ = _retracted_victim(cap)
+    # sjf sizes: n 4 + 2 and w 5 + 2 tokens; v at least 19 (its outputs left)
+    assert _admission_order(sched) == (["v", "n", "w"] if front else ["n", "w", "v"])
+    drain(sched)
+    _exact(v, w, n)
+
+
+@pytest.mark.parametrize("cap, front", [(3, True), (0, False)])
+def test_retracted_request_returns_to_the_front_of_its_priority_class(cap: int, front: bool) -> None:
+    sched, kv, v, w, n, (h, lo) = _retracted_victim(cap, priorities=True)
+    assert _admission_order(sched) == (["h", "v", "n", "w", "lo"] if front else ["h", "n", "w", "v", "lo"])
+    drain(sched)
+    _exact(v, w, n, h, lo)
+
+
+@pytest.mark.parametrize("cap, front", [(3, True), (0, False)])
+def test_preempted_request_returns_to_the_front_of_its_class(cap: int, front: bool) -> None:
+    """One running slot, ``sjf``. low (priority 0) runs; w (0, a smaller job) waits behind it; high
+    (10) preempts low; once high is done, low comes back ahead of w and of n (0, arrived later)."""
+    sched, _, kv = make_scheduler(
+        pool_tokens=256, max_running_requests=1, schedule_policy="sjf", enable_priority_scheduling=True,
+        priority_scheduling_preemption_threshold=0, max_preemptions_per_request=cap)
+    low = submit(sched, "low", prompt(31, 8), 12, priority=0)
+    sched.step()
+    sched.step()
+    w = submit(sched, "w", prompt(32, 3), 2, priority=0)
+    sched.step()  # same class: no preemption, w waits
+    assert sched.running_batch.reqs == [low] and sched.waiting_queue == [w]
+    high = submit(sched, "high", prompt(33, 6), 2, priority=10)
+    sched.step()
+    assert low.num_preemptions == 1 and sched.stats.num_preemptions == 1
+    assert sched.waiting_queue == [w, low] and sched.cur_batch is not None and sched.cur_batch.reqs == [high]
+    n = submit(sched, "n", prompt(34, 2), 2, priority=0)
+    order = _admission_order(sched)
+    assert order == (["low", "n", "w"] if front else ["n", "w", "low"])
+    drain(sched)
+    _exact(low, w, high, n)

@@ -65,3 +65,58 @@ def test_deadlines_and_tenants(c: httpx.Client) -> None:
     assert 'tenant="t1"' in metrics and 'tenant="t2"' in metrics
     assert "radixserve:queue_time_by_class_seconds_count" in metrics
     assert_memory_ok(wait_idle(c))
+
+
+# --- per-class counters, end to end without a server: scheduler -> SchedulerStats -> /metrics --------
+def test_preemption_retraction_and_starvation_counters_by_class() -> None:
+    """Unit test (no server process): a scheduler over the fake runner preempts, retracts and
+    starves requests of known classes; ``SchedulerServer.stats`` (the message the scheduler process
+    sends) carries the totals per class and ``ServerMetrics`` renders them labelled."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixserve.server.metrics import ServerMetrics
+    from radixserve.server.scheduler_proc import SchedulerServer
+    from tests.fakes import drain, make_scheduler
+    from tests.sched.policy_helpers import prompt, submit
+
+    sched, _, kv = make_scheduler(
+        pool_tokens=128, max_running_requests=2, enable_priority_scheduling=True,
+        priority_scheduling_preemption_threshold=0, starvation_threshold=5.0, retract_decode_steps=1)
+    now = [0.0]
+    sched.clock = lambda: now[0]
+    a = submit(sched, "a", prompt(41, 6), 30, priority=0)
+    b = submit(sched, "b", prompt(42, 6), 30, priority=0)
+    a.tenant = b.tenant = "t1"
+    sched.step()
+    sched.step()
+    c = submit(sched, "c", prompt(43, 6), 30, priority=10)
+    c.tenant = "t2"
+    now[0] = 10.0  # c waits 10 s > --starvation-threshold 5 s
+    sched.step()  # c takes b's slot: b preempted, c first scheduled (starved)
+    assert b.num_preemptions == 1 and sched.running_batch.reqs == [a] and sched.cur_batch.reqs == [c]
+    sched.step()
+    kv.tree_cache.evict(kv.tree_cache.evictable_size())
+    hog = kv.allocator.alloc(kv.available_size())
+    sched.step()  # no KV for the next decode: c (fewest outputs) is retracted
+    assert c.num_retractions == 1 and a.num_retractions == 0
+    kv.allocator.free(hog)
+    drain(sched)
+
+    stats = SchedulerServer.stats(SimpleNamespace(sched=sched, _gen_throughput=0.0))  # type: ignore[arg-type]
+    assert stats.by_class == [("0", "t1", 1, 0, 0), ("10", "t2", 0, 1, 1)]
+    assert (stats.num_preemptions, stats.num_retractions, stats.num_starved) == (1, 1, 1)
+    metrics = ServerMetrics("m")
+    metrics.on_scheduler_stats(stats)
+    metrics.on_scheduler_stats(stats)  # cumulative totals: a repeat adds nothing
+    got = {
+        (s.name, s.labels.get("priority"), s.labels.get("tenant")): s.value
+        for fam in text_string_to_metric_families(metrics.render().decode())
+        for s in fam.samples if s.name.endswith("_by_class_total")
+    }
+    assert got == {
+        ("radixserve:num_preempted_reqs_by_class_total", "0", "t1"): 1.0,
+        ("radixserve:num_retracted_reqs_by_class_total", "10", "t2"): 1.0,
+        ("radixserve:num_starved_reqs_by_class_total", "10", "t2"): 1.0,
+    }
