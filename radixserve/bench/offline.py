@@ -137,27 +137,28 @@ def decode_step_ms(engine: Engine, batch: int, input_len: int = 256, steps: int 
     the next: scheduling, the forward, result processing and the engine's detokenization."""
     reqs = make_workload("random", num_prompts=batch, input_len=input_len, output_len=steps + 1, seed=123)
     sched = engine.scheduler
-    log = sched.stats.step_log
-    n0 = len(log)
-    starts: list[tuple[float, int]] = []  # (start time, step_log length before the step)
+    log = sched.stats.step_log  # a bounded deque: compare entries, not lengths
+    starts: list[tuple[float, Any]] = []  # (start time, the step_log entry this step appended or None)
     inner = sched.step
 
     def timed_step() -> list[Any]:
-        starts.append((time.perf_counter(), len(log)))
-        return inner()
+        t0 = time.perf_counter()
+        before = log[-1] if log else None
+        out = inner()
+        after = log[-1] if log else None
+        starts.append((t0, after if after is not before else None))
+        return out
 
     sched.step = timed_step  # type: ignore[method-assign]
     try:
         run_engine(engine, reqs, "decode-probe")
     finally:
         del sched.step  # back to the class's method
-    entries = list(log)
-    whole = [
-        t1 - t0 for (t0, k), (t1, _) in zip(starts, starts[1:], strict=False)
-        if k < len(entries) and entries[k][0] == "DECODE" and entries[k][1] == batch
+    pairs = [  # (whole step, its forward) for every step that decoded exactly ``batch`` requests
+        (t1 - t0, e[3]) for (t0, e), (t1, _) in zip(starts, starts[1:], strict=False)
+        if e is not None and e[0] == "DECODE" and e[1] == batch
     ]
-    fwd = [t for mode, bs, _, t in entries[n0:] if mode == "DECODE" and bs == batch]
-    return _median_ms(whole), _median_ms(fwd)
+    return _median_ms([w for w, _ in pairs]), _median_ms([f for _, f in pairs])
 
 
 def _median_ms(xs: list[float]) -> float:
