@@ -202,6 +202,7 @@ class Engine:
         tracked: dict[str, _Tracked] = {}
         pending = set()
         for req in reqs:
+            req.stream = stream  # without it, decode steps send nothing until the request finishes
             sp = req.sampling_params
             tracked[req.rid] = _Tracked(
                 IncrementalDetokenizer(self._decoder(sp.skip_special_tokens), sp.stop), start=time.perf_counter()

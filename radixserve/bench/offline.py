@@ -34,7 +34,8 @@ class OfflineResult:
     cache_hit_rate: float | None
     ttft_p50_s: float | None
     ttft_p95_s: float | None
-    retractions: int = 0
+    retractions: int = 0  # the sglang scheduler's decode retractions
+    preemptions: int = 0  # priority preemptions, and the unified scheduler's recompute preemptions
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -50,6 +51,7 @@ def percentile(xs: list[float], q: float) -> float:
 def run_engine(engine: Engine, reqs: list[BenchRequest], workload: str, label: str = "radixserve") -> OfflineResult:
     stats = engine.scheduler.stats
     cached0, prompt0, retract0 = stats.cached_tokens, stats.prompt_tokens, stats.num_retractions
+    preempt0 = stats.num_preemptions
     t0 = time.perf_counter()
     outs = engine.generate(
         input_ids=[r.input_ids for r in reqs],
@@ -65,6 +67,7 @@ def run_engine(engine: Engine, reqs: list[BenchRequest], workload: str, label: s
         label, workload, len(reqs), dur, n_out, n_in, n_out / dur, (n_in + n_out) / dur,
         (stats.cached_tokens - cached0) / prompt if prompt else 0.0,
         percentile(ttfts, 50), percentile(ttfts, 95), stats.num_retractions - retract0,
+        stats.num_preemptions - preempt0,
     )
 
 

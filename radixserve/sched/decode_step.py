@@ -1,9 +1,12 @@
 """A decode step's results without logprobs: ``Scheduler.process_batch_result`` with the same
-checks in the same order, less per-request work (it runs for every running request every step);
-and ``check_finished``, the stop checks both use."""
+checks, less per-request work (it runs for every running request every step); and
+``check_finished``, the stop checks both use."""
 
 from __future__ import annotations
 
+from collections import deque
+from itertools import compress
+from operator import attrgetter, ge, or_
 from typing import TYPE_CHECKING
 
 from radixserve.mem.forward_batch import ForwardOutput
@@ -16,46 +19,64 @@ if TYPE_CHECKING:
 
 
 def process_decode_result(sched: Scheduler, batch: ScheduleBatch, out: ForwardOutput, now: float) -> None:
-    """``process_batch_result`` of a decode step without logprobs, with less per-request work
-    (the same checks in the same order)."""
-    context_len, detok = sched.context_len, sched.detokenize
-    emit = sched._emit
-    generated = 0
-    if len(out.next_token_ids) < len(batch.reqs):
+    """``process_batch_result`` of a decode step without logprobs. It runs for every running request
+    every step, so the common work is done in C passes (``map`` over the batch) and Python code runs
+    only for the requests that may stop and the ones that stream:
+
+    - a decode batch holds no prompt chunk and no request without a first token, so the general
+      path's chunk check and ``first_token_time`` are left out;
+    - a request may stop when its token is in ``finish_token_ids`` (EOS unless ``ignore_eos``, and
+      ``stop_token_ids``), it reached ``max_new_tokens``, or it has stop strings; only those run
+      ``check_finished``, in batch order, for the reason. The context needs no test of its own:
+      ``add_request`` clipped ``max_new_tokens`` to the room it leaves;
+    - a request that does not stream (``Req.stream`` False) sends nothing until it finishes.
+    """
+    reqs, toks = batch.reqs, out.next_token_ids
+    if len(toks) < len(reqs):
         raise IndexError("the runner returned fewer tokens than the batch has requests")
-    for req, tok in zip(batch.reqs, out.next_token_ids, strict=False):
-        output_ids = req.output_ids
-        n_out = len(output_ids)
-        if len(req.kv_indices) < len(req.origin_input_ids) + n_out:  # a prompt chunk: no token yet
-            sched.tree_cache.cache_unfinished_req(req)
-            continue
-        if req.finished_reason is not None:
-            continue
-        output_ids.append(tok)
-        n_out += 1
-        if req.first_token_time is None:
-            req.first_token_time = now
-        generated += 1
-        sp = req.sampling_params
-        reason: BaseFinishReason | None = None
-        if not sp.ignore_eos and tok in req.eos_token_ids:
-            reason = FINISH_STOP(tok)
-        elif tok in sp.stop_token_ids:
-            reason = FINISH_STOP(tok)
-        elif n_out >= sp.max_new_tokens:
-            reason = FINISH_LENGTH(sp.max_new_tokens)
-        elif len(req.origin_input_ids) + n_out >= context_len:
-            reason = FINISH_LENGTH(n_out)
-        elif sp.stop and detok is not None:
-            reason = check_finished(sched, req)
+    if any(map(_get_finished_reason, reqs)):  # (none in practice) skip those the slow way
+        _process_one_by_one(sched, reqs, toks, now)
+        return
+    outs = list(map(_get_output_ids, reqs))
+    deque(map(list.append, outs, toks), maxlen=0)  # each request's new token, in C
+    sched.stats.generated_tokens += len(reqs)
+    maybe = map(or_, map(ge, map(len, outs), map(_get_max_new, reqs)),
+                map(frozenset.__contains__, map(_get_finish_ids, reqs), toks))
+    if sched.detokenize is not None:
+        maybe = map(or_, maybe, map(bool, map(_get_stop, reqs)))
+    for req in list(compress(reqs, maybe)):
+        reason = check_finished(sched, req)
         if reason is not None:
-            sched.stats.generated_tokens += generated
-            generated = 0
             sched.kv.release(req)
             sched._finish(req, reason)
-        else:
+    emit = sched._emit
+    for req in filter(_get_stream, reqs):
+        if req.finished_reason is None:
             emit(req)
-    sched.stats.generated_tokens += generated
+
+
+def _process_one_by_one(sched: Scheduler, reqs: list[Req], toks: list[int], now: float) -> None:
+    for req, tok in zip(reqs, toks, strict=False):
+        if req.finished_reason is not None:
+            continue
+        req.output_ids.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        sched.stats.generated_tokens += 1
+        reason = check_finished(sched, req)
+        if reason is not None:
+            sched.kv.release(req)
+            sched._finish(req, reason)
+        elif req.stream:
+            sched._emit(req)
+
+
+_get_finished_reason = attrgetter("finished_reason")
+_get_output_ids = attrgetter("output_ids")
+_get_max_new = attrgetter("sampling_params.max_new_tokens")
+_get_finish_ids = attrgetter("finish_token_ids")
+_get_stop = attrgetter("sampling_params.stop")
+_get_stream = attrgetter("stream")
 
 
 def check_finished(sched: Scheduler, req: Req) -> BaseFinishReason | None:

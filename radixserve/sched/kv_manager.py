@@ -7,6 +7,9 @@ into the cache, and check the accounting invariant.
 
 from __future__ import annotations
 
+from collections import deque
+from operator import attrgetter
+
 from radixserve.mem.allocator import OutOfKVSlots, TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.mem.kv_pool import ReqToTokenPool
@@ -69,18 +72,18 @@ class KVManager:
         evictions as the per-request calls, one request-table write. Returns ``(positions,
         slots)``: each request's computed length before the step, and its new slot."""
         ps = self.page_size
-        cols = [len(r.kv_indices) for r in reqs]
-        if ps == 1:
+        kvs = list(map(_get_kv_indices, reqs))  # (C passes: this runs for every running request)
+        cols = list(map(len, kvs))
+        if ps == 1:  # every request takes the next free slot
             slots = self.allocator.take_pages_in_turn(len(reqs), self.tree_cache.evict)
         else:
             pages = iter(self.allocator.take_pages_in_turn(sum(1 for c in cols if c % ps == 0),
                                                            self.tree_cache.evict))
-            slots = [next(pages) * ps if c % ps == 0 else r.kv_indices[-1] + 1 for r, c in zip(reqs, cols, strict=True)]
-        rows = [r.req_pool_idx for r in reqs]
+            slots = [next(pages) * ps if c % ps == 0 else kv[-1] + 1 for kv, c in zip(kvs, cols, strict=True)]
+        rows = list(map(_get_pool_idx, reqs))
         assert None not in rows
-        for r, s in zip(reqs, slots, strict=True):
-            r.kv_indices.append(s)
-        self.req_to_token_pool.write_many(rows, cols, slots)  # type: ignore[arg-type]
+        deque(map(list.append, kvs, slots), maxlen=0)
+        self.req_to_token_pool.write_many(rows, cols, slots)
         return cols, slots
 
     def decode_tokens_needed(self, reqs: list[Req], steps: int = 1) -> int:
@@ -128,3 +131,7 @@ class KVManager:
                 f"request slot leak: {self.req_to_token_pool.size - self.req_to_token_pool.available_size()} in use at idle"
             )
         self.tree_cache.check_integrity()
+
+
+_get_kv_indices = attrgetter("kv_indices")
+_get_pool_idx = attrgetter("req_pool_idx")

@@ -15,6 +15,7 @@ same thing: a gap between ``num_computed_tokens`` and ``num_tokens`` that the ne
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from radixserve.mem.base_cache import BasePrefixCache, RadixKey
@@ -35,6 +36,7 @@ class Req:
         priority: int | None = None,
         extra_key: str | None = None,
         eos_token_ids: tuple[int, ...] | frozenset[int] = (),
+        stream: bool = True,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = list(input_ids)
@@ -45,6 +47,9 @@ class Req:
         self.requested_priority = priority  # as sent; ``priority`` may get the default (metrics labels)
         self.extra_key = extra_key
         self.eos_token_ids = frozenset(eos_token_ids)
+        # False (a non-streaming API call): decode steps send nothing for this request; its tokens
+        # go out with the step that produced its first one and with its finish, as SGLang does
+        self.stream = stream
 
         # memory
         self.req_pool_idx: int | None = None
@@ -81,6 +86,14 @@ class Req:
         self.deadline: float | None = None  # TTFT deadline, absolute, on the scheduler clock (edf)
 
     # --- derived counters --------------------------------------------------------------------
+    @cached_property
+    def finish_token_ids(self) -> frozenset[int]:
+        """Token ids that end this request: its EOS ids (unless ``ignore_eos``) and its
+        ``stop_token_ids``; read from the first decode step on, after ``add_request`` set them."""
+        sp = self.sampling_params
+        eos = frozenset() if sp.ignore_eos else self.eos_token_ids
+        return eos | frozenset(sp.stop_token_ids)
+
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from enum import Enum, auto
-from operator import attrgetter
+from operator import attrgetter, itemgetter
+
+import torch
 
 from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo, int64_tensor
 from radixserve.sched.req import Req
@@ -30,6 +32,9 @@ class ScheduleBatch:
         self.extend_lens: list[int] = []
         self.prefix_lens: list[int] = []
         self.out_slots: list[int] = []
+        # (the requests, their per-request sampling lists and pool rows) of the last forward batch:
+        # a running batch keeps its requests for many decode steps, so these are built once
+        self._per_req: tuple[list[Req], tuple[list, ...]] | None = None
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -62,44 +67,52 @@ class ScheduleBatch:
         return self._make(ids, positions, seq_lens, capture_logits)
 
     def _decode_forward_batch(self, capture_logits: bool) -> ForwardBatch:
-        """One token per request at position ``prefix_len``: the same batch as the general path."""
-        ids: list[int] = []
-        append = ids.append
-        for req, start in zip(self.reqs, self.prefix_lens, strict=True):
-            k = len(req.origin_input_ids)
-            append(req.output_ids[start - k] if start >= k else req.origin_input_ids[start])
-        return self._make(ids, self.prefix_lens, [s + 1 for s in self.prefix_lens], capture_logits)
+        """One token per request at position ``prefix_len``: the same batch as the general path.
+        A decoding request's position is ``prompt + outputs - 1``: its input is its last output."""
+        outs = list(map(_get_output_ids, self.reqs))
+        positions = int64_tensor(self.prefix_lens)
+        return self._make(list(map(_last, outs)), positions, positions + 1, capture_logits, list(map(len, outs)))
 
-    def _make(self, ids: list[int], positions: list[int], seq_lens: list[int], capture_logits: bool) -> ForwardBatch:
+    def _per_request(self) -> tuple[list, ...]:
+        """Pool rows and sampling lists (temperature, top_p, top_k, min_p, seed, logprobs,
+        top_logprobs_num) of ``reqs``, rebuilt only when the requests changed (the list compare is
+        by identity first: a few microseconds for a thousand requests)."""
+        cached = self._per_req
+        if cached is not None and cached[0] == self.reqs:
+            return cached[1]
         sp = list(map(_get_sp, self.reqs))
+        lists = (list(map(_get_pool_idx, self.reqs)), *(list(map(get, sp)) for get in _SAMPLING_FIELDS))
+        self._per_req = (list(self.reqs), lists)
+        return lists
+
+    def _make(self, ids: list[int], positions: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor,
+              capture_logits: bool, steps: list[int] | None = None) -> ForwardBatch:
+        pool_rows, temperatures, top_ps, top_ks, min_ps, seeds, logprobs, top_logprobs_nums = self._per_request()
         return ForwardBatch(
             input_ids=int64_tensor(ids),  # = torch.tensor(..., dtype=torch.int64), faster
-            positions=int64_tensor(positions),
+            positions=positions if isinstance(positions, torch.Tensor) else int64_tensor(positions),
             out_cache_loc=int64_tensor(self.out_slots),
-            req_pool_indices=int64_tensor(map(_get_pool_idx, self.reqs)),
-            seq_lens=int64_tensor(seq_lens),
+            req_pool_indices=int64_tensor(pool_rows),
+            seq_lens=seq_lens if isinstance(seq_lens, torch.Tensor) else int64_tensor(seq_lens),
             extend_prefix_lens=list(self.prefix_lens),
             extend_seq_lens=list(self.extend_lens),
             sampling=SamplingBatchInfo(
-                temperatures=list(map(_get_temperature, sp)),
-                top_ps=list(map(_get_top_p, sp)),
-                top_ks=list(map(_get_top_k, sp)),
-                min_ps=list(map(_get_min_p, sp)),
-                seeds=list(map(_get_seed, sp)),
-                steps=[len(r.output_ids) for r in self.reqs],
-                return_logprob=list(map(_get_logprobs, sp)),
-                top_logprobs_nums=list(map(_get_top_logprobs_num, sp)),
+                temperatures=temperatures,
+                top_ps=top_ps,
+                top_ks=top_ks,
+                min_ps=min_ps,
+                seeds=seeds,
+                steps=steps if steps is not None else [len(r.output_ids) for r in self.reqs],
+                return_logprob=logprobs,
+                top_logprobs_nums=top_logprobs_nums,
             ),
             capture_logits=capture_logits,
         )
 
 
 _get_sp = attrgetter("sampling_params")
+_get_output_ids = attrgetter("output_ids")
+_last = itemgetter(-1)
 _get_pool_idx = attrgetter("req_pool_idx")
-_get_temperature = attrgetter("temperature")
-_get_top_p = attrgetter("top_p")
-_get_top_k = attrgetter("top_k")
-_get_min_p = attrgetter("min_p")
-_get_seed = attrgetter("seed")
-_get_logprobs = attrgetter("logprobs")
-_get_top_logprobs_num = attrgetter("top_logprobs_num")
+_SAMPLING_FIELDS = tuple(map(attrgetter, ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
+                                           "top_logprobs_num")))

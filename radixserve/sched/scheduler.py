@@ -117,6 +117,8 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
 
         self.stats = SchedulerStats()
+        self._ended_at_filter = 0  # finished + aborted when the running batch was last filtered
+        self._abort_flagged: dict[Req, None] = {}  # running requests abort_request flagged, in order
         self.outputs: list[ReqOutput] = []
         self._idle_checked = True
 
@@ -176,6 +178,7 @@ class Scheduler:
             self._finish(req, reason)
         else:
             req.to_abort = reason  # running or chunked: released at the start of the next step
+            self._abort_flagged[req] = None
         return True
 
     # --- one step ------------------------------------------------------------------------------
@@ -227,22 +230,36 @@ class Scheduler:
             self.running_batch.reqs.extend(done)
         self._apply_aborts()  # after the merge, so a request prefilled last step is aborted now too
         abort_timed_out(self)  # --queue-timeout
-        self.running_batch.reqs = [r for r in self.running_batch.reqs if r.finished_reason is None]
+        ended = self.stats.num_finished + self.stats.num_aborted  # only _finish sets finished_reason
+        if ended != self._ended_at_filter:  # a request ended since the last pass: drop the ended ones
+            self._ended_at_filter = ended
+            self.running_batch.reqs = [r for r in self.running_batch.reqs if r.finished_reason is None]
         batch = self.get_new_batch_prefill()
         if batch is not None:
             return batch
         return self.update_running_batch()
 
     def _apply_aborts(self) -> None:
-        for req in [r for r in self.running_batch.reqs if r.to_abort is not None]:
-            self.running_batch.reqs.remove(req)
-            self.kv.release(req)
-            self._finish(req, req.to_abort)  # type: ignore[arg-type]
-        chunked = self.chunked_req
-        if chunked is not None and chunked.to_abort is not None:
-            self.chunked_req = None
-            self.kv.release(chunked)
-            self._finish(chunked, chunked.to_abort)
+        """Finish the requests ``abort_request`` flagged while they ran (only those: no pass over
+        the running batch), wherever they are now: running, the chunked request, or back in the
+        waiting queue after a retraction."""
+        flagged = self._abort_flagged
+        if not flagged:
+            return
+        running = self.running_batch.reqs
+        for req in list(flagged):
+            if req.finished_reason is None:
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                elif req in running:
+                    running.remove(req)
+                elif req in self.waiting_queue:
+                    self.waiting_queue.remove(req)
+                else:
+                    continue  # not reachable from here yet: keep the flag
+                self.kv.release(req)
+                self._finish(req, req.to_abort)  # type: ignore[arg-type]
+            del flagged[req]
 
     # --- prefill -------------------------------------------------------------------------------
     def policy_context(self) -> PolicyContext:
@@ -400,7 +417,8 @@ class Scheduler:
                 # (in a MIXED step only the requests whose prompt ended in it: not every decode)
                 if is_extend and (batch.forward_mode is ForwardMode.EXTEND or batch.prefix_lens[i] < req.prompt_len):
                     self.tree_cache.cache_unfinished_req(req)  # make the prompt shareable now
-                self._emit(req)
+                if req.stream or len(req.output_ids) == 1:  # one that does not stream: first token only
+                    self._emit(req)
 
     # --- outputs -------------------------------------------------------------------------------
     def _emit(self, req: Req) -> None:

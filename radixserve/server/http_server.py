@@ -290,7 +290,7 @@ async def _native_generate(tm: TokenizerManager, request: Request, body: Generat
             sp.setdefault("logprobs", True)
             sp.setdefault("top_logprobs_num", body.top_logprobs_num)
         check_sampling_params(sp, tm.info.get("vocab_size"), openai=False)
-        reqs.append(GenerateReq(rid, ids, sp, body.priority, *fields))
+        reqs.append(GenerateReq(rid, ids, sp, body.priority, *fields, stream=bool(body.stream)))
     call = Call(tm, request, abort_is_error=False)
     await call.open(reqs)
     if body.stream:

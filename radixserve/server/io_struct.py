@@ -64,6 +64,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     priority: int | None = None
     tenant: str | None = None  # vtc fairness (issue #5)
     deadline_ms: float | None = None  # TTFT deadline relative to arrival at the scheduler (edf)
+    stream: bool = True  # False: the scheduler sends the first token and the finish only
 
 
 class AbortReq(msgspec.Struct, tag=True):

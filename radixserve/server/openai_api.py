@@ -62,7 +62,8 @@ class OpenAIServing:
                 spi = dict(sp)
                 if sp["seed"] is not None:
                     spi["seed"] = sp["seed"] + i
-                reqs.append(GenerateReq(f"{base}-{p}-{i}", ids, spi, body.priority, *fields))
+                reqs.append(GenerateReq(f"{base}-{p}-{i}", ids, spi, body.priority, *fields,
+                                        stream=bool(body.stream)))
         return reqs
 
     def _token_str(self, tid: int) -> str:

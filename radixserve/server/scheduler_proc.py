@@ -183,7 +183,7 @@ class SchedulerServer:
         self.pending_meta[msg.rid] = (list(params.stop), params.skip_special_tokens)
         now = self.sched.clock()
         req = Req(msg.rid, msg.input_ids, params, arrival_time=now, priority=msg.priority,
-                  eos_token_ids=self.eos_token_ids)
+                  eos_token_ids=self.eos_token_ids, stream=msg.stream)
         req.tenant = msg.tenant
         if msg.deadline_ms is not None:
             req.deadline = now + msg.deadline_ms / 1000.0

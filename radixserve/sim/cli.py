@@ -76,7 +76,8 @@ def main(ns: argparse.Namespace) -> int:
     for label, args in runs:
         label = label or (args.scheduler if args.scheduler == "unified" else args.schedule_policy)
         trace = run(args, specs, cost, ns.context_length, label=label, progress=not ns.no_progress,
-                    skip_req_to_token_writes=ns.skip_req_to_token_writes, max_steps=ns.max_steps)
+                    skip_req_to_token_writes=ns.skip_req_to_token_writes, max_steps=ns.max_steps,
+                    stream=ns.stream_output)
         traces.append(trace)
         results.append(summarize(trace, args))
     if prof is not None:

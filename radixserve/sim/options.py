@@ -93,6 +93,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--max-steps", type=int, default=None,
                    help="Stop after this many forward steps (a bounded overhead measurement); unfinished requests "
                         "are left out of the latency results.")
+    r.add_argument("--stream-output", action="store_true",
+                   help="Every request streams: each decode step emits every running request's new token, as "
+                        "for streaming API clients. Without it the requests are non-streaming calls, whose tokens "
+                        "are emitted with the first one and at the finish (the scheduler's cheaper path).")
     r.add_argument("--skip-req-to-token-writes", action="store_true",
                    help="Use a ReqToTokenPool without its table (only a model reads it): faster at 1,000+ running, "
                         "but the scheduler overhead then leaves out the per-request table writes.")

@@ -115,10 +115,10 @@ def build_sim_scheduler(
     return sched, runner, clock
 
 
-def make_req(spec: RequestSpec) -> Req:
+def make_req(spec: RequestSpec, stream: bool = False) -> Req:
     sp = SamplingParams(max_new_tokens=max(spec.output_len, 1), ignore_eos=False)
     req = Req(spec.rid, spec.prompt_ids(), sp, arrival_time=spec.arrival_time, priority=spec.priority,
-              eos_token_ids=(EOS_TOKEN_ID,))
+              eos_token_ids=(EOS_TOKEN_ID,), stream=stream)
     req.sim_output_len = spec.output_len  # type: ignore[attr-defined]
     req.sim_stream = spec.stream  # type: ignore[attr-defined]
     req.sim_offset = spec.stream_offset  # type: ignore[attr-defined]
@@ -192,9 +192,12 @@ def run(
     on_step: Callable[[Scheduler], None] | None = None,
     skip_req_to_token_writes: bool = False,
     max_steps: int | None = None,
+    stream: bool = False,
 ) -> SimTrace:
     """Feed ``specs`` to a fresh scheduler at their arrival times and step it until all finish
-    (or until ``max_steps`` forward steps: then unfinished requests are left out of the results)."""
+    (or until ``max_steps`` forward steps: then unfinished requests are left out of the results).
+    ``stream``: the requests stream (the scheduler emits every token of every request every step);
+    otherwise they are non-streaming calls, whose tokens go out with the first and the last."""
     sched, runner, clock = build_sim_scheduler(args, cost, context_len,
                                                skip_req_to_token_writes=skip_req_to_token_writes)
     trace = SimTrace(label or args.schedule_policy)
@@ -215,7 +218,7 @@ def run(
         if i < n and not sched.has_work() and specs[i].arrival_time > clock.now:
             clock.now = specs[i].arrival_time  # idle: jump to the next arrival
         while i < n and specs[i].arrival_time <= clock.now:
-            req = make_req(specs[i])
+            req = make_req(specs[i], stream)
             live[req.rid] = req
             sched.add_request(req)
             i += 1

@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 
 from radixserve.mem.base_cache import ChunkCache
+from radixserve.mem.forward_batch import ForwardBatch
 from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from radixserve.sched.io import ReqOutput
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
+from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
 from radixserve.sched.scheduler import Scheduler
 from tests.fakes import drain, expected_tokens, make_scheduler
 
@@ -362,6 +364,55 @@ def test_abort_chunked_request() -> None:
     assert sched.chunked_req is None
     assert_exact([o for o in outs if o.rid == "b"], [b])
     assert kv.tree_cache.evictable_size() == 8 + 5 + 3  # a's computed chunk stays cached, and b
+
+
+# --- streaming and non-streaming outputs ---------------------------------------------------
+
+
+def test_non_streaming_request_sends_its_first_token_and_its_finish_only() -> None:
+    sched, runner, kv = make_scheduler()
+    a = Req("a", prompt(40, 6), SamplingParams(max_new_tokens=6), stream=False)
+    sched.add_request(a)
+    b = submit(sched, "b", prompt(41, 6), 6)  # streams (the default)
+    want = expected_tokens(a.origin_input_ids, 6)
+    c = Req("c", prompt(40, 6), SamplingParams(max_new_tokens=6, stop_token_ids=[want[3]]), stream=False)
+    sched.add_request(c)
+    outs = drain(sched)
+    assert [len(o.new_token_ids) for o in outs if o.rid == "a"] == [1, 5]
+    assert [len(o.new_token_ids) for o in outs if o.rid == "b"] == [1] * 6
+    assert [len(o.new_token_ids) for o in outs if o.rid == "c"] == [1, 3]  # stopped at its 4th token
+    got, fin = tokens(outs), finals(outs)
+    assert got["a"] == want and fin["a"].finished_reason == FINISH_LENGTH(6) and fin["a"].completion_tokens == 6
+    assert got["b"] == expected_tokens(b.origin_input_ids, 6)
+    assert got["c"] == want[:4] and fin["c"].finished_reason == FINISH_STOP(want[3])
+
+
+def test_forward_batch_per_request_lists_follow_the_batch() -> None:
+    """The sampling lists and pool rows are reused between decode steps: a change of the batch's
+    requests, even in place (a merge, a removal), must rebuild them."""
+
+    def req(rid: str, temperature: float, row: int) -> Req:
+        r = Req(rid, [1, 2, 3], SamplingParams(temperature=temperature))
+        r.output_ids, r.req_pool_idx = [7 + row], row
+        return r
+
+    a, b, c = req("a", 0.0, 1), req("b", 0.5, 2), req("c", 1.0, 3)
+    batch = ScheduleBatch([a, b], ForwardMode.DECODE)
+
+    def forward_batch() -> ForwardBatch:
+        n = len(batch.reqs)
+        batch.prefix_lens, batch.extend_lens, batch.out_slots = [3] * n, [1] * n, list(range(10, 10 + n))
+        return batch.to_forward_batch()
+
+    assert forward_batch().sampling.temperatures == [0.0, 0.5]
+    batch.reqs.append(c)
+    fb = forward_batch()
+    assert fb.sampling.temperatures == [0.0, 0.5, 1.0] and fb.req_pool_indices.tolist() == [1, 2, 3]
+    batch.reqs.remove(a)
+    fb = forward_batch()
+    assert fb.sampling.temperatures == [0.5, 1.0] and fb.req_pool_indices.tolist() == [2, 3]
+    assert fb.input_ids.tolist() == [9, 10] and fb.positions.tolist() == [3, 3] and fb.seq_lens.tolist() == [4, 4]
+    assert fb.sampling.steps == [1, 1]
 
 
 # --- limits ----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import pytest
 
 from radixserve.cli import main as cli_main
 from radixserve.config import ServerArgs
+from radixserve.sched.scheduler import Scheduler
 from radixserve.sim.cost_model import (
     BUNDLED_TABLE,
     H100Llama2CostModel,
@@ -52,6 +53,32 @@ def test_same_seed_same_result_and_different_seed_differs() -> None:
     assert set(a["per_class"]) == {"priority=0", "priority=10", "tenant=a", "tenant=b"}
     c = _sim("lpm", seed=1, **kw)
     assert _without_wall(c) != _without_wall(a)
+
+
+def test_streaming_requests_change_the_outputs_sent_not_the_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--stream-output``: every decode step emits every request's token; the schedule, the tokens
+    and every figure of the result stay the same."""
+    cfg = WorkloadConfig(num_requests=40, request_rate=50.0, input_len=64, output_len=24, context_len=CTX,
+                         workload="shared-prefix", prefix_len=128)
+    args = ServerArgs(max_total_tokens=20000, max_running_requests=32, schedule_policy="lpm")
+    specs = generate(cfg)
+    sent = [0]  # outputs of unfinished requests
+    step = Scheduler.step
+
+    def counting_step(self: Scheduler) -> list:
+        outs = step(self)
+        sent[0] += sum(1 for o in outs if o.finished_reason is None)
+        return outs
+
+    monkeypatch.setattr(Scheduler, "step", counting_step)
+    results, emitted = {}, {}
+    for stream in (False, True):
+        sent[0] = 0
+        results[stream] = _without_wall(summarize(run(args, specs, make_cost_model(), CTX, stream=stream)))
+        emitted[stream] = sent[0]
+    assert results[False] == results[True]
+    assert emitted[False] == 40  # each request's first token, then only its finish
+    assert emitted[True] > 40 * 20
 
 
 def test_interpolation_exact_at_table_points_and_monotone() -> None:
