@@ -1,4 +1,5 @@
-"""What the scheduler emits: one ``ReqOutput`` per request per step that produced something."""
+"""What the scheduler emits: a ``ReqOutput`` per request for each step that produced a token of a
+streaming request, for the first token, and at the finish (``Req.stream``)."""
 
 from __future__ import annotations
 
