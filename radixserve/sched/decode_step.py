@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from radixserve.sched.scheduler import Scheduler
 
 
-def process_decode_result(sched: Scheduler, batch: ScheduleBatch, out: ForwardOutput, now: float) -> None:
+def process_decode_result(sched: Scheduler, batch: ScheduleBatch, out: ForwardOutput) -> bool:
     """``process_batch_result`` of a decode step without logprobs. It runs for every running request
     every step, so the common work is done in C passes (``map`` over the batch) and Python code runs
     only for the requests that may stop and the ones that stream:
@@ -30,13 +30,15 @@ def process_decode_result(sched: Scheduler, batch: ScheduleBatch, out: ForwardOu
       ``check_finished``, in batch order, for the reason. The context needs no test of its own:
       ``add_request`` clipped ``max_new_tokens`` to the room it leaves;
     - a request that does not stream (``Req.stream`` False) sends nothing until it finishes.
+
+    Returns False, having done nothing, when the batch holds a request that already ended (none
+    does in practice): the general path skips those.
     """
     reqs, toks = batch.reqs, out.next_token_ids
     if len(toks) < len(reqs):
         raise IndexError("the runner returned fewer tokens than the batch has requests")
-    if any(map(_get_finished_reason, reqs)):  # (none in practice) skip those the slow way
-        _process_one_by_one(sched, reqs, toks, now)
-        return
+    if any(map(_get_finished_reason, reqs)):
+        return False
     outs = list(map(_get_output_ids, reqs))
     deque(map(list.append, outs, toks), maxlen=0)  # each request's new token, in C
     sched.stats.generated_tokens += len(reqs)
@@ -53,22 +55,7 @@ def process_decode_result(sched: Scheduler, batch: ScheduleBatch, out: ForwardOu
     for req in filter(_get_stream, reqs):
         if req.finished_reason is None:
             emit(req)
-
-
-def _process_one_by_one(sched: Scheduler, reqs: list[Req], toks: list[int], now: float) -> None:
-    for req, tok in zip(reqs, toks, strict=False):
-        if req.finished_reason is not None:
-            continue
-        req.output_ids.append(tok)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        sched.stats.generated_tokens += 1
-        reason = check_finished(sched, req)
-        if reason is not None:
-            sched.kv.release(req)
-            sched._finish(req, reason)
-        elif req.stream:
-            sched._emit(req)
+    return True
 
 
 _get_finished_reason = attrgetter("finished_reason")

@@ -64,7 +64,8 @@ class ScheduleBatch:
                 ids.extend(req.output_ids[: start + n - k])
             positions.extend(range(start, start + n))
         seq_lens = [s + n for s, n in zip(self.prefix_lens, self.extend_lens, strict=True)]
-        return self._make(ids, positions, seq_lens, capture_logits)
+        return self._make(ids, int64_tensor(positions), int64_tensor(seq_lens), capture_logits,
+                          [len(r.output_ids) for r in self.reqs])
 
     def _decode_forward_batch(self, capture_logits: bool) -> ForwardBatch:
         """One token per request at position ``prefix_len``: the same batch as the general path.
@@ -85,15 +86,15 @@ class ScheduleBatch:
         self._per_req = (list(self.reqs), lists)
         return lists
 
-    def _make(self, ids: list[int], positions: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor,
-              capture_logits: bool, steps: list[int] | None = None) -> ForwardBatch:
+    def _make(self, ids: list[int], positions: torch.Tensor, seq_lens: torch.Tensor, capture_logits: bool,
+              steps: list[int]) -> ForwardBatch:
         pool_rows, temperatures, top_ps, top_ks, min_ps, seeds, logprobs, top_logprobs_nums = self._per_request()
         return ForwardBatch(
             input_ids=int64_tensor(ids),  # = torch.tensor(..., dtype=torch.int64), faster
-            positions=positions if isinstance(positions, torch.Tensor) else int64_tensor(positions),
+            positions=positions,
             out_cache_loc=int64_tensor(self.out_slots),
             req_pool_indices=int64_tensor(pool_rows),
-            seq_lens=seq_lens if isinstance(seq_lens, torch.Tensor) else int64_tensor(seq_lens),
+            seq_lens=seq_lens,
             extend_prefix_lens=list(self.prefix_lens),
             extend_seq_lens=list(self.extend_lens),
             sampling=SamplingBatchInfo(
@@ -102,7 +103,7 @@ class ScheduleBatch:
                 top_ks=top_ks,
                 min_ps=min_ps,
                 seeds=seeds,
-                steps=steps if steps is not None else [len(r.output_ids) for r in self.reqs],
+                steps=steps,
                 return_logprob=logprobs,
                 top_logprobs_nums=top_logprobs_nums,
             ),

@@ -392,8 +392,7 @@ class Scheduler:
     def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
         now = self.clock()
         is_extend = batch.forward_mode.is_extend()
-        if not is_extend and out.logprobs is None and out.top_logprobs is None:
-            process_decode_result(self, batch, out, now)
+        if not is_extend and out.logprobs is None and out.top_logprobs is None and process_decode_result(self, batch, out):
             return
         for i, req in enumerate(batch.reqs):
             if req.num_computed_tokens < req.num_tokens:  # a prompt chunk: no token yet
