@@ -12,7 +12,7 @@ from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ForwardMode
 from radixserve.sched.scheduler import Scheduler
 from tests.fakes import EchoRunner, drain, expected_tokens, make_scheduler
-from tests.sched.test_scheduler import assert_exact, finals, prompt, submit, tokens
+from tests.sched.sched_helpers import assert_exact, finals, prompt, submit, tokens
 
 
 def test_small_pool_retracts_and_outputs_stay_exact() -> None:

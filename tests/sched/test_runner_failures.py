@@ -13,7 +13,7 @@ from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import ReqOutput
 from radixserve.sched.scheduler import Scheduler
 from tests.fakes import EchoRunner, drain, expected_tokens, make_scheduler
-from tests.sched.test_scheduler import assert_exact, finals, prompt, submit
+from tests.sched.sched_helpers import assert_exact, finals, prompt, submit
 
 
 class FlakyRunner(EchoRunner):

@@ -1,0 +1,46 @@
+"""Helpers of the end-to-end scheduler tests (test_scheduler.py, test_admission.py)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from radixserve.sched.finish import FINISH_LENGTH
+from radixserve.sched.io import ReqOutput
+from radixserve.sched.req import Req
+from radixserve.sched.sampling_params import SamplingParams
+from radixserve.sched.scheduler import Scheduler
+from tests.fakes import expected_tokens
+
+
+def submit(sched: Scheduler, rid: str, prompt: list[int], max_new: int = 8, **sp: Any) -> Req:
+    eos = sp.pop("eos", ())
+    req = Req(rid, prompt, SamplingParams(max_new_tokens=max_new, **sp), eos_token_ids=eos)
+    sched.add_request(req)
+    return req
+
+
+def tokens(outs: list[ReqOutput]) -> dict[str, list[int]]:
+    got: dict[str, list[int]] = {}
+    for o in outs:
+        got.setdefault(o.rid, []).extend(o.new_token_ids)
+    return got
+
+
+def finals(outs: list[ReqOutput]) -> dict[str, ReqOutput]:
+    fin = {o.rid: o for o in outs if o.finished_reason is not None}
+    assert len(fin) == len([o for o in outs if o.finished_reason is not None]), "a request finished twice"
+    return fin
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+def assert_exact(outs: list[ReqOutput], reqs: list[Req]) -> None:
+    got, fin = tokens(outs), finals(outs)
+    for r in reqs:
+        assert got[r.rid] == expected_tokens(r.origin_input_ids, r.max_new_tokens), r.rid
+        assert fin[r.rid].finished_reason == FINISH_LENGTH(r.max_new_tokens)
+        assert fin[r.rid].completion_tokens == r.max_new_tokens
