@@ -15,6 +15,7 @@ from radixserve.mem.evict_policy import QueueAwareStrategy, get_eviction_strateg
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.leaf_heap import LeafHeap
 from radixserve.mem.radix_cache import RadixCache
+from tests.mem.radix_helpers import RecordingAllocator
 
 
 class FreshHeapCache(RadixCache):
@@ -40,17 +41,6 @@ class FreshHeapCache(RadixCache):
         return freed
 
 
-class LoggingAllocator(TokenToKVPoolAllocator):
-    def __init__(self, size: int, page_size: int) -> None:
-        super().__init__(size, page_size)
-        self.freed: list[list[int]] = []
-
-    def free(self, slots: list[int]) -> None:
-        if slots:
-            self.freed.append(list(slots))
-        super().free(slots)
-
-
 class NonMonotone:
     """A strategy without ``monotone``: the heap is rebuilt on every call (the old behaviour)."""
 
@@ -58,10 +48,10 @@ class NonMonotone:
         return (-len(node.key), node.id)
 
 
-def _pair(policy: str, page_size: int) -> list[tuple[RadixCache, LoggingAllocator]]:
+def _pair(policy: str, page_size: int) -> list[tuple[RadixCache, RecordingAllocator]]:
     out = []
     for cls in (RadixCache, FreshHeapCache):
-        alloc = LoggingAllocator(2048, page_size)
+        alloc = RecordingAllocator(2048, page_size)
         strategy: Any = NonMonotone() if policy == "non-monotone" else get_eviction_strategy(policy)
         out.append((cls(ReqToTokenPool(1, 8), alloc, strategy), alloc))
     return out
@@ -158,7 +148,7 @@ def test_compaction_while_evicting_a_chain(cycles: int) -> None:
     the same victims as a fresh heap."""
     got = []
     for cls in (RadixCache, FreshHeapCache):
-        alloc = LoggingAllocator(512, 1)
+        alloc = RecordingAllocator(512, 1)
         cache = cls(ReqToTokenPool(1, 8), alloc)
         for k in range(1, 60):  # a chain: one node per length, only the deepest is a leaf
             vals = alloc.alloc(k)

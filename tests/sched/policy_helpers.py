@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import random
 
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import ReqOutput
@@ -12,7 +11,10 @@ from radixserve.sched.sampling_params import SamplingParams
 from radixserve.sched.schedule_batch import ScheduleBatch
 from radixserve.sched.scheduler import Scheduler
 from tests.fakes import expected_tokens
+from tests.sched import sched_helpers
 
+prompt = sched_helpers.prompt  # the policy tests import these from here
+tokens = sched_helpers.tokens
 _arrivals = itertools.count()
 
 
@@ -25,18 +27,6 @@ def submit(
               arrival_time=float(next(_arrivals)) if arrival is None else arrival, priority=priority)
     sched.add_request(req)
     return req
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 1000) for _ in range(n)]
-
-
-def tokens(outs: list[ReqOutput]) -> dict[str, list[int]]:
-    got: dict[str, list[int]] = {}
-    for o in outs:
-        got.setdefault(o.rid, []).extend(o.new_token_ids)
-    return got
 
 
 def aborts(outs: list[ReqOutput]) -> dict[str, FINISH_ABORT]:
