@@ -61,6 +61,27 @@ def _bench_offline(ns: argparse.Namespace) -> int:
     return main(ns)
 
 
+def _router(ns: argparse.Namespace) -> int:
+    from radixserve.router.app import run_router
+    from radixserve.router.config import RouterArgs
+
+    try:
+        args = RouterArgs.from_cli_args(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not args.worker_urls:
+        print("error: give at least one worker with --worker-urls URL [URL ...]", file=sys.stderr)
+        return 2
+    return run_router(args)
+
+
+def _launch(ns: argparse.Namespace) -> int:
+    from radixserve.router.launch import launch_fleet
+
+    return launch_fleet(ns)
+
+
 def _simulate(ns: argparse.Namespace) -> int:
     from radixserve.sim.cli import main
 
@@ -119,6 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     _bench_serve_args(bs)
     bs.set_defaults(func=_bench_serve)
+
+    from radixserve.router.config import RouterArgs
+    from radixserve.router.launch import add_launch_args
+
+    r = sub.add_parser("router", help="Route requests over many workers (cache-aware, round-robin, random, "
+                       "power-of-two), with health checks, retries and backpressure.",
+                       description="A router in front of radixserve (or SGLang-compatible) workers. See docs/router.md.",
+                       epilog="example: radixserve router --worker-urls http://127.0.0.1:30001 "
+                              "http://127.0.0.1:30002 --port 30000 --policy cache_aware")
+    RouterArgs.add_cli_args(r)
+    r.set_defaults(func=_router)
+
+    la = sub.add_parser("launch", help="Start N workers and a router in front of them on this machine.",
+                        description="One command for a fleet on one machine: --num-workers workers on the ports "
+                                    "after --port, each with its share of the CPU threads, and the router on "
+                                    "--port. Takes every engine option (passed to each worker) and every router "
+                                    "option. Ctrl-C stops everything.",
+                        epilog="example: radixserve launch --num-workers 2 --port 30000 --policy cache_aware")
+    add_launch_args(la)
+    la.set_defaults(func=_launch)
 
     from radixserve.sim.options import EPILOG as _SIM_EPILOG
     from radixserve.sim.options import add_args as _sim_args

@@ -16,134 +16,134 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "sjf", "edf",
 RADIX_EVICTION_POLICIES = ("lru", "lfu", "queue-aware")
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, group: str = "engine") -> Any:
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None, group: str = "engine") -> Any:
     return field(default=default, metadata={"help": help, "choices": choices, "group": group})
 
 
 @dataclass(frozen=True)
 class ServerArgs:
     # --- model -------------------------------------------------------------------------------
-    model_path: str | None = _opt(
+    model_path: str | None = option(
         None, "Local GGUF file or safetensors directory. Default: the bundled SmolLM2-135M-Instruct GGUF.", group="model"
     )
-    served_model_name: str | None = _opt(None, "Model name reported by the API (default: derived from the path).", group="model")
-    dtype: str = _opt("auto", "Weights/activations/KV dtype; auto picks the measured-fastest on this device.", ("auto", "float32", "bfloat16"), group="model")
-    context_length: int | None = _opt(None, "Maximum context length (prompt + output); default: the model's.", group="model")
-    attention_backend: str = _opt("torch_native", "Attention implementation.", ("torch_native",), group="model")
-    random_seed: int = _opt(0, "Seed of the global sampler generator.", group="model")
-    num_threads: int | None = _opt(None, "torch intra-op threads (default: torch's choice).", group="model")
+    served_model_name: str | None = option(None, "Model name reported by the API (default: derived from the path).", group="model")
+    dtype: str = option("auto", "Weights/activations/KV dtype; auto picks the measured-fastest on this device.", ("auto", "float32", "bfloat16"), group="model")
+    context_length: int | None = option(None, "Maximum context length (prompt + output); default: the model's.", group="model")
+    attention_backend: str = option("torch_native", "Attention implementation.", ("torch_native",), group="model")
+    random_seed: int = option(0, "Seed of the global sampler generator.", group="model")
+    num_threads: int | None = option(None, "torch intra-op threads (default: torch's choice).", group="model")
 
     # --- memory ------------------------------------------------------------------------------
-    max_total_tokens: int | None = _opt(
+    max_total_tokens: int | None = option(
         None, "KV pool size in tokens. Default: sized from --mem-fraction-static of system memory.", group="memory"
     )
-    mem_fraction_static: float = _opt(
+    mem_fraction_static: float = option(
         0.15, "Fraction of system memory given to the KV pool when --max-total-tokens is unset.", group="memory"
     )
-    page_size: int = _opt(1, "Tokens per KV page; the radix cache matches whole pages only.", group="memory")
-    disable_radix_cache: bool = _opt(False, "Use a ChunkCache that shares nothing instead of the RadixCache.", group="memory")
-    radix_eviction_policy: str = _opt("lru", "Order in which unlocked radix leaves are evicted; queue-aware: leaves no waiting request "
+    page_size: int = option(1, "Tokens per KV page; the radix cache matches whole pages only.", group="memory")
+    disable_radix_cache: bool = option(False, "Use a ChunkCache that shares nothing instead of the RadixCache.", group="memory")
+    radix_eviction_policy: str = option("lru", "Order in which unlocked radix leaves are evicted; queue-aware: leaves no waiting request "
         "is about to reuse first, then LRU.", RADIX_EVICTION_POLICIES, group="memory")
 
     # --- scheduling --------------------------------------------------------------------------
-    schedule_policy: str = _opt(
+    schedule_policy: str = option(
         "fcfs", f"Order of the waiting queue: one of {', '.join(SCHEDULE_POLICIES)}, a policy registered by "
         "--policy-plugin, or module.path:ClassName (docs/scheduling.md).")
-    max_running_requests: int | None = _opt(None, "Most requests in the running batch (default: from pool sizes).")
-    max_queued_requests: int | None = _opt(None, "Most requests waiting; past it new requests are rejected (429).")
-    max_prefill_tokens: int = _opt(16384, "Most new prompt tokens in one prefill batch (rem_input_tokens).")
-    prefill_max_requests: int | None = _opt(None, "Most requests admitted in one prefill batch.")
-    chunked_prefill_size: int = _opt(
+    max_running_requests: int | None = option(None, "Most requests in the running batch (default: from pool sizes).")
+    max_queued_requests: int | None = option(None, "Most requests waiting; past it new requests are rejected (429).")
+    max_prefill_tokens: int = option(16384, "Most new prompt tokens in one prefill batch (rem_input_tokens).")
+    prefill_max_requests: int | None = option(None, "Most requests admitted in one prefill batch.")
+    chunked_prefill_size: int = option(
         2048, "Most prompt tokens of one request per prefill step (rem_chunk_tokens); -1 disables chunking."
     )
-    schedule_conservativeness: float = _opt(1.0, "Scales the reserve held for running requests' future tokens.")
-    init_new_token_ratio: float = _opt(0.7, "Initial fraction of max_new_tokens reserved per running request.")
-    min_new_token_ratio_factor: float = _opt(0.14, "new_token_ratio floor = init_new_token_ratio * this.")
-    new_token_ratio_decay_steps: int = _opt(600, "Decode steps for new_token_ratio to decay from init to the floor.")
-    retract_decode_steps: int = _opt(20, "Decode steps of headroom the survivors of a retraction must have.")
-    clip_max_new_tokens: int = _opt(4096, "Cap on one request's max_new_tokens when reserving budget.")
-    idle_self_check: bool = _opt(True, "Assert the KV memory invariant every time the engine goes idle.")
+    schedule_conservativeness: float = option(1.0, "Scales the reserve held for running requests' future tokens.")
+    init_new_token_ratio: float = option(0.7, "Initial fraction of max_new_tokens reserved per running request.")
+    min_new_token_ratio_factor: float = option(0.14, "new_token_ratio floor = init_new_token_ratio * this.")
+    new_token_ratio_decay_steps: int = option(600, "Decode steps for new_token_ratio to decay from init to the floor.")
+    retract_decode_steps: int = option(20, "Decode steps of headroom the survivors of a retraction must have.")
+    clip_max_new_tokens: int = option(4096, "Cap on one request's max_new_tokens when reserving budget.")
+    idle_self_check: bool = option(True, "Assert the KV memory invariant every time the engine goes idle.")
 
     # --- scheduling policies, priority, the unified scheduler (issue #4; docs/scheduling.md) ---
     # SGLang's option names for the default scheduler, vLLM's for --scheduler unified.
-    lpm_fallback_threshold: int = _opt(
+    lpm_fallback_threshold: int = option(
         128, "lpm orders by cached prefix only while at most this many requests wait, else fcfs "
         "(SGLang hard-codes 128); 0 never falls back.")
-    in_batch_prefix_caching_check_threshold: int = _opt(
+    in_batch_prefix_caching_check_threshold: int = option(
         32, "lpm: a waiting request whose cached prefix is at most this long is checked against the "
         "prompts of the requests ahead of it this round (SGLang's IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD).")
-    in_batch_prefix_caching_deprioritize_threshold: int = _opt(
+    in_batch_prefix_caching_deprioritize_threshold: int = option(
         32, "lpm: such a request sharing at least this many uncached tokens with one ahead of it goes to "
         "the back, to hit that one's cache later (SGLang's IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD); "
         "0 disables the check.")
-    enable_priority_scheduling: bool = _opt(
+    enable_priority_scheduling: bool = option(
         False, "Order the waiting queue by request priority first (then arrival) and let a request "
         "preempt running ones of much lower priority.")
-    schedule_low_priority_values_first: bool = _opt(
+    schedule_low_priority_values_first: bool = option(
         False, "With --enable-priority-scheduling: a smaller priority value is more important (default: larger).")
-    priority_scheduling_preemption_threshold: int = _opt(
+    priority_scheduling_preemption_threshold: int = option(
         10, "A waiting request preempts a running one only if its priority beats it by more than this.")
-    abort_on_priority_when_disabled: bool = _opt(
+    abort_on_priority_when_disabled: bool = option(
         False, "Without priority scheduling, abort (400) a request that carries a priority instead of ignoring it.")
-    default_priority_value: int | None = _opt(
+    default_priority_value: int | None = option(
         None, "Priority of a request that gives none (default: the least important value, as SGLang; "
         "0 under --scheduler unified, as vLLM).")
-    queue_timeout: float | None = _opt(
+    queue_timeout: float | None = option(
         None, "Seconds a request may wait to be scheduled before it is aborted (503, code queue_timeout).")
-    scheduler: str = _opt(
+    scheduler: str = option(
         "sglang", "sglang: prefill-first batches built by the PrefillAdder; unified: vLLM V1's token-budget "
         "scheduler (mixed prefill+decode steps, preemption by recompute).", ("sglang", "unified"))
-    scheduling_policy: str = _opt(
+    scheduling_policy: str = option(
         "fcfs", "--scheduler unified: waiting order and preemption victim; priority: smaller value first, "
         "victim the least important latest arrival (vLLM's --scheduling-policy).", ("fcfs", "priority"))
-    max_num_batched_tokens: int = _opt(8192, "--scheduler unified: most tokens scheduled in one step.")
-    max_num_seqs: int = _opt(256, "--scheduler unified: most requests running at once.")
-    long_prefill_token_threshold: int = _opt(
+    max_num_batched_tokens: int = option(8192, "--scheduler unified: most tokens scheduled in one step.")
+    max_num_seqs: int = option(256, "--scheduler unified: most requests running at once.")
+    long_prefill_token_threshold: int = option(
         0, "--scheduler unified: most prompt tokens of one request per step (0: no cap but the budget).")
 
     # --- aging, short-first, deadlines, tenant fairness, thrash-free preemption, plugins (issue #5;
     # docs/scheduling.md). Defaults keep the issue-#4 behaviour.
-    priority_aging_rate: float = _opt(
+    priority_aging_rate: float = option(
         0.0, "Priority units a waiting request gains per second of wait (any policy; 0: off).")
-    priority_aging_horizon: float | None = _opt(
+    priority_aging_horizon: float | None = option(
         None, "Seconds of wait after which a request goes ahead of the policy's order, oldest first.")
-    sjf_output_weight: float = _opt(
+    sjf_output_weight: float = option(
         1.0, "sjf: job size = uncached prompt tokens + min(max_new_tokens, --clip-max-new-tokens) * this.")
-    deadline_admission: bool = _opt(
+    deadline_admission: bool = option(
         False, "Refuse (429, code deadline_unmeetable) a request whose TTFT deadline cannot be met given "
         "the queue ahead of it in deadline order.")
-    deadline_prefill_tokens_per_s: float = _opt(
+    deadline_prefill_tokens_per_s: float = option(
         4000.0, "Initial prefill throughput estimate (tokens/s) for --deadline-admission; then an EMA of "
         "measured prefill steps.")
-    tenant_weights: str | None = _opt(
+    tenant_weights: str | None = option(
         None, "vtc: tenant weights, 'a=2,b=1' (unlisted tenants: 1).")
-    vtc_input_weight: float = _opt(1.0, "vtc: counter charge per input token (w_p).")
-    vtc_output_weight: float = _opt(2.0, "vtc: counter charge per output token (w_q).")
-    max_preemptions_per_request: int = _opt(
+    vtc_input_weight: float = option(1.0, "vtc: counter charge per input token (w_p).")
+    vtc_output_weight: float = option(2.0, "vtc: counter charge per output token (w_q).")
+    max_preemptions_per_request: int = option(
         3, "A request is preempted or retracted at most this many times; then it is no victim (unless "
         "retraction has no other choice). Returned victims go first in their class. 0 turns the guard off "
         "(no cap; victims re-queued where the policy puts them, as SGLang does).")
-    retract_victim_policy: str = _opt(
+    retract_victim_policy: str = option(
         "sglang", "Victim order of decode retraction: sglang (fewest outputs first) or min-recompute "
         "(least tokens to recompute first; returned victims go first in their class).",
         ("sglang", "min-recompute"))
-    policy_plugin: str | None = _opt(
+    policy_plugin: str | None = option(
         None, "Python file(s), comma-separated, imported at start; their @register_policy classes become "
         "--schedule-policy names.")
-    starvation_threshold: float = _opt(
+    starvation_threshold: float = option(
         30.0, "Seconds of queueing past which a request counts as starved (metric).")
 
     # --- server (HTTP process, TokenizerManager, scheduler/detokenizer processes; issue #3) ----
     # Flag names follow SGLang's (--host, --port, --api-key, --enable-metrics, ...).
-    host: str = _opt("127.0.0.1", "HTTP host to bind.", group="server")
-    port: int = _opt(30000, "HTTP port to bind.", group="server")
-    api_key: str | None = _opt(
+    host: str = option("127.0.0.1", "HTTP host to bind.", group="server")
+    port: int = option(30000, "HTTP port to bind.", group="server")
+    api_key: str | None = option(
         None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.", group="server"
     )
-    enable_metrics: bool = _opt(False, "Serve Prometheus metrics at /metrics.", group="server")
-    decode_log_interval: int = _opt(40, "Log one line of batch statistics every N decode steps.", group="server")
-    log_level: str = _opt("info", "Log level of every process.", ("debug", "info", "warning", "error"), group="server")
-    stream_interval: int = _opt(1, "Send streamed output every N tokens (1: every token).", group="server")
+    enable_metrics: bool = option(False, "Serve Prometheus metrics at /metrics.", group="server")
+    decode_log_interval: int = option(40, "Log one line of batch statistics every N decode steps.", group="server")
+    log_level: str = option("info", "Log level of every process.", ("debug", "info", "warning", "error"), group="server")
+    stream_interval: int = option(1, "Send streamed output every N tokens (1: every token).", group="server")
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -234,34 +234,45 @@ class ServerArgs:
     # --- CLI -----------------------------------------------------------------------------------
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-        hints = get_type_hints(cls)
-        groups: dict[str, argparse._ArgumentGroup] = {}
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            gname = f.metadata.get("group", "engine")
-            group = groups.setdefault(gname, parser.add_argument_group(f"{gname} options"))
-            flag = "--" + f.name.replace("_", "-")
-            help_ = f.metadata.get("help", "")
-            hint = hints[f.name]
-            if hint is bool:
-                group.add_argument(flag, action="store_true", default=None, help=help_)
-                continue
-            base = _base_type(hint)
-            default_txt = "" if f.default is None else f" (default: {f.default})"
-            group.add_argument(
-                flag, type=base, default=None, choices=f.metadata.get("choices"), help=help_ + default_txt,
-                metavar=None if f.metadata.get("choices") else f.name.upper(),
-            )
+        add_dataclass_cli_args(cls, parser, skip)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            v = getattr(ns, f.name, None)
-            if v is not None:
-                kwargs[f.name] = v
-        return cls(**kwargs)
+        return dataclass_from_cli_args(cls, ns)
+
+
+def add_dataclass_cli_args(cls: type, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of an options dataclass built with ``_opt``: ``--field-name``, its help,
+    choices and default; ``bool`` fields are switches, tuple fields take one or more values."""
+    hints = get_type_hints(cls)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not f.init:
+            continue
+        gname = f.metadata.get("group", "engine")
+        group = groups.setdefault(gname, parser.add_argument_group(f"{gname} options"))
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f.metadata.get("help", "")
+        hint = hints[f.name]
+        if hint is bool:
+            group.add_argument(flag, action="store_true", default=None, help=help_)
+            continue
+        nargs = "+" if getattr(hint, "__origin__", None) is tuple else None
+        base = _base_type(hint.__args__[0] if nargs else hint)
+        default_txt = "" if f.default is None or f.default == () else f" (default: {f.default})"
+        group.add_argument(
+            flag, type=base, default=None, choices=f.metadata.get("choices"), help=help_ + default_txt,
+            metavar=None if f.metadata.get("choices") else f.name.upper(), nargs=nargs,
+        )
+
+
+def dataclass_from_cli_args(cls: Any, ns: argparse.Namespace) -> Any:
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        v = getattr(ns, f.name, None)
+        if v is not None and f.init:
+            kwargs[f.name] = tuple(v) if isinstance(v, list) else v
+    return cls(**kwargs)
 
 
 def parse_tenant_weights(spec: str | None) -> dict[str, float]:

@@ -1,9 +1,11 @@
-"""Per-request scheduling fields from HTTP requests (docs/scheduling.md, issue #5).
+"""Per-request scheduling fields from HTTP requests (docs/scheduling.md).
 
 - tenant (vtc fairness): the ``x-tenant`` header, else the OpenAI ``user`` field / native ``tenant``.
 - TTFT deadline in ms: the ``x-ttft-slo-ms`` header, else the OpenAI ``ttft_slo_ms`` body field /
   the native ``deadline_ms`` field. The scheduler process turns it into ``Req.deadline`` =
   arrival (its clock) + ms / 1000.
+- ``data_parallel_rank`` (what a DP-aware router sends): validated against the server's data-parallel
+  ranks, so a router that believes in a rank the server lacks gets a 400, not a silent reroute.
 """
 
 from __future__ import annotations
@@ -28,9 +30,16 @@ def _ms(value: Any, param: str) -> float | None:
     return ms
 
 
+DP_SIZE = 1  # data-parallel ranks of this server: one scheduler process
+
+
 def sched_fields(request: Request, body: Any, openai: bool) -> tuple[str | None, float | None]:
     """(tenant, deadline_ms) of one HTTP request."""
     extra = getattr(body, "model_extra", None) or {}
+    rank = extra.get("data_parallel_rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < DP_SIZE):
+        raise APIError(f"data_parallel_rank must be an integer in [0, {DP_SIZE}) (this server's dp_size is "
+                       f"{DP_SIZE}), got {rank!r}", param="data_parallel_rank")
     tenant = request.headers.get("x-tenant") or (getattr(body, "user", None) if openai else extra.get("tenant"))
     if tenant is not None and not isinstance(tenant, str):
         raise APIError("tenant must be a string", param="tenant")

@@ -1,0 +1,177 @@
+"""The router's HTTP server (aiohttp, server and keep-alive client in one well-kept library).
+
+    radixserve router --worker-urls http://127.0.0.1:30001 http://127.0.0.1:30002 [--policy cache_aware]
+
+Routes: ``/generate``, ``/v1/completions``, ``/v1/chat/completions`` (routed per request, SSE passed
+through as it comes); ``/v1/models``, ``/get_model_info``, ``/get_server_info``, ``/health_generate``
+(any eligible worker); ``/flush_cache`` (every worker); ``/get_loads`` (every worker's
+``/get_load``); ``GET/POST/DELETE /workers`` (the fleet at run time); ``/health`` (200 while some
+worker is eligible); ``/metrics`` (Prometheus). With ``--api-key`` every route but ``/health``
+wants ``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from radixserve.router.config import RouterArgs
+from radixserve.router.router import Router, error_response, routed_paths
+
+logger = logging.getLogger("radixserve.router")
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("router", Router)
+
+
+def _auth_middleware(api_key: str | None) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                    ) -> web.StreamResponse:
+        if api_key and request.path != "/health":
+            auth = request.headers.get("Authorization", "")
+            key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
+            if key != api_key:
+                return error_response("Incorrect API key provided.", 401, "invalid_api_key")
+        return await handler(request)
+
+    return check
+
+
+async def _worker_url(request: web.Request) -> str | None:
+    url = request.query.get("url")
+    if url is None and request.can_read_body:
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            return None
+        url = body.get("url") if isinstance(body, dict) else None
+    return url if isinstance(url, str) and url.startswith(("http://", "https://")) else None
+
+
+def create_app(router: Router) -> web.Application:
+    app = web.Application(middlewares=[_auth_middleware(router.args.api_key)], client_max_size=64 * 1024 * 1024)
+    app[ROUTER_KEY] = router
+
+    def routed(path: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await router.proxy(request, path)
+        return handler
+
+    for path in routed_paths():
+        app.router.add_post(path, routed(path))
+
+    def any_worker(path: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await router.forward_one(request, path)
+        return handler
+
+    for path in ("/v1/models", "/get_model_info", "/get_server_info", "/health_generate"):
+        app.router.add_get(path, any_worker(path))
+
+    async def health(request: web.Request) -> web.Response:
+        if router.eligible():
+            return web.Response(status=200)
+        return error_response("No healthy worker is available.", 503, "no_healthy_worker")
+
+    async def flush_cache(request: web.Request) -> web.Response:
+        results = await router.fan_out("POST", "/flush_cache")
+        ok = all(status == 200 for status, _ in results.values())
+        return web.json_response({"success": ok, "workers": {u: {"status": s, "body": b}
+                                                              for u, (s, b) in results.items()}},
+                                 status=200 if ok else 502)
+
+    async def get_loads(request: web.Request) -> web.Response:
+        results = await router.fan_out("GET", "/get_load")
+        info = {w["url"]: w for w in router.describe()}
+        return web.json_response({"workers": [{"url": u, "load": b if s == 200 else None,
+                                               "router_in_flight": info[u]["load"] if u in info else 0}
+                                              for u, (s, b) in results.items()]})
+
+    async def list_workers(request: web.Request) -> web.Response:
+        return web.json_response({"policy": router.policy.name, "workers": router.describe()})
+
+    async def add_worker(request: web.Request) -> web.Response:
+        url = await _worker_url(request)
+        if url is None:
+            return error_response('give the worker as ?url=http://host:port or {"url": ...}', 400, "invalid_url")
+        if url.rstrip("/") in router.workers:
+            return error_response(f"worker {url} is already in the fleet", 409, "worker_exists")
+        w = await router.add_worker(url)
+        return web.json_response({"success": True, "url": w.url, "healthy": w.health.healthy})
+
+    async def remove_worker(request: web.Request) -> web.Response:
+        url = await _worker_url(request)
+        if url is None:
+            return error_response('give the worker as ?url=http://host:port or {"url": ...}', 400, "invalid_url")
+        if not await router.remove_worker(url):
+            return error_response(f"worker {url} is not in the fleet", 404, "worker_not_found")
+        return web.json_response({"success": True, "url": url})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=router.metrics.render(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type": "version=0.0.4"})
+
+    app.router.add_get("/health", health)
+    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_get("/get_loads", get_loads)
+    app.router.add_get("/workers", list_workers)
+    app.router.add_post("/workers", add_worker)
+    app.router.add_delete("/workers", remove_worker)
+    app.router.add_post("/add_worker", add_worker)  # sgl-router's names
+    app.router.add_post("/remove_worker", remove_worker)
+    app.router.add_get("/metrics", metrics)
+
+    async def on_startup(app: web.Application) -> None:
+        await router.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await router.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+async def serve(args: RouterArgs, ready: Callable[[], None] | None = None) -> None:
+    router = Router(args)
+    app = create_app(router)
+    # handler_cancellation: a client that goes away cancels its handler, which closes the worker
+    # connection, so the worker aborts the request and frees its KV at once.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, backlog=1024, reuse_address=True)
+    await site.start()
+    logger.info("router on http://%s:%d, policy %s, %d worker(s)", args.host, args.port, args.policy,
+                len(router.workers))
+    if ready is not None:
+        ready()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        logger.info("router shutting down")
+        await runner.cleanup()
+
+
+def run_router(args: RouterArgs) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s Router] %(message)s")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(serve(args))
+    except OSError as e:
+        logger.error("cannot start: %s", e)
+        return 1
+    return 0

@@ -1,0 +1,146 @@
+"""``RouterArgs``: every ``radixserve router`` option, with sgl-router's flag names and defaults.
+
+The CLI is generated from the fields (``--`` + field name with ``-``), as for ``ServerArgs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.config import add_dataclass_cli_args, dataclass_from_cli_args, option
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+
+
+@dataclass(frozen=True)
+class RouterArgs:
+    # --- fleet -----------------------------------------------------------------------------------
+    worker_urls: tuple[str, ...] = option(
+        (), "Base URLs of the workers (radixserve serve, or any SGLang-compatible server).", group="fleet")
+    dp_aware: bool = option(
+        False, "Read each worker's dp_size from /get_server_info and route to one of its data-parallel "
+        "ranks, sent as data_parallel_rank.", group="fleet")
+    worker_api_key: str | None = option(
+        None, "Bearer key the router sends to the workers (default: --api-key).", group="fleet")
+    worker_startup_timeout_secs: float = option(
+        600.0, "How long to wait for the workers to come up at start; a worker still down after it is "
+        "kept out of rotation until its health checks pass.", group="fleet")
+
+    # --- policy ----------------------------------------------------------------------------------
+    policy: str = option("cache_aware", "How a worker is picked for each request (docs/router.md).",
+                         ROUTER_POLICIES, group="policy")
+    cache_threshold: float = option(
+        0.3, "cache_aware: a match rate above this routes to the worker holding the prefix.", group="policy")
+    balance_abs_threshold: int = option(
+        64, "cache_aware: imbalanced when max_load - min_load exceeds this (and the relative threshold).",
+        group="policy")
+    balance_rel_threshold: float = option(
+        1.5, "cache_aware: imbalanced when max_load > min_load * this (and the absolute threshold).",
+        group="policy")
+    eviction_interval_secs: float = option(
+        60.0, "cache_aware: how often the prefix tree is evicted down to --max-tree-size per worker.",
+        group="policy")
+    max_tree_size: int = option(
+        2**26, "cache_aware: most elements (characters, or tokens with --prefix-match tokens) the tree "
+        "keeps per worker.", group="policy")
+    balance_affinity: bool = option(
+        False, "cache_aware: when imbalanced, pick the best prefix match among the workers within the "
+        "balance window of the least loaded one instead of the least loaded alone.", group="policy")
+    prefix_match: str = option(
+        "chars", "cache_aware: match characters of the prompt (sgl-router) or tokens (the router "
+        "tokenizes with the model's tokenizer, so the match rate is the real cache hit rate).",
+        ("chars", "tokens"), group="policy")
+    tokenizer_path: str | None = option(
+        None, "--prefix-match tokens: the model whose tokenizer to use (default: the first worker's "
+        "model_path, read from /get_server_info).", group="policy")
+    enable_cache_events: bool = option(
+        False, "cache_aware: subscribe to the workers' cache events (workers started with "
+        "--cache-events-port) so the tree forgets prefixes the workers evicted.", group="policy")
+    seed: int | None = option(None, "Seed of the random and power_of_two policies.", group="policy")
+
+    # --- reliability -----------------------------------------------------------------------------
+    health_check_interval_secs: float = option(60.0, "Seconds between health checks of each worker.",
+                                               group="reliability")
+    health_check_timeout_secs: float = option(5.0, "Timeout of one health check.", group="reliability")
+    health_check_endpoint: str = option("/health", "Path the health check GETs.", group="reliability")
+    health_failure_threshold: int = option(
+        3, "Consecutive failed checks after which a worker gets no traffic.", group="reliability")
+    health_success_threshold: int = option(
+        2, "Consecutive passed checks after which an unhealthy worker is back.", group="reliability")
+    retry_max_retries: int = option(
+        5, "Retries of a request on another worker after a connection error, 5xx or 429 (never once "
+        "streaming to the client has started).", group="reliability")
+    retry_initial_backoff_ms: int = option(50, "First retry delay.", group="reliability")
+    retry_max_backoff_ms: int = option(30000, "Longest retry delay.", group="reliability")
+    retry_backoff_multiplier: float = option(2.0, "Delay growth per retry.", group="reliability")
+    retry_jitter_factor: float = option(0.1, "Random +- fraction added to each delay.", group="reliability")
+    cb_failure_threshold: int = option(
+        10, "Consecutive failed requests that open a worker's circuit breaker; 0 disables it.",
+        group="reliability")
+    cb_success_threshold: int = option(3, "Successful probes that close a half-open breaker.",
+                                       group="reliability")
+    cb_timeout_duration_secs: float = option(60.0, "How long an open breaker stays open before a probe.",
+                                             group="reliability")
+
+    # --- admission -------------------------------------------------------------------------------
+    max_concurrent_requests: int = option(
+        256, "Requests in flight through the router at once; -1 for no limit.", group="admission")
+    queue_size: int = option(
+        100, "Requests that may wait for a slot once --max-concurrent-requests are in flight; past it 429.",
+        group="admission")
+    queue_timeout_secs: float = option(60.0, "Longest wait in that queue before a 429.", group="admission")
+    request_timeout_secs: float = option(1800.0, "Longest a request may take at a worker.", group="admission")
+
+    # --- server ----------------------------------------------------------------------------------
+    host: str = option("127.0.0.1", "HTTP host to bind.", group="server")
+    port: int = option(30000, "HTTP port to bind.", group="server")
+    api_key: str | None = option(
+        None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.", group="server")
+    log_level: str = option("info", "Log level.", ("debug", "info", "warning", "error"), group="server")
+
+    def __post_init__(self) -> None:
+        errors: list[str] = []
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                errors.append(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+        for url in self.worker_urls:
+            if not url.startswith(("http://", "https://")):
+                errors.append(f"worker URL {url!r} must start with http:// or https://")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            errors.append("cache_threshold must be in [0, 1]")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            errors.append("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+        for name in ("max_tree_size", "health_failure_threshold", "health_success_threshold",
+                     "cb_success_threshold", "queue_size"):
+            if getattr(self, name) < (0 if name == "queue_size" else 1):
+                errors.append(f"{name} must be positive")
+        for name in ("eviction_interval_secs", "health_check_interval_secs", "health_check_timeout_secs",
+                     "cb_timeout_duration_secs", "queue_timeout_secs", "request_timeout_secs",
+                     "worker_startup_timeout_secs"):
+            if not getattr(self, name) > 0:
+                errors.append(f"{name} must be > 0 seconds")
+        if self.retry_max_retries < 0 or self.retry_initial_backoff_ms < 0 or self.cb_failure_threshold < 0:
+            errors.append("retry_max_retries, retry_initial_backoff_ms and cb_failure_threshold must be >= 0")
+        if self.max_concurrent_requests == 0 or self.max_concurrent_requests < -1:
+            errors.append("max_concurrent_requests must be positive or -1 (no limit)")
+        if not 0 <= self.port <= 65535:
+            errors.append(f"port must be in [0, 65535], got {self.port}")
+        if self.enable_cache_events and self.policy != "cache_aware":
+            errors.append("--enable-cache-events feeds the cache_aware policy's tree; use --policy cache_aware")
+        if errors:
+            raise ValueError("invalid router arguments: " + "; ".join(errors))
+
+    def replace(self, **changes: Any) -> RouterArgs:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        add_dataclass_cli_args(cls, parser, skip)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> RouterArgs:
+        return dataclass_from_cli_args(cls, ns)  # type: ignore[no-any-return]

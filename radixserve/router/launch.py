@@ -1,0 +1,122 @@
+"""``radixserve launch``: a fleet on one machine, N workers and a router, from one command.
+
+    radixserve launch --num-workers 2 --port 30000 [engine options] [router options]
+
+Workers listen on the ports after the router's (``--port`` + 1 ... + N), each a ``radixserve serve``
+process with its share of the CPU threads (``--num-threads``, default: the cores divided by N,
+at least 1). The router waits for them, then serves. Ctrl-C (or SIGTERM) stops the router, then
+the workers (SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``). If a worker fails to start, the
+fleet is stopped and the command exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from radixserve.config import ServerArgs
+from radixserve.router.config import RouterArgs
+
+logger = logging.getLogger("radixserve.launch")
+STOP_TIMEOUT_S = 15.0
+SHARED = ("host", "port", "api_key", "log_level")  # options the router and the workers both take
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-workers", type=int, default=2, help="Workers to start (default: 2).")
+    ServerArgs.add_cli_args(p)
+    RouterArgs.add_cli_args(p, skip=(*SHARED, "worker_urls"))
+
+
+def worker_command(args: ServerArgs, port: int, threads: int) -> list[str]:
+    """``radixserve serve`` with every engine option that differs from its default."""
+    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port)]
+    for f in dataclasses.fields(ServerArgs):
+        v = getattr(args, f.name)
+        if f.name == "port" or v == f.default or v is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(v, bool):
+            if v:
+                cmd.append(flag)
+            continue
+        cmd += [flag, str(v)]
+    if args.num_threads is None:
+        cmd += ["--num-threads", str(threads)]
+    return cmd
+
+
+def launch_fleet(ns: argparse.Namespace) -> int:
+    from radixserve.router.app import run_router
+
+    logging.basicConfig(level=(ns.log_level or "info").upper(), format="[%(asctime)s %(name)s] %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per start-up poll otherwise
+    try:
+        sargs = ServerArgs.from_cli_args(ns)
+        rkw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(RouterArgs)
+               if f.name not in (*SHARED, "worker_urls") and getattr(ns, f.name, None) is not None}
+        n = ns.num_workers
+        if n < 1:
+            raise ValueError("--num-workers must be >= 1")
+        ports = [sargs.port + 1 + i for i in range(n)]
+        rargs = RouterArgs(worker_urls=tuple(f"http://127.0.0.1:{p}" for p in ports), host=sargs.host,
+                           port=sargs.port, api_key=sargs.api_key, log_level=sargs.log_level, **rkw)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    threads = max(1, (os.cpu_count() or 1) // n)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for p in ports:
+            cmd = worker_command(sargs.replace(host="127.0.0.1"), p, threads)
+            logger.info("worker on :%d: %s", p, " ".join(cmd[2:]))
+            # NOTE: their own process group, so a terminal's Ctrl-C reaches the router alone and the
+            # workers are stopped in order by us.
+            procs.append(subprocess.Popen(cmd, start_new_session=True))
+        if not _wait_started(procs, rargs):
+            return 1
+        return run_router(rargs)
+    finally:
+        _stop(procs)
+
+
+def _wait_started(procs: list[subprocess.Popen[bytes]], rargs: RouterArgs) -> bool:
+    """Wait until every worker answers /health (or one exits, or the startup timeout passes)."""
+    import httpx
+
+    deadline = time.monotonic() + rargs.worker_startup_timeout_secs
+    pending = dict(zip(rargs.worker_urls, procs, strict=True))
+    while pending:
+        for url, proc in list(pending.items()):
+            if proc.poll() is not None:
+                logger.error("worker %s exited with %s while starting", url, proc.returncode)
+                return False
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    del pending[url]
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            logger.error("workers not up after %.0f s: %s", rargs.worker_startup_timeout_secs, list(pending))
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(5)

@@ -1,0 +1,233 @@
+"""Routing policies: pure objects that pick a target for a request, registered by name.
+
+A policy sees the eligible targets (healthy workers, or their data-parallel ranks, whose circuit
+breaker lets traffic through) and the request's routing key; it returns a ``Decision``. It does no
+I/O and keeps no clock, so the HTTP router and the simulator run the very same objects.
+
+Policies (``--policy``):
+
+- ``round_robin``: the next target in turn.
+- ``random``: a uniformly random target.
+- ``power_of_two``: two distinct random targets, the less loaded (ties: the first drawn). A
+  target's load is the larger of the router's in-flight count and what the worker last reported.
+- ``cache_aware`` (sgl-router's CacheAware): one ``PrefixTree`` records which target was sent which
+  prefix. With ``loads`` the router's in-flight counts, the fleet is *imbalanced* when
+
+      max_load - min_load > balance_abs_threshold (64)  AND  max_load > min_load * balance_rel_threshold (1.5)
+
+  Imbalanced: the least-loaded target (branch ``balance``). Otherwise match the key against the
+  tree; with ``match_rate = matched / len(key)``:
+    - ``match_rate > cache_threshold`` (0.3): among the targets that match that longest prefix,
+      the least loaded (branch ``cache_hit``);
+    - else the target holding the smallest part of the tree (branch ``cache_miss``).
+  The chosen target's path is then inserted into the tree. Ties go to the target listed first.
+
+  ``balance_affinity`` (ours): under imbalance, instead of dropping locality altogether, the
+  candidates are the targets *within the balance window* of the least loaded one (those that
+  would not count as imbalanced against it), and among them the one with the longest match wins
+  (branch ``balance_affinity``; with no match anywhere it is ``balance``). This keeps a long shared
+  system prompt on the workers that hold it while the load spreads.
+
+To add a policy: subclass ``RouterPolicy``, decorate it with ``@register_router_policy``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from radixserve.router.tree import PrefixTree
+
+
+@dataclass(eq=False)
+class Target:
+    """One routing destination: a worker, or one data-parallel rank of a worker (``--dp-aware``).
+
+    ``load`` is the router's own in-flight count for it; ``reported_load`` what the worker last
+    said it runs or queues (``/get_load``), refreshed by the health checker."""
+
+    url: str
+    dp_rank: int | None = None
+    load: int = 0
+    reported_load: int = 0
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = self.url if self.dp_rank is None else f"{self.url}#dp{self.dp_rank}"
+
+    @property
+    def effective_load(self) -> int:
+        return max(self.load, self.reported_load)
+
+
+@dataclass
+class RouteRequest:
+    """What a policy may look at: the prompt as text, or as token ids when the router has them."""
+
+    text: str = ""
+    tokens: Sequence[int] | None = None
+
+    @property
+    def key(self) -> Sequence[Any]:
+        return self.tokens if self.tokens is not None else self.text
+
+
+@dataclass(frozen=True)
+class Decision:
+    target: Target
+    branch: str  # which rule chose it: cache_hit, cache_miss, balance, balance_affinity, or the policy's name
+    match_rate: float = 0.0  # cache_aware: the share of the key the tree matched (for any target)
+    matched: int = 0  # cache_aware: elements of the key the chosen target is believed to hold
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The knobs every policy is built from (the router's flags of the same names)."""
+
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    max_tree_size: int = 2**26
+    balance_affinity: bool = False
+    seed: int | None = None
+
+
+class RouterPolicy:
+    name: ClassVar[str] = ""
+    uses_tree: ClassVar[bool] = False  # wants the prompt's key and cache events
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig()
+        self.rng = random.Random(self.config.seed)
+
+    def select(self, targets: Sequence[Target], req: RouteRequest) -> Decision:
+        """Pick one of ``targets`` (never empty: the caller answers 503 when nothing is eligible)."""
+        raise NotImplementedError
+
+    def remove_target(self, key: str) -> None:
+        """A target left the fleet: forget what is known of it."""
+
+    def evict(self) -> int:
+        """Periodic housekeeping (``--eviction-interval-secs``); returns what was dropped."""
+        return 0
+
+
+_REGISTRY: dict[str, type[RouterPolicy]] = {}
+
+
+def register_router_policy(cls: type[RouterPolicy]) -> type[RouterPolicy]:
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def make_router_policy(name: str, config: PolicyConfig | None = None) -> RouterPolicy:
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown router policy {name!r}; choose from {router_policy_names()}") from None
+    return cls(config)
+
+
+def router_policy_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def least_loaded(targets: Sequence[Target]) -> Target:
+    return min(targets, key=lambda t: t.load)
+
+
+@register_router_policy
+class RoundRobin(RouterPolicy):
+    name = "round_robin"
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        super().__init__(config)
+        self._next = 0
+
+    def select(self, targets: Sequence[Target], req: RouteRequest) -> Decision:
+        t = targets[self._next % len(targets)]
+        self._next += 1
+        return Decision(t, self.name)
+
+
+@register_router_policy
+class Random(RouterPolicy):
+    name = "random"
+
+    def select(self, targets: Sequence[Target], req: RouteRequest) -> Decision:
+        return Decision(targets[self.rng.randrange(len(targets))], self.name)
+
+
+@register_router_policy
+class PowerOfTwo(RouterPolicy):
+    name = "power_of_two"
+
+    def select(self, targets: Sequence[Target], req: RouteRequest) -> Decision:
+        if len(targets) == 1:
+            return Decision(targets[0], self.name)
+        i, j = self.rng.sample(range(len(targets)), 2)
+        a, b = targets[i], targets[j]
+        return Decision(b if b.effective_load < a.effective_load else a, self.name)
+
+
+@register_router_policy
+class CacheAware(RouterPolicy):
+    name = "cache_aware"
+    uses_tree = True
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        super().__init__(config)
+        self.tree = PrefixTree()
+
+    def imbalanced(self, max_load: int, min_load: int) -> bool:
+        c = self.config
+        return max_load - min_load > c.balance_abs_threshold and max_load > min_load * c.balance_rel_threshold
+
+    def select(self, targets: Sequence[Target], req: RouteRequest) -> Decision:
+        key = req.key
+        loads = [t.load for t in targets]
+        lo, hi = min(loads), max(loads)
+        matched, per = self.tree.match(key) if key else (0, {})
+        rate = matched / len(key) if key else 0.0
+        if self.imbalanced(hi, lo):
+            chosen, branch = self._rebalance(targets, lo, per)
+        elif rate > self.config.cache_threshold:
+            holders = [t for t in targets if per.get(t.key, 0) == matched]
+            if holders:
+                chosen, branch = least_loaded(holders), "cache_hit"
+            else:  # the longest match belongs to no eligible target: the best eligible one
+                best = max(per.get(t.key, 0) for t in targets)
+                chosen = least_loaded([t for t in targets if per.get(t.key, 0) == best])
+                branch = "cache_hit" if best / len(key) > self.config.cache_threshold else "cache_miss"
+        else:
+            chosen = min(targets, key=lambda t: (self.tree.tenant_size(t.key), t.load))
+            branch = "cache_miss"
+        if key:
+            self.tree.insert(key, chosen.key)
+        return Decision(chosen, branch, rate, per.get(chosen.key, 0))
+
+    def _rebalance(self, targets: Sequence[Target], lo: int, per: dict[str, int]) -> tuple[Target, str]:
+        if not self.config.balance_affinity:
+            return least_loaded(targets), "balance"
+        window = [t for t in targets if not self.imbalanced(t.load, lo)]
+        best = max(per.get(t.key, 0) for t in window)
+        if best == 0:
+            return least_loaded(window), "balance"
+        return least_loaded([t for t in window if per.get(t.key, 0) == best]), "balance_affinity"
+
+    def remove_target(self, key: str) -> None:
+        self.tree.remove_tenant(key)
+
+    def evict(self) -> int:
+        return self.tree.evict(self.config.max_tree_size)
+
+    # --- the worker's real cache state (cache events) ---------------------------------------------
+    def on_cache_stored(self, target_key: str, key: Sequence[Any]) -> None:
+        self.tree.insert(key, target_key)
+
+    def on_cache_removed(self, target_key: str, key: Sequence[Any], keep: int) -> None:
+        self.tree.remove(key, target_key, keep)

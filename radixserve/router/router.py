@@ -1,0 +1,427 @@
+"""``Router``: the fleet, the policy and the request path of ``radixserve router``.
+
+One request's path (``proxy``):
+
+    admission slot (or 429) -> parse the body only if the policy or --dp-aware needs it
+      -> routing key (text, or token ids with --prefix-match tokens) -> policy.select(eligible targets)
+      -> target.load += 1 -> POST to the worker (keep-alive pool)
+           connection error / 5xx / 429 -> retry on another worker after a backoff, while the
+                                           client has been sent nothing
+           otherwise -> pass the answer through (SSE chunk by chunk as it comes, never buffered)
+      -> target.load -= 1 in ``finally``: on success, error, timeout or the client going away
+
+A target is eligible when its worker passes its health checks and its circuit breaker is not
+open. Health checks run every ``--health-check-interval-secs``; a connection error on the request
+path triggers one at once, so a dead worker leaves rotation without waiting for the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from radixserve.router.admission import Admission
+from radixserve.router.config import RouterArgs
+from radixserve.router.metrics import RouterMetrics
+from radixserve.router.policy import PolicyConfig, RouteRequest, Target, make_router_policy
+from radixserve.router.worker import CircuitBreaker, Health, Worker
+
+logger = logging.getLogger("radixserve.router")
+
+# request headers not passed on to a worker (hop-by-hop, or set by the router itself)
+_DROP_REQ = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "authorization",
+                       "x-api-key", "accept-encoding", "te", "upgrade", "proxy-authorization"})
+_KEEP_RESP = ("content-type", "retry-after", "x-request-id", "cache-control")
+
+
+def error_body(message: str, status: int, code: str, err_type: str | None = None) -> dict[str, Any]:
+    """An error in OpenAI's shape, as the workers write theirs."""
+    if err_type is None:
+        err_type = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": err_type, "param": None, "code": code}, "object": "error"}
+
+
+def error_response(message: str, status: int, code: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(message, status, code), status=status, headers=headers)
+
+
+class Router:
+    def __init__(self, args: RouterArgs) -> None:
+        self.args = args
+        self.policy = make_router_policy(args.policy, PolicyConfig(
+            cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
+            balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
+            balance_affinity=args.balance_affinity, seed=args.seed))
+        self.needs_key = self.policy.uses_tree
+        self.workers: dict[str, Worker] = {}
+        self.admission = Admission(args.max_concurrent_requests, args.queue_size, args.queue_timeout_secs)
+        self.metrics = RouterMetrics(lambda: list(self.workers.values()), lambda: self.admission.waiting)
+        self.session: aiohttp.ClientSession | None = None
+        self.tokenizer: Any = None
+        self.subscribers: dict[str, Any] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._checking: set[str] = set()
+        self._rng = random.Random(args.seed)
+        key = args.worker_api_key or args.api_key
+        self._auth = {"Authorization": f"Bearer {key}"} if key else {}
+
+    # --- life cycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0, enable_cleanup_closed=True),
+            timeout=aiohttp.ClientTimeout(total=self.args.request_timeout_secs, sock_connect=5.0),
+            auto_decompress=False, skip_auto_headers=("User-Agent",))
+        await asyncio.gather(*(self.add_worker(u, wait=True) for u in self.args.worker_urls))
+        if self.args.prefix_match == "tokens":
+            self._load_tokenizer()
+        self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
+        if self.needs_key:
+            self._tasks.append(asyncio.create_task(self._eviction_loop(), name="evict"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for sub in self.subscribers.values():
+            await sub.stop()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    def _load_tokenizer(self) -> None:
+        from radixserve.model.tokenizer import Tokenizer
+
+        path = self.args.tokenizer_path or next((w.model_path for w in self.workers.values() if w.model_path), None)
+        self.tokenizer = Tokenizer.from_model_path(path)
+        logger.info("matching prefixes by tokens (tokenizer of %s)", path or "the bundled model")
+
+    # --- the fleet -------------------------------------------------------------------------------
+    async def add_worker(self, url: str, wait: bool = False) -> Worker:
+        url = url.rstrip("/")
+        a = self.args
+        w = Worker(url, Health(a.health_failure_threshold, a.health_success_threshold),
+                   CircuitBreaker(a.cb_failure_threshold, a.cb_success_threshold, a.cb_timeout_duration_secs))
+        deadline = time.monotonic() + (a.worker_startup_timeout_secs if wait else 0.0)
+        while True:
+            info = await self._server_info(url)
+            if info is not None or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.5)
+        if info is None:
+            logger.warning("worker %s is not reachable; it gets traffic once its health checks pass", url)
+            w.health.healthy = False
+        else:
+            self._apply_info(w, info)
+        w.make_targets(a.dp_aware)
+        self.workers[url] = w
+        self._subscribe(w)
+        logger.info("worker %s added (%d target(s))", url, len(w.targets))
+        return w
+
+    async def remove_worker(self, url: str) -> bool:
+        w = self.workers.pop(url.rstrip("/"), None)
+        if w is None:
+            return False
+        for t in w.targets:
+            self.policy.remove_target(t.key)
+        sub = self.subscribers.pop(w.url, None)
+        if sub is not None:
+            await sub.stop()
+        logger.info("worker %s removed", w.url)
+        return True
+
+    def _apply_info(self, w: Worker, info: dict[str, Any]) -> None:
+        w.dp_size = int(info.get("dp_size") or 1)
+        w.model_path = info.get("model_path")
+        w.cache_events_endpoint = info.get("cache_events_endpoint")
+
+    def _subscribe(self, w: Worker) -> None:
+        if not self.args.enable_cache_events or w.url in self.subscribers:
+            return
+        if not w.cache_events_endpoint:
+            logger.warning("worker %s publishes no cache events (start it with --cache-events-port); its tree "
+                           "stays approximate", w.url)
+            return
+        from radixserve.router.cache_events import CacheEventSubscriber
+
+        # NOTE: one subscriber per worker feeds the worker's first target; with --dp-aware each rank
+        # has its own cache, and events name no rank yet, so only rank 0 follows real state.
+        sub = CacheEventSubscriber(w.cache_events_endpoint, w.targets[0].key, self.policy)
+        sub.start()
+        self.subscribers[w.url] = sub
+
+    async def _server_info(self, url: str) -> dict[str, Any] | None:
+        assert self.session is not None
+        try:
+            async with self.session.get(f"{url}/get_server_info", headers=self._auth,
+                                        timeout=aiohttp.ClientTimeout(total=self.args.health_check_timeout_secs)) as r:
+                if r.status != 200:
+                    return None
+                data = await r.json(content_type=None)
+                return data if isinstance(data, dict) else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+    def eligible(self, exclude: set[str] | None = None) -> list[Target]:
+        now = time.monotonic()
+        out = [t for w in self.workers.values() if (not exclude or w.url not in exclude) and w.eligible(now)
+               for t in w.targets]
+        if not out and exclude:  # every worker was tried: any eligible one may be tried again
+            return self.eligible()
+        return out
+
+    # --- health ----------------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check_worker(w) for w in list(self.workers.values())))
+            await asyncio.sleep(self.args.health_check_interval_secs)
+
+    async def check_worker(self, w: Worker) -> None:
+        if w.url in self._checking:
+            return
+        self._checking.add(w.url)
+        try:
+            ok = await self._probe(w)
+            if w.health.record(ok):
+                logger.warning("worker %s is %s", w.url, "healthy again" if ok else "unhealthy: no traffic")
+                if ok:  # back from the dead: a fresh process, so its old failures say nothing now
+                    w.breaker.reset()
+                    await self._rediscover(w)
+            if ok and self.args.policy == "power_of_two":
+                await self._refresh_loads(w)
+        finally:
+            self._checking.discard(w.url)
+
+    async def _probe(self, w: Worker) -> bool:
+        assert self.session is not None
+        try:
+            async with self.session.get(w.url + self.args.health_check_endpoint, headers=self._auth,
+                                        timeout=aiohttp.ClientTimeout(total=self.args.health_check_timeout_secs)) as r:
+                await r.read()
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def _rediscover(self, w: Worker) -> None:
+        """A worker came back (maybe restarted, maybe with another dp_size): read its info again."""
+        info = await self._server_info(w.url)
+        if info is None:
+            return
+        old = w.dp_size
+        self._apply_info(w, info)
+        for t in w.targets:  # a restarted worker has an empty cache
+            self.policy.remove_target(t.key)
+        if w.dp_size != old:
+            w.make_targets(self.args.dp_aware)
+        sub = self.subscribers.pop(w.url, None)
+        if sub is not None:
+            await sub.stop()
+        self._subscribe(w)
+
+    async def _refresh_loads(self, w: Worker) -> None:
+        assert self.session is not None
+        try:
+            async with self.session.get(f"{w.url}/get_load", headers=self._auth,
+                                        timeout=aiohttp.ClientTimeout(total=self.args.health_check_timeout_secs)) as r:
+                loads = await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return
+        if not isinstance(loads, list):
+            return
+        by_rank = {int(x.get("dp_rank", i)): int(x.get("num_reqs", 0)) for i, x in enumerate(loads)
+                   if isinstance(x, dict)}
+        for t in w.targets:
+            t.reported_load = by_rank.get(t.dp_rank or 0, 0) if t.dp_rank is not None else sum(by_rank.values())
+
+    async def _eviction_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.args.eviction_interval_secs)
+            dropped = self.policy.evict()
+            if dropped:
+                logger.debug("prefix tree: evicted %d elements", dropped)
+
+    # --- the request path ------------------------------------------------------------------------
+    def route_request(self, path: str, body: dict[str, Any]) -> RouteRequest:
+        """The routing key of a generate, completion or chat body."""
+        tok = self.tokenizer
+        if path == "/v1/chat/completions":
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                return RouteRequest()
+            if tok is not None:
+                try:
+                    return RouteRequest(tokens=tok.encode_chat(messages))
+                except Exception:  # a template that rejects these messages: the worker will say why
+                    return RouteRequest()
+            return RouteRequest(text="".join(_message_text(m) for m in messages))
+        prompt = body.get("text") if path == "/generate" else body.get("prompt")
+        if path == "/generate" and prompt is None:
+            prompt = body.get("input_ids")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch goes to one worker: route by its first prompt
+        if isinstance(prompt, str):
+            return RouteRequest(tokens=tok.encode(prompt)) if tok is not None else RouteRequest(text=prompt)
+        if isinstance(prompt, list) and all(isinstance(x, int) for x in prompt):
+            return RouteRequest(tokens=prompt)  # token ids are matched as they are, in either mode
+        return RouteRequest()
+
+    async def proxy(self, request: web.Request, path: str) -> web.StreamResponse:
+        if not await self.admission.acquire():
+            self.metrics.rejected.labels("queue_full").inc()
+            return error_response("The router is at --max-concurrent-requests and its queue is full; retry "
+                                  "later.", 429, "rate_limit_exceeded", {"Retry-After": "1"})
+        try:
+            return await self._proxy(request, path)
+        finally:
+            self.admission.release()
+
+    async def _proxy(self, request: web.Request, path: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        raw = await request.read()
+        body: dict[str, Any] | None = None
+        if self.needs_key or self.args.dp_aware:
+            try:
+                parsed = json.loads(raw)
+            except (ValueError, RecursionError) as e:
+                return error_response(f"malformed JSON body: {e}", 400, "invalid_json")
+            if not isinstance(parsed, dict):
+                return error_response("the request body must be a JSON object", 400, "invalid_json")
+            body = parsed
+        rreq = self.route_request(path, body) if self.needs_key and body is not None else RouteRequest()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQ}
+        headers.update(self._auth)
+        headers.setdefault("Content-Type", "application/json")
+        tried: set[str] = set()
+        a = self.args
+        attempt = 0
+        while True:
+            targets = self.eligible(tried)
+            if not targets:
+                self.metrics.rejected.labels("no_worker").inc()
+                return error_response("No healthy worker is available.", 503, "no_healthy_worker",
+                                      {"Retry-After": "1"})
+            decision = self.policy.select(targets, rreq)
+            self.metrics.decisions.labels(self.policy.name, decision.branch).inc()
+            target = decision.target
+            worker = self.workers[target.url]
+            payload = raw
+            if target.dp_rank is not None and body is not None:
+                payload = json.dumps({**body, "data_parallel_rank": target.dp_rank}).encode()
+            tried.add(worker.url)
+            if attempt == 0:
+                self.metrics.overhead.observe(time.perf_counter() - t0)
+            outcome = await self._send(request, path, worker, target, payload, headers,
+                                       last=attempt >= a.retry_max_retries)
+            if isinstance(outcome, web.StreamResponse):
+                return outcome
+            attempt += 1
+            self.metrics.retries.labels(outcome).inc()
+            delay = min(a.retry_initial_backoff_ms * a.retry_backoff_multiplier ** (attempt - 1), a.retry_max_backoff_ms)
+            delay *= 1.0 + a.retry_jitter_factor * (2.0 * self._rng.random() - 1.0)
+            await asyncio.sleep(max(delay, 0.0) / 1e3)
+
+    async def _send(self, request: web.Request, path: str, worker: Worker, target: Target, payload: bytes,
+                    headers: dict[str, str], last: bool) -> web.StreamResponse | str:
+        """Send once. Returns the client's response, or the reason to retry (only when ``last`` is
+        False and nothing was sent to the client)."""
+        assert self.session is not None
+        target.load += 1
+        worker.breaker.on_send()
+        self.metrics.requests.labels(worker.url, path).inc()
+        try:
+            try:
+                upstream = await self.session.post(worker.url + path, data=payload, headers=headers)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                worker.breaker.record_failure(time.monotonic())
+                asyncio.get_running_loop().create_task(self.check_worker(worker))
+                logger.warning("worker %s: %s: %s", worker.url, type(e).__name__, e)
+                if not last:
+                    return "connection_error"
+                return error_response(f"worker {worker.url} failed: {type(e).__name__}", 502, "bad_gateway")
+            async with upstream:
+                status = upstream.status
+                if status >= 500 or status == 429:
+                    if status >= 500:
+                        worker.breaker.record_failure(time.monotonic())
+                    else:
+                        worker.breaker.probing = False
+                    if not last:
+                        await upstream.read()
+                        return "status_429" if status == 429 else "status_5xx"
+                else:
+                    worker.breaker.record_success()
+                self.metrics.responses.labels(str(status)).inc()
+                return await self._relay(request, upstream)
+        finally:
+            target.load -= 1
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        headers = {k: upstream.headers[k] for k in _KEEP_RESP if k in upstream.headers}
+        if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return web.Response(body=await upstream.read(), status=upstream.status, headers=headers)
+        resp = web.StreamResponse(status=upstream.status, headers=headers)
+        await resp.prepare(request)
+        async for chunk in upstream.content.iter_any():
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+    # --- fan-out endpoints -----------------------------------------------------------------------
+    async def forward_one(self, request: web.Request, path: str) -> web.Response:
+        """A GET that any worker can answer (models, info): the first eligible one."""
+        assert self.session is not None
+        for t in self.eligible():
+            w = self.workers[t.url]
+            try:
+                async with self.session.request(request.method, w.url + path, headers=self._auth,
+                                                params=request.query) as r:
+                    body = await r.read()
+                    return web.Response(body=body, status=r.status,
+                                        headers={k: r.headers[k] for k in _KEEP_RESP if k in r.headers})
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                continue
+        return error_response("No healthy worker is available.", 503, "no_healthy_worker")
+
+    async def fan_out(self, method: str, path: str) -> dict[str, tuple[int, Any]]:
+        """Call every worker; {url: (status or 0 when unreachable, JSON body or error text)}."""
+        assert self.session is not None
+
+        async def one(w: Worker) -> tuple[str, tuple[int, Any]]:
+            try:
+                async with self.session.request(method, w.url + path, headers=self._auth) as r:  # type: ignore[union-attr]
+                    try:
+                        return w.url, (r.status, await r.json(content_type=None))
+                    except ValueError:
+                        return w.url, (r.status, await r.text())
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                return w.url, (0, f"{type(e).__name__}: {e}")
+
+        return dict(await asyncio.gather(*(one(w) for w in list(self.workers.values()))))
+
+    def describe(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [{"url": w.url, "healthy": w.health.healthy, "eligible": w.eligible(now),
+                 "circuit_breaker": w.breaker.state.value, "dp_size": w.dp_size, "load": w.load,
+                 "targets": [{"key": t.key, "dp_rank": t.dp_rank, "load": t.load,
+                              "reported_load": t.reported_load} for t in w.targets],
+                 "cache_events": w.url in self.subscribers} for w in self.workers.values()]
+
+
+def _message_text(m: Any) -> str:
+    if not isinstance(m, dict):
+        return ""
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: keep the text ones
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return f"{m.get('role', '')}: {content if isinstance(content, str) else ''}\n"
+
+
+def routed_paths() -> Sequence[str]:
+    return ("/generate", "/v1/completions", "/v1/chat/completions")

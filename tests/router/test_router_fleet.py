@@ -1,0 +1,190 @@
+"""A real fleet: ``radixserve launch --num-workers 2`` (two ``radixserve serve`` workers with the
+model, and the router), driven through the router with the ``openai`` client and
+``radixserve bench serve``. The last test kills a worker under load: it must leave rotation within
+one health interval, no accepted request is lost, and once restarted it is back. The fixture's
+teardown is a check too: Ctrl-C stops the router and both workers, with exit code 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.helpers import REPO, STARTUP_TIMEOUT_S, assert_memory_ok, free_port, pid_alive, wait_idle
+
+HEALTH_INTERVAL_S = 1.0
+
+
+class LaunchedFleet:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.worker_ports = [self.port + 1, self.port + 2]
+        self.log = tempfile.NamedTemporaryFile(prefix="radixserve-test-fleet-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "radixserve.cli", "launch", "--num-workers", "2", "--port", str(self.port),
+               "--max-total-tokens", "4096", "--dp-aware", "--policy", "cache_aware",
+               "--health-check-interval-secs", str(HEALTH_INTERVAL_S), "--health-failure-threshold", "1",
+               "--health-success-threshold", "1", "--retry-initial-backoff-ms", "20"]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        self.extra: list[subprocess.Popen[bytes]] = []
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"launch exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200 and \
+                        all(w["healthy"] for w in self.workers()):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"fleet not ready in {STARTUP_TIMEOUT_S}s:\n{self.log_text()[-4000:]}")
+
+    def workers(self) -> list[dict[str, Any]]:
+        return list(httpx.get(f"{self.url}/workers", timeout=5).json()["workers"])
+
+    def log_text(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def worker_pids(self, port: int) -> list[int]:
+        info = httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=10).json()
+        return list(info["pids"].values())
+
+    def kill(self) -> None:
+        for p in [self.proc, *self.extra]:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[LaunchedFleet]:
+    f = LaunchedFleet()
+    try:
+        f.wait_ready()
+        pids = [pid for port in f.worker_ports for pid in f.worker_pids(port)]
+        yield f
+        assert all(w["load"] == 0 for w in f.workers()), f.workers()  # the router's counts never leak
+        os.killpg(f.proc.pid, signal.SIGINT)  # Ctrl-C, as a terminal sends it
+        code = f.proc.wait(60)
+        assert code == 0, f"Ctrl-C exit code {code}:\n{f.log_text()[-3000:]}"
+        time.sleep(0.5)
+        restarted = [p.pid for p in f.extra]
+        left = [p for p in pids if pid_alive(p) and p not in restarted]
+        assert not left, f"orphan worker processes after Ctrl-C: {left}"
+    finally:
+        f.kill()
+        os.unlink(f.log.name)
+
+
+def test_openai_client_streams_through_the_router(fleet: LaunchedFleet) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{fleet.url}/v1", api_key="none")
+    chunks = list(client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Name three colours."}], max_tokens=12,
+        temperature=0, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].choices[0].finish_reason in ("length", "stop")
+    done = client.completions.create(model="default", prompt="The capital of France is", max_tokens=4,
+                                     temperature=0)
+    assert done.usage is not None and done.usage.completion_tokens == 4
+
+
+def test_cache_aware_keeps_a_prefix_on_one_worker_and_it_hits(fleet: LaunchedFleet) -> None:
+    system = "You are a careful assistant who answers in one short sentence. " * 4
+    outs = [httpx.post(f"{fleet.url}/generate", json={"text": system + f"Question {i}: what is {i} + {i}?",
+                                                      "sampling_params": {"max_new_tokens": 2}}, timeout=60).json()
+            for i in range(4)]
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in outs[1:]), [o["meta_info"] for o in outs]
+    metrics = httpx.get(f"{fleet.url}/metrics", timeout=5).text
+    assert 'branch="cache_hit",policy="cache_aware"' in metrics
+
+
+def test_dp_aware_rank_is_accepted_and_validated_by_the_worker(fleet: LaunchedFleet) -> None:
+    # the router sent data_parallel_rank 0 with every request above; a rank the worker lacks is a 400
+    r = httpx.post(f"http://127.0.0.1:{fleet.worker_ports[0]}/generate",
+                   json={"text": "hi", "data_parallel_rank": 1, "sampling_params": {"max_new_tokens": 1}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "data_parallel_rank"
+    assert all(t["dp_rank"] == 0 for w in fleet.workers() for t in w["targets"])
+
+
+def test_bench_serve_through_the_router(fleet: LaunchedFleet, tmp_path: Path) -> None:
+    from radixserve.cli import main
+
+    out = tmp_path / "bench.json"
+    code = main(["bench", "serve", "--base-url", fleet.url, "--output", str(out), "--disable-tqdm",
+                 "--workload", "multi-turn", "--num-prompts", "2", "--num-turns", "2", "--input-len", "16",
+                 "--turn-len", "8", "--output-len", "3", "--max-concurrency", "2", "--seed", "1"])
+    rep = json.loads(out.read_text())
+    assert code == 0 and rep["completed"] == 4 and rep["failed"] == 0
+
+
+def test_a_worker_killed_under_load_is_ejected_and_nothing_is_lost(fleet: LaunchedFleet) -> None:
+    victim_port = fleet.worker_ports[1]
+    victim = f"http://127.0.0.1:{victim_port}"
+    pids = fleet.worker_pids(victim_port)
+
+    def one(i: int) -> int:
+        r = httpx.post(f"{fleet.url}/generate", json={"text": f"Count from {i} to {i + 40}:",
+                                                      "sampling_params": {"max_new_tokens": 24}}, timeout=120)
+        return r.status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(8)]
+        time.sleep(1.5)  # requests are running on both workers now
+        for pid in pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while time.monotonic() - killed < HEALTH_INTERVAL_S + 1.0:
+            if not next(w for w in fleet.workers() if w["url"] == victim)["healthy"]:
+                break
+            time.sleep(0.05)
+        ejected_after = time.monotonic() - killed
+        statuses = [f.result() for f in futures]
+    assert ejected_after <= HEALTH_INTERVAL_S + 0.5, ejected_after
+    assert statuses == [200] * 8  # every accepted request finished, on the survivor where need be
+    survivor = f"http://127.0.0.1:{fleet.worker_ports[0]}"
+    with httpx.Client(base_url=survivor, timeout=30) as c:
+        assert_memory_ok(wait_idle(c))
+
+    # restarted on the same port, it comes back into rotation
+    log = open(os.devnull, "wb")
+    fleet.extra.append(subprocess.Popen(
+        [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(victim_port), "--max-total-tokens", "4096",
+         "--num-threads", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not next(w for w in fleet.workers() if w["url"] == victim)["healthy"]:
+        assert time.monotonic() < deadline, "the restarted worker never came back"
+        time.sleep(0.5)
+    def sent_to_victim() -> float:
+        for line in httpx.get(f"{fleet.url}/metrics", timeout=5).text.splitlines():
+            if line.startswith("radixserve_router_requests_total") and f'worker="{victim}"' in line \
+                    and 'route="/generate"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = sent_to_victim()
+    hits = [httpx.post(f"{fleet.url}/generate", json={"text": f"fresh prompt number {i} " * 3,
+                                                      "sampling_params": {"max_new_tokens": 1}}, timeout=60)
+            for i in range(4)]
+    assert all(h.status_code == 200 for h in hits)
+    assert sent_to_victim() > before
+    after = next(w for w in fleet.workers() if w["url"] == victim)
+    assert after["eligible"] and after["circuit_breaker"] in ("closed", "half_open")

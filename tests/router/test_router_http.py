@@ -1,0 +1,292 @@
+"""The router's data plane, in one event loop with stub workers (no model): load counting through
+errors and disconnects, retries, backpressure, DP-aware ranks, health ejection, auth, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from radixserve.bench.stub_worker import create_stub_app
+from radixserve.router.app import create_app
+from radixserve.router.config import RouterArgs
+from radixserve.router.router import Router
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Fleet:
+    """Stub workers and a router, all in this event loop."""
+
+    def __init__(self) -> None:
+        self.runners: dict[str, web.AppRunner] = {}
+        self.router: Router | None = None
+        self.url = ""
+
+    async def stub(self, app: web.Application | None = None, **kw: Any) -> str:
+        port = free_port()
+        runner = web.AppRunner(app or create_stub_app(port, **kw), handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}"
+        self.runners[url] = runner
+        return url
+
+    async def stop_stub(self, url: str) -> None:
+        await self.runners.pop(url).cleanup()
+
+    async def start_router(self, workers: list[str], **kw: Any) -> Router:
+        kw.setdefault("retry_initial_backoff_ms", 1)
+        kw.setdefault("health_check_interval_secs", 60.0)
+        args = RouterArgs(worker_urls=tuple(workers), worker_startup_timeout_secs=1.0, **kw)
+        self.router = Router(args)
+        port = free_port()
+        runner = web.AppRunner(create_app(self.router), handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        self.runners["router"] = runner
+        self.url = f"http://127.0.0.1:{port}"
+        return self.router
+
+    def loads(self) -> list[int]:
+        assert self.router is not None
+        return [t.load for w in self.router.workers.values() for t in w.targets]
+
+    async def close(self) -> None:
+        for r in reversed(list(self.runners.values())):
+            await r.cleanup()
+
+
+def run(scenario: Callable[[Fleet, aiohttp.ClientSession], Awaitable[None]]) -> None:
+    async def main() -> None:
+        fleet = Fleet()
+        try:
+            async with aiohttp.ClientSession() as client:
+                await scenario(fleet, client)
+        finally:
+            await fleet.close()
+
+    asyncio.run(main())
+
+
+async def post(client: aiohttp.ClientSession, url: str, body: dict[str, Any], **kw: Any) -> tuple[int, Any]:
+    async with client.post(url, json=body, **kw) as r:
+        text = await r.text()
+        try:
+            return r.status, json.loads(text)
+        except ValueError:
+            return r.status, text
+
+
+def test_routes_streams_and_counts_load_back_to_zero() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        a, b = await fleet.stub(), await fleet.stub()
+        await fleet.start_router([a, b], policy="round_robin")
+        ports = []
+        for i in range(4):
+            status, out = await post(client, f"{fleet.url}/generate", {"text": f"q{i}"})
+            assert status == 200
+            ports.append(out["worker"])
+        assert ports[0] != ports[1] and ports[:2] == ports[2:]
+        async with client.post(f"{fleet.url}/v1/chat/completions",
+                               json={"messages": [{"role": "user", "content": "hi"}], "stream": True}) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            events = [line async for line in r.content if line.startswith(b"data:")]
+        assert len(events) == 5 and events[-1].strip() == b"data: [DONE]"
+        assert fleet.loads() == [0, 0]
+
+    run(scenario)
+
+
+def test_retry_after_connection_error_5xx_and_429_goes_elsewhere() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        good, bad = await fleet.stub(), await fleet.stub()
+        dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+        router = await fleet.start_router([dead, bad, good], policy="round_robin", cb_failure_threshold=0)
+        router.workers[dead].health.healthy = True  # pretend it passed its checks before dying
+        await post(client, f"{bad}/stub/fail", {"status": 500, "count": 100})
+        for _ in range(6):
+            status, out = await post(client, f"{fleet.url}/generate", {"text": "x"})
+            assert status == 200 and out["worker"] == int(good.rsplit(":", 1)[1])
+        await post(client, f"{bad}/stub/fail", {"status": 429, "count": 100})
+        status, out = await post(client, f"{fleet.url}/generate", {"text": "x"})
+        assert status == 200
+        assert fleet.loads() == [0, 0, 0]
+        metrics = await (await client.get(f"{fleet.url}/metrics")).text()
+        assert 'radixserve_router_retries_total{reason="connection_error"}' in metrics
+        assert 'radixserve_router_retries_total{reason="status_5xx"}' in metrics
+        assert 'radixserve_router_retries_total{reason="status_429"}' in metrics
+
+    run(scenario)
+
+
+def test_out_of_retries_passes_the_workers_answer_through() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        w = await fleet.stub()
+        await fleet.start_router([w], retry_max_retries=2)
+        await post(client, f"{w}/stub/fail", {"status": 429, "count": 3})
+        async with client.post(f"{fleet.url}/generate", json={"text": "x"}) as r:
+            assert r.status == 429 and r.headers["Retry-After"] == "1"
+        stats = await (await client.get(f"{w}/stub/stats")).json()
+        assert stats["seen"]["/generate"] == 3  # the first try and two retries
+        assert fleet.loads() == [0]
+
+    run(scenario)
+
+
+def test_no_retry_once_streaming_started() -> None:
+    calls = {"n": 0}
+
+    async def breaks_mid_stream(request: web.Request) -> web.StreamResponse:
+        calls["n"] += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"text": "partial"}\n\n')
+        assert request.transport is not None
+        request.transport.close()  # the worker dies mid-stream
+        return resp
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"dp_size": 1})
+
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        app = web.Application()
+        app.router.add_post("/generate", breaks_mid_stream)
+        app.router.add_get("/get_server_info", info)
+        w, other = await fleet.stub(app), await fleet.stub()
+        await fleet.start_router([w, other], policy="round_robin")
+        got = b""
+        try:
+            async with client.post(f"{fleet.url}/generate", json={"text": "x", "stream": True}) as r:
+                assert r.status == 200
+                got = await r.content.read()
+        except aiohttp.ClientPayloadError:
+            pass
+        assert calls["n"] == 1  # not retried: the client had its first bytes already
+        assert b"partial" in got or got == b""
+        await asyncio.sleep(0.05)
+        assert fleet.loads() == [0, 0]
+
+    run(scenario)
+
+
+def test_client_disconnect_mid_stream_releases_the_load() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        w = await fleet.stub(delay_ms=200, stream_chunks=50)
+        await fleet.start_router([w])
+        async with client.post(f"{fleet.url}/generate", json={"text": "x", "stream": True}) as r:
+            await r.content.readline()
+            assert fleet.loads() == [1]
+        # leaving the block closed the connection mid-stream
+        for _ in range(100):
+            if fleet.loads() == [0]:
+                break
+            await asyncio.sleep(0.02)
+        assert fleet.loads() == [0]
+
+    run(scenario)
+
+
+def test_backpressure_queue_then_429() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        w = await fleet.stub(delay_ms=300)
+        await fleet.start_router([w], max_concurrent_requests=1, queue_size=1, queue_timeout_secs=5.0)
+        tasks = [asyncio.create_task(post(client, f"{fleet.url}/generate", {"text": str(i)})) for i in range(2)]
+        await asyncio.sleep(0.1)
+        async with client.post(f"{fleet.url}/generate", json={"text": "third"}) as r:
+            body = await r.json()
+            assert r.status == 429 and r.headers["Retry-After"] == "1"
+            assert body["error"]["code"] == "rate_limit_exceeded"
+        assert [s for s, _ in await asyncio.gather(*tasks)] == [200, 200]  # the queued one was served
+        assert fleet.loads() == [0]
+
+    run(scenario)
+
+
+def test_dp_aware_sends_the_chosen_rank() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        w = await fleet.stub(dp_size=2)
+        one = await fleet.stub(dp_size=1)
+        router = await fleet.start_router([w, one], policy="round_robin", dp_aware=True)
+        assert [t.key for t in router.workers[w].targets] == [f"{w}#dp0", f"{w}#dp1"]
+        seen = [(await post(client, f"{fleet.url}/generate", {"text": "x"}))[1] for _ in range(6)]
+        assert [(o["worker"], o["dp_rank"]) for o in seen[:3]] == [
+            (int(w.rsplit(":", 1)[1]), 0), (int(w.rsplit(":", 1)[1]), 1), (int(one.rsplit(":", 1)[1]), 0)]
+        assert fleet.loads() == [0, 0, 0]
+
+    run(scenario)
+
+
+def test_health_checks_eject_and_readmit_and_workers_api() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        a, b = await fleet.stub(), await fleet.stub()
+        router = await fleet.start_router([a, b], policy="round_robin", health_check_interval_secs=0.1,
+                                          health_failure_threshold=1, health_success_threshold=1)
+        port_b = int(b.rsplit(":", 1)[1])
+        await fleet.stop_stub(b)
+        await asyncio.sleep(0.3)
+        assert not router.workers[b].health.healthy
+        for _ in range(4):
+            status, out = await post(client, f"{fleet.url}/generate", {"text": "x"})
+            assert status == 200 and out["worker"] != port_b
+        runner = web.AppRunner(create_stub_app(port_b))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port_b).start()
+        fleet.runners[b] = runner
+        await asyncio.sleep(0.3)
+        assert router.workers[b].health.healthy
+        listed = await (await client.get(f"{fleet.url}/workers")).json()
+        assert [x["url"] for x in listed["workers"]] == [a, b]
+        async with client.delete(f"{fleet.url}/workers", params={"url": b}) as r:
+            assert r.status == 200
+        async with client.delete(f"{fleet.url}/workers", params={"url": b}) as r:
+            assert r.status == 404
+        async with client.post(f"{fleet.url}/workers", json={"url": b}) as r:
+            assert r.status == 200
+        async with client.post(f"{fleet.url}/workers", json={"url": b}) as r:
+            assert r.status == 409
+        async with client.post(f"{fleet.url}/workers", json={"url": "ftp://x"}) as r:
+            assert r.status == 400
+
+    run(scenario)
+
+
+def test_no_worker_is_503_and_health_follows() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        dead = f"http://127.0.0.1:{free_port()}"
+        await fleet.start_router([dead])
+        async with client.get(f"{fleet.url}/health") as r:
+            assert r.status == 503
+        status, out = await post(client, f"{fleet.url}/generate", {"text": "x"})
+        assert status == 503 and out["error"]["code"] == "no_healthy_worker"
+
+    run(scenario)
+
+
+def test_api_key_and_malformed_json() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        w = await fleet.stub()
+        await fleet.start_router([w], api_key="secret")
+        async with client.get(f"{fleet.url}/health") as r:
+            assert r.status == 200
+        status, out = await post(client, f"{fleet.url}/generate", {"text": "x"})
+        assert status == 401 and out["error"]["code"] == "invalid_api_key"
+        auth = {"Authorization": "Bearer secret"}
+        assert (await post(client, f"{fleet.url}/generate", {"text": "x"}, headers=auth))[0] == 200
+        async with client.post(f"{fleet.url}/generate", data=b"[" * 5000, headers=auth) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_json"
+        async with client.get(f"{fleet.url}/metrics", headers=auth) as r:
+            text = await r.text()
+        assert 'radixserve_router_decisions_total{branch="cache_miss",policy="cache_aware"} 1.0' in text
+        assert "radixserve_router_in_flight_requests" in text and "radixserve_router_worker_healthy" in text
+
+    run(scenario)
