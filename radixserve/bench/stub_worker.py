@@ -6,6 +6,7 @@ For measuring what the router itself costs (``radixserve bench router``) and for
 tests. Every answer names the worker (``worker``: its port) and the data-parallel rank it was
 asked for, so a test can see where a request landed. ``POST /stub/fail`` with
 ``{"status": 500, "count": 3}`` makes the next ``count`` generate calls answer ``status``;
+``POST /stub/load`` with ``{"num_reqs": 50}`` sets the load its ``/get_load`` reports;
 ``GET /stub/stats`` returns the requests seen per route.
 """
 
@@ -25,6 +26,7 @@ def create_stub_app(port: int, dp_size: int = 1, delay_ms: float = 0.0, stream_c
     seen: Counter[str] = Counter()
     fail = {"status": 0, "count": 0}
     ranks: list[int | None] = []
+    reported = {"num_reqs": 0}
 
     async def generate(request: web.Request) -> web.StreamResponse:
         seen[request.path] += 1
@@ -64,8 +66,12 @@ def create_stub_app(port: int, dp_size: int = 1, delay_ms: float = 0.0, stream_c
         return web.json_response({"dp_size": dp_size, "model_path": None, "worker": port, "version": "stub"})
 
     async def get_load(request: web.Request) -> web.Response:
-        return web.json_response([{"dp_rank": r, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
-                                  for r in range(dp_size)])
+        return web.json_response([{"dp_rank": r, "num_reqs": reported["num_reqs"], "num_waiting_reqs": 0,
+                                   "num_tokens": 0} for r in range(dp_size)])
+
+    async def set_load(request: web.Request) -> web.Response:
+        reported["num_reqs"] = int((await request.json())["num_reqs"])
+        return web.json_response({"success": True})
 
     async def set_fail(request: web.Request) -> web.Response:
         body: dict[str, Any] = await request.json()
@@ -86,6 +92,7 @@ def create_stub_app(port: int, dp_size: int = 1, delay_ms: float = 0.0, stream_c
 
     app.router.add_get("/v1/models", models)
     app.router.add_post("/stub/fail", set_fail)
+    app.router.add_post("/stub/load", set_load)
     app.router.add_get("/stub/stats", stats)
     return app
 

@@ -37,7 +37,13 @@ def _auth_middleware(api_key: str | None) -> Any:
             key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
             if key != api_key:
                 return error_response("Incorrect API key provided.", 401, "invalid_api_key")
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPException as e:  # unknown route, wrong method, body too large: OpenAI's error shape
+            if e.status < 400:
+                raise
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status, "http_error")
+            return error_response(e.reason or "error", e.status, code)
 
     return check
 

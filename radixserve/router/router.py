@@ -39,6 +39,7 @@ logger = logging.getLogger("radixserve.router")
 # request headers not passed on to a worker (hop-by-hop, or set by the router itself)
 _DROP_REQ = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "authorization",
                        "x-api-key", "accept-encoding", "te", "upgrade", "proxy-authorization"})
+LOAD_REFRESH_S = 1.0  # power_of_two: how often the workers' /get_load is read
 _KEEP_RESP = ("content-type", "retry-after", "x-request-id", "cache-control")
 
 
@@ -85,6 +86,8 @@ class Router:
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
         if self.needs_key:
             self._tasks.append(asyncio.create_task(self._eviction_loop(), name="evict"))
+        if self.args.policy == "power_of_two":
+            self._tasks.append(asyncio.create_task(self._load_loop(), name="loads"))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -194,8 +197,6 @@ class Router:
                 if ok:  # back from the dead: a fresh process, so its old failures say nothing now
                     w.breaker.reset()
                     await self._rediscover(w)
-            if ok and self.args.policy == "power_of_two":
-                await self._refresh_loads(w)
         finally:
             self._checking.discard(w.url)
 
@@ -224,6 +225,13 @@ class Router:
         if sub is not None:
             await sub.stop()
         self._subscribe(w)
+
+    async def _load_loop(self) -> None:
+        """power_of_two compares loads; the workers' own counts also see traffic that bypasses us."""
+        while True:
+            now = time.monotonic()
+            await asyncio.gather(*(self._refresh_loads(w) for w in list(self.workers.values()) if w.eligible(now)))
+            await asyncio.sleep(LOAD_REFRESH_S)
 
     async def _refresh_loads(self, w: Worker) -> None:
         assert self.session is not None

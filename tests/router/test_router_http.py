@@ -290,3 +290,49 @@ def test_api_key_and_malformed_json() -> None:
         assert "radixserve_router_in_flight_requests" in text and "radixserve_router_worker_healthy" in text
 
     run(scenario)
+
+
+def test_power_of_two_reads_the_workers_reported_load() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        busy, idle = await fleet.stub(), await fleet.stub()
+        await post(client, f"{busy}/stub/load", {"num_reqs": 50})  # traffic the router never saw
+        router = await fleet.start_router([busy, idle], policy="power_of_two", seed=1)
+        for _ in range(100):
+            if router.workers[busy].targets[0].reported_load == 50:
+                break
+            await asyncio.sleep(0.05)
+        ports = {(await post(client, f"{fleet.url}/generate", {"text": "x"}))[1]["worker"] for _ in range(8)}
+        assert ports == {int(idle.rsplit(":", 1)[1])}
+
+    run(scenario)
+
+
+def test_token_matching_uses_the_models_tokenizer() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        a, b = await fleet.stub(), await fleet.stub()
+        router = await fleet.start_router([a, b], prefix_match="tokens")
+        tok = router.tokenizer
+        assert tok is not None  # the stub names no model: the bundled one
+        messages = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "Hi"}]
+        assert list(router.route_request("/v1/chat/completions", {"messages": messages}).key) == \
+            tok.encode_chat(messages)
+        assert list(router.route_request("/generate", {"text": "Hello there"}).key) == tok.encode("Hello there")
+        assert list(router.route_request("/v1/completions", {"prompt": [[5, 6, 7]]}).key) == [5, 6, 7]
+        workers = set()
+        for q in ("Hi", "What now?", "Why?"):
+            body = {"messages": [messages[0], {"role": "user", "content": q}]}
+            workers.add((await post(client, f"{fleet.url}/v1/chat/completions", body))[1]["worker"])
+        assert len(workers) == 1  # the shared system prompt keeps them together
+
+    run(scenario)
+
+
+def test_unknown_route_is_an_openai_shaped_404() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        await fleet.start_router([await fleet.stub()])
+        async with client.get(f"{fleet.url}/nope") as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+        async with client.get(f"{fleet.url}/generate") as r:
+            assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
+
+    run(scenario)
