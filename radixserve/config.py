@@ -133,7 +133,7 @@ class ServerArgs:
     starvation_threshold: float = option(
         30.0, "Seconds of queueing past which a request counts as starved (metric).")
 
-    # --- server (HTTP process, TokenizerManager, scheduler/detokenizer processes; issue #3) ----
+    # --- server (HTTP process, TokenizerManager, scheduler/detokenizer processes) ----------------
     # Flag names follow SGLang's (--host, --port, --api-key, --enable-metrics, ...).
     host: str = option("127.0.0.1", "HTTP host to bind.", group="server")
     port: int = option(30000, "HTTP port to bind.", group="server")
@@ -144,6 +144,14 @@ class ServerArgs:
     decode_log_interval: int = option(40, "Log one line of batch statistics every N decode steps.", group="server")
     log_level: str = option("info", "Log level of every process.", ("debug", "info", "warning", "error"), group="server")
     stream_interval: int = option(1, "Send streamed output every N tokens (1: every token).", group="server")
+    dp_size: int = option(
+        1, "Data parallelism: N scheduler processes, each with its own model copy, KV pool and radix cache, "
+        "behind a controller process that spreads requests over them (each rank gets its share of the CPU "
+        "threads unless --num-threads is set).", group="server")
+    load_balance_method: str = option(
+        "round_robin", "--dp-size: how the controller picks a rank for a request that names none "
+        "(data_parallel_rank pins one): in turn, the fewest requests, or the fewest tokens.",
+        ("round_robin", "shortest_queue", "minimum_tokens"), group="server")
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -174,7 +182,7 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 errors.append(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
-        for name in ("decode_log_interval", "stream_interval"):  # server section
+        for name in ("decode_log_interval", "stream_interval", "dp_size"):  # server section
             positive(name, allow_none=False)
         if not 0 <= self.port <= 65535:
             errors.append(f"port must be in [0, 65535], got {self.port}")

@@ -85,6 +85,9 @@ class Engine:
     def __init__(self, model_path: str | None = None, *, runner: ModelRunner | None = None, **kwargs: Any) -> None:
         """``runner``: reuse an already loaded model (tests, benchmarks); its pools are rebuilt."""
         self.server_args = args = ServerArgs(model_path=model_path, **kwargs)
+        if args.dp_size != 1:
+            raise ValueError("dp_size: data parallelism runs in the server (radixserve serve --dp-size N); "
+                             "the in-process Engine has one scheduler")
         self.runner = runner or ModelRunner(
             args.model_path, dtype=args.dtype, attention_backend=args.attention_backend,
             seed=args.random_seed, num_threads=args.num_threads,

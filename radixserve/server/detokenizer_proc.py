@@ -79,7 +79,7 @@ class DetokenizerManager:
             rid=o.rid, text=st.text, new_token_ids=st.ids, finished_reason=o.finished_reason,
             prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens,
             new_logprobs=st.logprobs, new_top_logprobs=st.top_logprobs, queue_time=o.queue_time,
-            num_retractions=o.num_retractions,
+            num_retractions=o.num_retractions, dp_rank=o.dp_rank,
         )
         st.text, st.ids, st.logprobs, st.top_logprobs = "", [], [], []
         return out

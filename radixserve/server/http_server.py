@@ -172,14 +172,14 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
             **cfg,
             "model_path": model_path,
             "served_model_name": tm.model_name,
-            "dp_size": getattr(args, "dp_size", 1),
+            "dp_size": args.dp_size,
             "tp_size": getattr(args, "tp_size", 1),
             "version": VERSION,
             **tm.info,
             "pids": pids,
         }
-        info["internal_states"] = [await tm.control("get_load")]
-        info["memory"] = await tm.control("memory")
+        info["internal_states"] = await tm.control("get_load")
+        info["memory"] = merge_memory(await tm.control("memory"))
         return info
 
     @app.get("/get_server_info")
@@ -205,7 +205,7 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        ok = (await tm.control("flush_cache")).get("success", False)
+        ok = all(r.get("success", False) for r in await tm.control("flush_cache"))
         if not ok:
             return error_response(APIError("Cache not flushed: requests are running; retry when idle.", 400,
                                            code="server_busy"))
@@ -230,18 +230,19 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
             raise APIError(f"malformed JSON body: {e}", code="invalid_json") from None
         if not isinstance(params, dict) or not params:
             raise APIError('the body must be a JSON object such as {"schedule_policy": "lpm"}', code="invalid_json")
-        out = await tm.control("set_schedule_policy", params)
-        if not out.get("success"):
-            raise APIError(str(out.get("message") or out.get("error")), code="invalid_schedule_policy")
-        return JSONResponse(out)
+        replies = await tm.control("set_schedule_policy", params)
+        failed = next((r for r in replies if not r.get("success")), None)
+        if failed is not None:
+            raise APIError(str(failed.get("message") or failed.get("error")), code="invalid_schedule_policy")
+        return JSONResponse(replies[0])
 
     @app.get("/get_load")
     async def get_load() -> list[dict[str, Any]]:
-        return [await tm.control("get_load")]
+        return await tm.control("get_load")
 
     @app.get("/debug/memory")
     async def debug_memory() -> dict[str, Any]:
-        return await tm.control("memory")
+        return merge_memory(await tm.control("memory"))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -282,7 +283,7 @@ async def _native_generate(tm: TokenizerManager, request: Request, body: Generat
     if body.stream and not single:
         raise APIError("streaming takes a single prompt", param="stream")
     reqs = []
-    fields = sched_fields(request, body, openai=False)  # (tenant, deadline_ms)
+    fields = sched_fields(request, body, openai=False, dp_size=tm.dp_size)  # (tenant, deadline_ms, dp rank)
     for ids, sp, rid in zip(prompts, sps, rids, strict=True):
         check_prompt(tm, ids, param)
         sp = dict(sp)
@@ -318,6 +319,7 @@ def _native_result(st: ReqState, logprob: bool) -> dict[str, Any]:
         "ttft": st.ttft,
         "queue_time": o.queue_time,
         "num_retractions": o.num_retractions,
+        "dp_rank": o.dp_rank,
     }
     if logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(st.logprobs, st.output_ids, strict=False)]
@@ -341,6 +343,22 @@ async def _native_stream(call: Call, first: list[tuple[ReqState, Any]], logprob:
         yield SSE_DONE
     finally:
         call.close()
+
+
+def merge_memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``/debug/memory`` answer for every data-parallel rank: sizes add up, the engine is idle
+    and its invariant holds only if every rank's is; ``ranks`` keeps each rank's own answer."""
+    if len(ranks) == 1:
+        return ranks[0]
+    out: dict[str, Any] = {k: sum(r[k] for r in ranks) for k in
+                           ("total", "available", "evictable", "protected", "req_slots_free", "req_slots_total")}
+    out["idle"] = all(r["idle"] for r in ranks)
+    oks = [r["invariant_ok"] for r in ranks]
+    out["invariant_ok"] = None if None in oks else all(oks)
+    out["invariant_error"] = "; ".join(f"rank {i}: {r['invariant_error']}" for i, r in enumerate(ranks)
+                                       if r["invariant_error"]) or None
+    out["ranks"] = ranks
+    return out
 
 
 def pid_map(procs: dict[str, Any]) -> dict[str, int]:

@@ -5,6 +5,11 @@
     scheduler process ──ControlReply / SchedulerStats / ProcReady──> TokenizerManager
     detokenizer process ──ProcReady──> TokenizerManager
 
+With ``--dp-size N`` a data-parallel controller process sits where the scheduler was: it forwards
+each ``GenerateReq`` to one of N scheduler processes and ``AbortReq`` / ``ControlReq`` to all of
+them; each scheduler answers a ``ControlReq`` with its own ``ControlReply`` (tagged with its
+rank) and reports its ``RankLoad`` to the controller after its steps.
+
 One struct per message; every struct is tagged, so a socket decodes the union of what it may get.
 """
 
@@ -62,8 +67,9 @@ class GenerateReq(msgspec.Struct, tag=True):
     input_ids: list[int]
     sampling_params: dict[str, Any]
     priority: int | None = None
-    tenant: str | None = None  # vtc fairness (issue #5)
+    tenant: str | None = None  # vtc fairness
     deadline_ms: float | None = None  # TTFT deadline relative to arrival at the scheduler (edf)
+    data_parallel_rank: int | None = None  # --dp-size: pins the request to this scheduler rank
     stream: bool = True  # False: the scheduler sends the first token and the finish only
 
 
@@ -95,6 +101,7 @@ class TokenOut(msgspec.Struct):
     # what the detokenizer needs to know about the request (it reads them on first sight)
     stop: list[str] | None = None
     skip_special_tokens: bool = True
+    dp_rank: int = 0  # the data-parallel rank that ran the request
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):
@@ -114,6 +121,7 @@ class StrOut(msgspec.Struct):
     new_top_logprobs: list[list[tuple[int, float]]] = []
     queue_time: float = 0.0
     num_retractions: int = 0
+    dp_rank: int = 0
 
 
 class BatchStrOut(msgspec.Struct, tag=True):
@@ -124,6 +132,7 @@ class BatchStrOut(msgspec.Struct, tag=True):
 class ControlReply(msgspec.Struct, tag=True):
     req_id: int
     data: dict[str, Any]
+    dp_rank: int = 0
 
 
 class SchedulerStats(msgspec.Struct, tag=True):
@@ -140,11 +149,21 @@ class SchedulerStats(msgspec.Struct, tag=True):
     generated_tokens: int
     num_retractions: int
     forward_steps: int
-    num_preemptions: int = 0  # issue #5: priority preemptions, starved requests, deadline refusals
+    num_preemptions: int = 0  # priority preemptions, starved requests, deadline refusals
     num_starved: int = 0
     num_deadline_rejected: int = 0
     # cumulative (priority, tenant, preemptions, retractions, starved) per class (sched/class_stats.py)
     by_class: list[tuple[str, str, int, int, int]] = []
+    dp_rank: int = 0
+
+
+# --- scheduler -> data-parallel controller ------------------------------------------------------------
+class RankLoad(msgspec.Struct, tag=True):
+    """A scheduler rank's load, sent to the controller when it changes (shortest_queue, minimum_tokens)."""
+
+    dp_rank: int
+    num_reqs: int  # running + waiting
+    num_tokens: int  # KV slots in use plus prompt tokens still waiting
 
 
 class ProcReady(msgspec.Struct, tag=True):
@@ -162,6 +181,7 @@ class LoadProgress(msgspec.Struct, tag=True):
 
 
 ToScheduler = GenerateReq | AbortReq | ControlReq
+ToController = GenerateReq | AbortReq | ControlReq | RankLoad
 ToDetokenizer = BatchTokenOut
 ToTokenizerManager = BatchStrOut | ControlReply | SchedulerStats | ProcReady | LoadProgress
 

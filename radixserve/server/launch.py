@@ -21,6 +21,7 @@ import sys
 import threading
 from collections.abc import Generator
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import uvicorn
 from tqdm import tqdm
@@ -29,6 +30,7 @@ from radixserve.config import ServerArgs
 from radixserve.model.loader import resolve_model_path
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.detokenizer_proc import run_detokenizer_process
+from radixserve.server.dp_controller import run_dp_controller_process
 from radixserve.server.http_server import create_app, pid_map
 from radixserve.server.procs import IpcNames, setup_logging
 from radixserve.server.scheduler_proc import run_scheduler_process
@@ -121,7 +123,8 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
     name, model_path = served_model_name(args)
     ctx = mp.get_context("spawn")
     tqdm.set_lock(threading.RLock())  # NOTE: tqdm's default lock is a multiprocessing semaphore
-    bar = tqdm(total=LOAD_STAGES, desc=f"Loading {name}", unit="stage",
+    stages = LOAD_STAGES if args.dp_size == 1 else LOAD_STAGES + 4 * (args.dp_size - 1) + 1
+    bar = tqdm(total=stages, desc=f"Loading {name}", unit="stage",
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}] {postfix}")
 
     interactive = sys.stderr.isatty()
@@ -138,8 +141,8 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
         # the children first: loading the model is the long pole, the tokenizer loads meanwhile
         tm = TokenizerManager(args, ipc, name)  # binds its socket before the children connect
         parent = os.getpid()
-        for pname, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
-            p = ctx.Process(target=target, args=(args, ipc, parent), name=f"radixserve-{pname}", daemon=True)
+        for pname, target, pargs in _children(args, ipc, parent):
+            p = ctx.Process(target=target, args=pargs, name=f"radixserve-{pname}", daemon=True)
             p.start()
             procs[pname] = p
         tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, args.model_path)
@@ -187,6 +190,21 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
     elif interrupted:
         logger.info("shut down")
     return exit_code
+
+
+def _children(args: ServerArgs, ipc: IpcNames, parent: int) -> list[tuple[str, Any, tuple[Any, ...]]]:
+    """(name, entry point, its arguments) of every child process. With ``--dp-size N``: the
+    controller and N scheduler ranks, each with its share of the CPU threads."""
+    detok = ("detokenizer", run_detokenizer_process, (args, ipc, parent))
+    if args.dp_size == 1:
+        return [("scheduler", run_scheduler_process, (args, ipc, parent)), detok]
+    # NOTE: the ranks share this machine's memory and cores (SGLang's ranks each own a GPU), so
+    # --mem-fraction-static is split between them, and the threads too unless --num-threads is set.
+    rank_args = args.replace(mem_fraction_static=args.mem_fraction_static / args.dp_size)
+    if args.num_threads is None:
+        rank_args = rank_args.replace(num_threads=max(1, (os.cpu_count() or 1) // args.dp_size))
+    ranks = [(f"scheduler_{r}", run_scheduler_process, (rank_args, ipc, parent, r)) for r in range(args.dp_size)]
+    return [("dp_controller", run_dp_controller_process, (args, ipc, parent)), *ranks, detok]
 
 
 def _hard_exit(procs: dict[str, BaseProcess]) -> None:

@@ -1,7 +1,8 @@
 """Prometheus metrics (``--enable-metrics``), named in SGLang's style (``sglang:`` -> ``radixserve:``).
 
 Gauges come from the scheduler's periodic ``SchedulerStats``; latency histograms are measured in
-the HTTP process per request (TTFT and end-to-end from when the request was received, time per
+the HTTP process per request. Both carry a ``dp_rank`` label (the scheduler rank: 0 without
+``--dp-size``) (TTFT and end-to-end from when the request was received, time per
 output token over the tokens after the first, queue time as the scheduler measured it).
 """
 
@@ -29,16 +30,17 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.labels = {"model_name": model_name}
         names = ["model_name"]
+        ranked = ["model_name", "dp_rank"]
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, names, registry=r)
+            return Gauge(PREFIX + name, doc, ranked, registry=r)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, names, registry=r)
+            return Counter(PREFIX + name, doc, ranked, registry=r)
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=r)
+            return Histogram(PREFIX + name, doc, ranked, buckets=buckets, registry=r)
 
         self.num_running_reqs = gauge("num_running_reqs", "Requests in the running batch.")
         self.num_queue_reqs = gauge("num_queue_reqs", "Requests in the waiting queue.")
@@ -50,7 +52,7 @@ class ServerMetrics:
         self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_retractions = counter("num_retracted_reqs", "Requests retracted from decode (KV ran out).")
-        self.num_requests = counter("num_requests", "Requests received.")
+        self.num_requests = Counter(PREFIX + "num_requests", "Requests received.", names, registry=r)
         self.num_aborted = counter("num_aborted_requests", "Requests finished with an abort.")
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds", "Time per output token after the first.", _TPOT_BUCKETS)
@@ -83,18 +85,18 @@ class ServerMetrics:
             PREFIX + "num_starved_reqs_by_class", "Starved requests (see num_starved_reqs), by priority and tenant.",
             cls_names, registry=r)
         self._tenants: set[str] = set()
-        self._last: SchedulerStats | None = None
-        self._last_by_class: dict[tuple[str, str], tuple[int, int, int]] = {}
+        self._last: dict[int, SchedulerStats] = {}  # per data-parallel rank
+        self._last_by_class: dict[tuple[int, str, str], tuple[int, int, int]] = {}  # per (rank, class)
 
     def on_scheduler_stats(self, s: SchedulerStats) -> None:
-        lb = self.labels
+        lb = {**self.labels, "dp_rank": str(s.dp_rank)}
         self.num_running_reqs.labels(**lb).set(s.num_running_reqs)
         self.num_queue_reqs.labels(**lb).set(s.num_queue_reqs)
         self.num_used_tokens.labels(**lb).set(s.num_used_tokens)
         self.token_usage.labels(**lb).set(s.token_usage)
         self.cache_hit_rate.labels(**lb).set(s.cache_hit_rate)
         self.gen_throughput.labels(**lb).set(s.gen_throughput)
-        prev = self._last
+        prev = self._last.get(s.dp_rank)
         for counter, attr in ((self.prompt_tokens, "prompt_tokens"), (self.cached_tokens, "cached_tokens"),
                               (self.generation_tokens, "generated_tokens"), (self.num_retractions, "num_retractions"),
                               (self.num_preemptions, "num_preemptions"), (self.num_starved, "num_starved"),
@@ -102,24 +104,25 @@ class ServerMetrics:
             delta = getattr(s, attr) - (getattr(prev, attr) if prev is not None else 0)
             if delta > 0:
                 counter.labels(**lb).inc(delta)
-        self._last = s
+        self._last[s.dp_rank] = s
         by_class = (self.num_preemptions_by_class, self.num_retractions_by_class, self.num_starved_by_class)
         for priority, tenant, *counts in s.by_class:
-            before = self._last_by_class.get((priority, tenant), (0, 0, 0))
-            cls = {**lb, "priority": priority, "tenant": self._tenant(tenant)}
+            before = self._last_by_class.get((s.dp_rank, priority, tenant), (0, 0, 0))
+            cls = {**self.labels, "priority": priority, "tenant": self._tenant(tenant)}
             for counter, now_n, prev_n in zip(by_class, counts, before, strict=True):
                 if now_n > prev_n:
                     counter.labels(**cls).inc(now_n - prev_n)
-            self._last_by_class[(priority, tenant)] = (counts[0], counts[1], counts[2])
+            self._last_by_class[(s.dp_rank, priority, tenant)] = (counts[0], counts[1], counts[2])
 
     def on_request_finished(self, st: ReqState, last: StrOut, now: float) -> None:
-        lb = self.labels
+        lb = {**self.labels, "dp_rank": str(last.dp_rank)}
         e2e = now - st.created
         self.e2e.labels(**lb).observe(e2e)
         self.queue_time.labels(**lb).observe(last.queue_time)
         if last.finished_reason is not None and last.finished_reason.is_abort:
             self.num_aborted.labels(**lb).inc()
-        cls = {**lb, "priority": "" if st.priority is None else str(st.priority), "tenant": self._tenant(st.tenant)}
+        cls = {**self.labels, "priority": "" if st.priority is None else str(st.priority),
+               "tenant": self._tenant(st.tenant)}
         self.queue_time_by_class.labels(**cls).observe(last.queue_time)
         ttft = st.ttft
         if ttft is not None:

@@ -6,6 +6,9 @@ The HTTP process makes a temp dir and binds/connects ipc:// sockets in it::
     <dir>/detokenizer   PULL bound by the detokenizer process (scheduler PUSHes token batches)
     <dir>/tokenizer     PULL bound by the HTTP process        (detokenizer and scheduler PUSH)
 
+With ``--dp-size N`` the data-parallel controller binds ``<dir>/scheduler`` and ``<dir>/dp_load``
+and scheduler rank r binds ``<dir>/scheduler_<r>``.
+
 Children are started with the multiprocessing "spawn" context (torch and fork do not mix) and exit
 on their own when the HTTP process goes away (``parent_alive``), so nothing is ever orphaned.
 """
@@ -37,6 +40,15 @@ class IpcNames:
     @property
     def scheduler(self) -> str:
         return f"ipc://{self.dir}/scheduler"
+
+    def scheduler_rank(self, rank: int) -> str:
+        """With --dp-size: the PULL socket of scheduler rank ``rank`` (the controller PUSHes)."""
+        return f"ipc://{self.dir}/scheduler_{rank}"
+
+    @property
+    def dp_load(self) -> str:
+        """With --dp-size: the controller's PULL socket for the ranks' load reports."""
+        return f"ipc://{self.dir}/dp_load"
 
     @property
     def detokenizer(self) -> str:

@@ -30,22 +30,20 @@ def _ms(value: Any, param: str) -> float | None:
     return ms
 
 
-DP_SIZE = 1  # data-parallel ranks of this server: one scheduler process
-
-
-def sched_fields(request: Request, body: Any, openai: bool) -> tuple[str | None, float | None]:
-    """(tenant, deadline_ms) of one HTTP request."""
+def sched_fields(request: Request, body: Any, openai: bool,
+                 dp_size: int = 1) -> tuple[str | None, float | None, int | None]:
+    """(tenant, deadline_ms, data_parallel_rank) of one HTTP request."""
     extra = getattr(body, "model_extra", None) or {}
     rank = extra.get("data_parallel_rank")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < DP_SIZE):
-        raise APIError(f"data_parallel_rank must be an integer in [0, {DP_SIZE}) (this server's dp_size is "
-                       f"{DP_SIZE}), got {rank!r}", param="data_parallel_rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < dp_size):
+        raise APIError(f"data_parallel_rank must be an integer in [0, {dp_size}) (this server's dp_size is "
+                       f"{dp_size}), got {rank!r}", param="data_parallel_rank")
     tenant = request.headers.get("x-tenant") or (getattr(body, "user", None) if openai else extra.get("tenant"))
     if tenant is not None and not isinstance(tenant, str):
         raise APIError("tenant must be a string", param="tenant")
     header = request.headers.get("x-ttft-slo-ms")
     if header is not None:
-        return tenant, _ms(header, "x-ttft-slo-ms")
+        return tenant, _ms(header, "x-ttft-slo-ms"), rank
     if openai:
-        return tenant, _ms(extra.get("ttft_slo_ms"), "ttft_slo_ms")
-    return tenant, _ms(extra.get("deadline_ms"), "deadline_ms")
+        return tenant, _ms(extra.get("ttft_slo_ms"), "ttft_slo_ms"), rank
+    return tenant, _ms(extra.get("deadline_ms"), "deadline_ms"), rank

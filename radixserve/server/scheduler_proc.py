@@ -39,6 +39,7 @@ from radixserve.server.io_struct import (
     GenerateReq,
     LoadProgress,
     ProcReady,
+    RankLoad,
     SchedulerStats,
     TokenOut,
     ToScheduler,
@@ -70,12 +71,15 @@ def make_runner(args: ServerArgs) -> Any:
     )
 
 
-def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int) -> None:
-    child_init(args.log_level, "Scheduler")
+def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_rank: int | None = None) -> None:
+    """``dp_rank`` None: the only scheduler; else rank ``dp_rank`` of ``--dp-size`` behind the controller."""
+    name = "scheduler" if dp_rank is None else f"scheduler_{dp_rank}"
+    child_init(args.log_level, "Scheduler" if dp_rank is None else f"DP{dp_rank}")
     ctx = zmq.Context()
-    recv_sock = pull_socket(ctx, ipc.scheduler)
+    recv_sock = pull_socket(ctx, ipc.scheduler if dp_rank is None else ipc.scheduler_rank(dp_rank))
     to_detok = push_socket(ctx, ipc.detokenizer)
     to_tm = push_socket(ctx, ipc.tokenizer)
+    to_controller = push_socket(ctx, ipc.dp_load) if dp_rank is not None else None
     try:
         to_tm.send(ENCODER.encode(LoadProgress("loading model weights")))
         runner = make_runner(args)
@@ -85,7 +89,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int) -> N
         to_tm.send(ENCODER.encode(LoadProgress("KV cache allocated")))
     except Exception as e:
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
-        to_tm.send(ENCODER.encode(ProcReady("scheduler", error=f"{type(e).__name__}: {e}")))
+        to_tm.send(ENCODER.encode(ProcReady(name, error=f"{type(e).__name__}: {e}")))
         time.sleep(0.2)  # let the message leave before the context goes
         sys.exit(1)
     info = {
@@ -98,8 +102,8 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int) -> N
         "dtype": str(getattr(runner, "dtype", args.dtype)).removeprefix("torch."),
         "pid": os.getpid(),
     }
-    to_tm.send(ENCODER.encode(ProcReady("scheduler", info=info)))
-    server = SchedulerServer(args, scheduler, recv_sock, to_detok, to_tm, parent_pid)
+    to_tm.send(ENCODER.encode(ProcReady(name, info=info)))
+    server = SchedulerServer(args, scheduler, recv_sock, to_detok, to_tm, parent_pid, dp_rank or 0, to_controller)
     calm_garbage_collector()
     try:
         scheduler.event_loop_normal(server.recv, server.send, server.should_stop)
@@ -119,6 +123,8 @@ class SchedulerServer:
         to_detok: zmq.Socket,
         to_tm: zmq.Socket,
         parent_pid: int,
+        dp_rank: int = 0,
+        to_controller: zmq.Socket | None = None,
     ) -> None:
         self.args = args
         self.sched = scheduler
@@ -126,6 +132,9 @@ class SchedulerServer:
         self.to_detok = to_detok
         self.to_tm = to_tm
         self.parent_pid = parent_pid
+        self.dp_rank = dp_rank
+        self.to_controller = to_controller
+        self._last_load: tuple[int, int] = (0, 0)
         self.decoder = decoder(ToScheduler)
         self.eos_token_ids = scheduler.eos_token_ids
         # what the detokenizer needs about a request, sent along with its first output
@@ -165,7 +174,8 @@ class SchedulerServer:
                 # flush or a memory check sees every request that arrived before it.
                 self._add_items(items)
                 items = []
-                self.to_tm.send(ENCODER.encode(ControlReply(msg.req_id, self._control(msg.op, msg.params))))
+                self.to_tm.send(ENCODER.encode(ControlReply(msg.req_id, self._control(msg.op, msg.params),
+                                                            self.dp_rank)))
         return items
 
     def send(self, outs: list[ReqOutput]) -> None:
@@ -216,6 +226,7 @@ class SchedulerServer:
             num_retractions=o.num_retractions,
             stop=meta[0] if meta is not None else None,
             skip_special_tokens=meta[1] if meta is not None else True,
+            dp_rank=self.dp_rank,
         )
 
     # --- control ---------------------------------------------------------------------------------
@@ -232,7 +243,7 @@ class SchedulerServer:
 
     def load(self) -> dict[str, Any]:
         """SGLang's /get_load entry for this data-parallel rank."""
-        return {"dp_rank": 0, **self.sched.get_load()}
+        return {"dp_rank": self.dp_rank, **self.sched.get_load()}
 
     def memory(self) -> dict[str, Any]:
         kv = self.sched.kv
@@ -258,7 +269,19 @@ class SchedulerServer:
         return out
 
     # --- logs and stats --------------------------------------------------------------------------
+    def _report_load(self) -> None:
+        """Tell the data-parallel controller this rank's load when it changed."""
+        assert self.to_controller is not None
+        sched = self.sched
+        waiting_tokens = sum(len(r.origin_input_ids) for r in sched.waiting_queue) if sched.waiting_queue else 0
+        load = (len(sched.reqs), sched.kv.total_tokens - sched.kv.reclaimable_size() + waiting_tokens)
+        if load != self._last_load:
+            self._last_load = load
+            self.to_controller.send(ENCODER.encode(RankLoad(self.dp_rank, *load)))
+
     def _after_step(self) -> None:
+        if self.to_controller is not None:
+            self._report_load()
         sched = self.sched
         st = sched.stats
         last = sched.last_batch
@@ -318,4 +341,5 @@ class SchedulerServer:
             num_starved=st.num_starved,
             num_deadline_rejected=st.num_deadline_rejected,
             by_class=st.by_class.rows(),
+            dp_rank=self.dp_rank,
         )

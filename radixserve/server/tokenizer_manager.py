@@ -137,7 +137,9 @@ class TokenizerManager:
         self.recv_sock.bind(ipc.tokenizer)
         self.decoder = decoder(ToTokenizerManager)
         self.groups: dict[str, RequestGroup] = {}
-        self.control_futures: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.dp_size = args.dp_size
+        # a control request's replies, one per data-parallel rank, gathered until all are in
+        self.control_futures: dict[int, tuple[asyncio.Future[list[dict[str, Any]]], dict[int, dict[str, Any]]]] = {}
         self._control_ids = itertools.count()
         self.procs: dict[str, BaseProcess] = {}
         self.info: dict[str, Any] = {}  # from the scheduler's ready message
@@ -167,7 +169,7 @@ class TokenizerManager:
                 if msg.error:
                     raise RuntimeError(f"the {msg.name} process failed to start: {msg.error}")
                 pending.discard(msg.name)
-                if msg.name == "scheduler":
+                if msg.name in ("scheduler", "scheduler_0"):
                     self.info = dict(msg.info)
                 on_progress(f"{msg.name} ready")
             elif isinstance(msg, LoadProgress):
@@ -220,12 +222,13 @@ class TokenizerManager:
             return
         self.to_scheduler.send(ENCODER.encode(AbortReq(rid)))
 
-    async def control(self, op: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def control(self, op: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Run a control op on every scheduler; one reply per data-parallel rank, in rank order."""
         if self.dead:
             raise ServerDead(self.dead)
         req_id = next(self._control_ids)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self.control_futures[req_id] = fut
+        fut: asyncio.Future[list[dict[str, Any]]] = asyncio.get_running_loop().create_future()
+        self.control_futures[req_id] = (fut, {})
         await self.to_scheduler.send(ENCODER.encode(ControlReq(req_id, op, params)))
         try:
             return await asyncio.wait_for(fut, CONTROL_TIMEOUT_S)
@@ -241,9 +244,12 @@ class TokenizerManager:
                 if isinstance(msg, BatchStrOut):
                     self._dispatch(msg.outputs)
                 elif isinstance(msg, ControlReply):
-                    fut = self.control_futures.get(msg.req_id)
-                    if fut is not None and not fut.done():
-                        fut.set_result(dict(msg.data))
+                    entry = self.control_futures.get(msg.req_id)
+                    if entry is not None and not entry[0].done():
+                        fut, replies = entry
+                        replies[msg.dp_rank] = dict(msg.data)
+                        if len(replies) == self.dp_size:
+                            fut.set_result([replies[r] for r in sorted(replies)])
                 elif isinstance(msg, SchedulerStats):
                     self.sched_stats = msg
                     if self.metrics is not None:
@@ -288,7 +294,7 @@ class TokenizerManager:
         for group in set(self.groups.values()):
             group.fail(ServerDead(reason))
         self.groups.clear()
-        for fut in self.control_futures.values():
+        for fut, _ in self.control_futures.values():
             if not fut.done():
                 fut.set_exception(ServerDead(reason))
         self.on_fatal(reason)

@@ -104,7 +104,7 @@ def test_preemption_retraction_and_starvation_counters_by_class() -> None:
     kv.allocator.free(hog)
     drain(sched)
 
-    stats = SchedulerServer.stats(SimpleNamespace(sched=sched, _gen_throughput=0.0))  # type: ignore[arg-type]
+    stats = SchedulerServer.stats(SimpleNamespace(sched=sched, _gen_throughput=0.0, dp_rank=0))  # type: ignore[arg-type]
     assert stats.by_class == [("0", "t1", 1, 0, 0), ("10", "t2", 0, 1, 1)]
     assert (stats.num_preemptions, stats.num_retractions, stats.num_starved) == (1, 1, 1)
     metrics = ServerMetrics("m")
