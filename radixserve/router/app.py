@@ -170,12 +170,6 @@ async def serve(args: RouterArgs, ready: Callable[[], None] | None = None) -> No
 def run_router(args: RouterArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s Router] %(message)s")
     try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
         asyncio.run(serve(args))
     except OSError as e:
         logger.error("cannot start: %s", e)
