@@ -28,7 +28,7 @@ from radixserve.server.io_struct import (
     TokenOut,
     decoder,
 )
-from radixserve.server.procs import IpcNames, child_init, parent_alive, pull_socket, push_socket
+from radixserve.server.procs import IpcNames, child_init, drain, parent_alive, pull_socket, push_socket
 
 logger = logging.getLogger(__name__)
 
@@ -103,11 +103,7 @@ def run_detokenizer_process(args: ServerArgs, ipc: IpcNames, parent_pid: int) ->
         while parent_alive(parent_pid):
             if not recv_sock.poll(int(POLL_S * 1000)):
                 continue
-            while True:
-                try:
-                    raw = recv_sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            for raw in drain(recv_sock):
                 outs = manager.handle(dec.decode(raw))
                 if outs:
                     to_tm.send(ENCODER.encode(BatchStrOut(outs)))

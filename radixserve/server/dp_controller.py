@@ -30,7 +30,7 @@ from radixserve.server.io_struct import (
     ToController,
     decoder,
 )
-from radixserve.server.procs import IpcNames, child_init, parent_alive, pull_socket, push_socket
+from radixserve.server.procs import IpcNames, child_init, drain, parent_alive, pull_socket, push_socket
 
 logger = logging.getLogger(__name__)
 POLL_MS = 50
@@ -88,18 +88,11 @@ def run_dp_controller_process(args: ServerArgs, ipc: IpcNames, parent_pid: int) 
         while parent_alive(parent_pid):
             events = dict(poller.poll(POLL_MS))
             if load_sock in events:
-                while True:
-                    try:
-                        balancer.report(dec.decode(load_sock.recv(zmq.NOBLOCK)))
-                    except zmq.Again:
-                        break
+                for raw in drain(load_sock):
+                    balancer.report(dec.decode(raw))
             if recv_sock not in events:
                 continue
-            while True:
-                try:
-                    raw = recv_sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            for raw in drain(recv_sock):
                 msg = dec.decode(raw)
                 if isinstance(msg, GenerateReq):
                     if msg.data_parallel_rank is not None:

@@ -106,6 +106,16 @@ def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
     return s
 
 
+def drain(sock: zmq.Socket) -> list[bytes]:
+    """Every message waiting on ``sock`` now, without blocking."""
+    out = []
+    while True:
+        try:
+            out.append(sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return out
+
+
 def pull_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
     s = ctx.socket(zmq.PULL)
     s.setsockopt(zmq.LINGER, 0)
