@@ -152,6 +152,26 @@ class ServerArgs:
         "round_robin", "--dp-size: how the controller picks a rank for a request that names none "
         "(data_parallel_rank pins one): in turn, the fewest requests, or the fewest tokens.",
         ("round_robin", "shortest_queue", "minimum_tokens"), group="server")
+    cache_events_port: int | None = option(
+        None, "Publish the radix cache's changes (prefixes stored, evicted, cleared) on a ZeroMQ PUB socket "
+        "at tcp://<--host>:<port>, one batch per scheduler step, for a router's --enable-cache-events "
+        "(SGLang's --kv-events-config). --dp-size N: rank r uses port + r. /get_server_info reports the "
+        "endpoint. Default: off.", group="server")
+    # NOTE: group "server", not a group of its own: the simulator builds its CLI from every group but
+    # "model" and "server", and these mean nothing there.
+    tp_size: int = option(
+        1, "Tensor parallelism: shard every layer (attention heads, MLP, vocabulary) and the KV pool over N "
+        "ranks, one process each, that run each step together over torch.distributed (gloo on CPU). The "
+        "model's attention and KV head counts must be multiples of N (docs/scale-out.md).", group="server")
+    nnodes: int = option(
+        1, "--tp-size over several machines: the number of nodes; each runs --tp-size / --nnodes ranks.",
+        group="server")
+    node_rank: int = option(
+        0, "This node's index in [0, --nnodes); node 0 runs the HTTP server and TP rank 0, the others only "
+        "their TP ranks.", group="server")
+    dist_init_addr: str | None = option(
+        None, "host:port of torch.distributed's TCP store, served by TP rank 0 on node 0 (required with "
+        "--nnodes > 1; default: a free local port).", group="server")
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -186,6 +206,17 @@ class ServerArgs:
             positive(name, allow_none=False)
         if not 0 <= self.port <= 65535:
             errors.append(f"port must be in [0, 65535], got {self.port}")
+        if self.cache_events_port is not None:
+            last = self.cache_events_port + (self.dp_size if isinstance(self.dp_size, int) else 1) - 1
+            if not isinstance(self.cache_events_port, int) or not 1 <= self.cache_events_port <= last <= 65535:
+                errors.append(f"cache_events_port must be in [1, 65535] (with --dp-size N, port + N - 1 too), "
+                              f"got {self.cache_events_port!r}")
+            elif self.cache_events_port <= self.port <= last:
+                errors.append(f"cache_events_port {self.cache_events_port} collides with the HTTP port {self.port}")
+            if self.disable_radix_cache:
+                errors.append("--cache-events-port reports the radix cache's changes; it cannot be used with "
+                              "--disable-radix-cache")
+        errors += self._parallelism_errors()
         # scheduling policies, priority, the unified scheduler (issue #4)
         for name in ("lpm_fallback_threshold", "in_batch_prefix_caching_check_threshold",
                      "in_batch_prefix_caching_deprioritize_threshold", "long_prefill_token_threshold"):
@@ -232,6 +263,33 @@ class ServerArgs:
         if errors:
             raise ValueError("invalid server arguments: " + "; ".join(errors))
 
+    def _parallelism_errors(self) -> list[str]:
+        errors = []
+        for name in ("tp_size", "nnodes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                errors.append(f"{name} must be a positive integer, got {v!r}")
+        if errors:
+            return errors
+        if self.tp_size > 1 and self.dp_size > 1:
+            errors.append("--tp-size and --dp-size > 1 together are not supported yet; use one or the other")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            errors.append(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if self.tp_size % self.nnodes:
+            errors.append(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes} "
+                          "(each node runs tp_size / nnodes ranks)")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            errors.append("--nnodes > 1 needs --dist-init-addr host:port (reachable from every node)")
+        if self.dist_init_addr is not None:
+            host, sep, port = self.dist_init_addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                errors.append(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        return errors
+
+    @property
+    def tp_ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
     @property
     def chunk_size(self) -> int | None:
         return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
@@ -263,7 +321,9 @@ def add_dataclass_cli_args(cls: type, parser: argparse.ArgumentParser, skip: tup
         help_ = f.metadata.get("help", "")
         hint = hints[f.name]
         if hint is bool:
-            group.add_argument(flag, action="store_true", default=None, help=help_)
+            # a switch that is on by default needs its --no- form to be turned off at all
+            action = argparse.BooleanOptionalAction if f.default is True else "store_true"
+            group.add_argument(flag, action=action, default=None, help=help_)
             continue
         nargs = "+" if getattr(hint, "__origin__", None) is tuple else None
         base = _base_type(hint.__args__[0] if nargs else hint)

@@ -43,8 +43,7 @@ def worker_command(args: ServerArgs, port: int, threads: int) -> list[str]:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(v, bool):
-            if v:
-                cmd.append(flag)
+            cmd.append(flag if v else "--no-" + flag[2:])  # differs from the default: on, or off
             continue
         cmd += [flag, str(v)]
     if args.num_threads is None:

@@ -164,8 +164,10 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
             call.close()
         return JSONResponse({"ok": True, "output_ids": states[0].output_ids})
 
+    server_fields = {f.name for f in dataclasses.fields(tm.args)}
+
     async def server_info() -> dict[str, Any]:
-        cfg = dataclasses.asdict(args)
+        cfg = dataclasses.asdict(tm.args)
         if cfg.get("api_key"):
             cfg["api_key"] = "***"
         info = {
@@ -234,6 +236,12 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
         failed = next((r for r in replies if not r.get("success")), None)
         if failed is not None:
             raise APIError(str(failed.get("message") or failed.get("error")), code="invalid_schedule_policy")
+        # keep /get_server_info true to what the scheduler now runs
+        live = {k: v for k, v in (replies[0].get("params") or {}).items() if k in server_fields}
+        try:
+            tm.args = tm.args.replace(**{"schedule_policy": replies[0]["schedule_policy"], **live})
+        except ValueError:  # a policy only the scheduler process knows (a plugin): keep the rest true
+            pass
         return JSONResponse(replies[0])
 
     @app.get("/get_load")

@@ -1,4 +1,4 @@
-"""Issue-#5 scheduling over HTTP: live policy switching, TTFT deadlines (x-ttft-slo-ms, ttft_slo_ms,
+"""Scheduling over HTTP: live policy switching, TTFT deadlines (x-ttft-slo-ms, ttft_slo_ms,
 deadline_ms), tenants (x-tenant, user) and the per-class metrics."""
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def test_set_schedule_policy_live(c: httpx.Client) -> None:
     body = r.json()
     assert body["success"] is True and body["schedule_policy"] == "lpm"
     assert body["params"]["priority_aging_horizon"] == 2.0
+    info = c.get("/get_server_info").json()  # the server's own report follows the switch
+    assert info["schedule_policy"] == "lpm" and info["priority_aging_horizon"] == 2.0
     out = c.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}})
     assert out.status_code == 200
     for bad in ({"schedule_policy": "nope"}, {"priority_aging_horizon": -1}, {}):

@@ -1,0 +1,54 @@
+"""The command line: options generated from the dataclasses parse both ways, every command has help."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.cli import build_parser
+from radixserve.config import ServerArgs
+from radixserve.router.config import RouterArgs
+
+
+def test_a_switch_that_defaults_on_can_be_turned_off() -> None:
+    p = build_parser()
+    assert ServerArgs.from_cli_args(p.parse_args(["serve"])).idle_self_check is True
+    assert ServerArgs.from_cli_args(p.parse_args(["serve", "--no-idle-self-check"])).idle_self_check is False
+    assert ServerArgs.from_cli_args(p.parse_args(["serve", "--enable-metrics"])).enable_metrics is True
+
+
+def test_router_options_parse_with_sgl_router_defaults() -> None:
+    ns = build_parser().parse_args(["router", "--worker-urls", "http://a:1", "http://b:2", "--policy", "round_robin",
+                                    "--dp-aware", "--balance-abs-threshold", "32"])
+    args = RouterArgs.from_cli_args(ns)
+    assert args.worker_urls == ("http://a:1", "http://b:2") and args.policy == "round_robin" and args.dp_aware
+    assert (args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold) == (32, 1.5, 0.3)
+    with pytest.raises(ValueError, match="must start with http"):
+        RouterArgs(worker_urls=("a:1",))
+
+
+def test_launch_passes_engine_options_to_workers_and_router_options_to_the_router() -> None:
+    from radixserve.router.launch import worker_command
+
+    ns = build_parser().parse_args(["launch", "--num-workers", "3", "--port", "31000", "--max-total-tokens", "4096",
+                                    "--schedule-policy", "lpm", "--policy", "power_of_two", "--no-idle-self-check",
+                                    "--enable-metrics"])
+    assert ns.num_workers == 3 and ns.policy == "power_of_two"
+    cmd = worker_command(ServerArgs.from_cli_args(ns), 31001, threads=1)
+    assert cmd[cmd.index("--port") + 1] == "31001"
+    assert cmd[cmd.index("--max-total-tokens") + 1] == "4096" and cmd[cmd.index("--schedule-policy") + 1] == "lpm"
+    assert cmd[cmd.index("--num-threads") + 1] == "1" and "--policy" not in cmd
+    assert "--no-idle-self-check" in cmd and "--enable-metrics" in cmd
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "router", "launch", "simulate"])
+def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([command, "--help"])
+    assert e.value.code == 0 and "--" in capsys.readouterr().out
+
+
+def test_radixserve_engine_from_the_package_root() -> None:
+    import radixserve
+    from radixserve.engine import Engine
+
+    assert radixserve.Engine is Engine
