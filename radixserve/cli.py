@@ -55,6 +55,12 @@ def _bench_serve(ns: argparse.Namespace) -> int:
     return main(ns)
 
 
+def _bench_router(ns: argparse.Namespace) -> int:
+    from radixserve.bench.router_bench import main
+
+    return main(ns)
+
+
 def _bench_offline(ns: argparse.Namespace) -> int:
     from radixserve.bench.offline import main
 
@@ -140,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     _bench_serve_args(bs)
     bs.set_defaults(func=_bench_serve)
+    br = bsub.add_parser("router", help="What the router costs (added latency, requests per router-CPU-second) "
+                         "against stub workers; with --real-workers, cache hit rate and TTFT per policy.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from radixserve.bench.router_bench import add_args as _bench_router_args
+
+    _bench_router_args(br)
+    br.set_defaults(func=_bench_router)
 
     from radixserve.router.config import RouterArgs
     from radixserve.router.launch import add_launch_args

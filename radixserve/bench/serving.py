@@ -249,6 +249,10 @@ class ServingBenchmark:
                 errors[key] = errors.get(key, 0) + 1
         out_tokens = sum(r.output_tokens for r in ok)
         in_tokens = sum(r.prompt_len for r in ok)
+        # the hit rate counts only requests whose server said how many of their tokens were cached
+        told = [r for r in ok if r.cached_tokens is not None]
+        cached_tokens = sum(r.cached_tokens or 0 for r in told)
+        told_prompt = sum(r.prompt_len for r in told)
         ns = self.ns
         return {
             "base_url": self.base, "model": model, "workload": ns.workload,
@@ -260,6 +264,8 @@ class ServingBenchmark:
             "input_throughput": in_tokens / duration if duration else 0.0,
             "output_throughput": out_tokens / duration if duration else 0.0,
             "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+            "total_cached_tokens": cached_tokens if told else None,
+            "cache_hit_rate": cached_tokens / told_prompt if told_prompt else None,
             "ttft": _summary([r.ttft for r in ok if r.ttft is not None]),
             "tpot": _summary([t for r in ok if (t := r.tpot) is not None]),
             "itl": _summary([x for r in ok for x in r.itl]),
@@ -280,6 +286,8 @@ def print_report(rep: dict[str, Any]) -> None:
         ("Request throughput (req/s)", rep["request_throughput"]),
         ("Input token throughput (tok/s)", rep["input_throughput"]),
         ("Output token throughput (tok/s)", rep["output_throughput"]),
+        ("Cache hit rate (cached / prompt tokens)",
+         "-" if rep["cache_hit_rate"] is None else f"{rep['cache_hit_rate']:.1%}"),
     ]
     for name, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2E latency", "e2e_latency")):
         for stat in ("mean_ms", "p50_ms", "p95_ms", "p99_ms"):

@@ -1,0 +1,677 @@
+"""``radixserve bench router``: what the router itself costs, and what its policy buys on real workers.
+
+    radixserve bench router [--policy cache_aware] [--compare-policies cache_aware,round_robin]
+                            [--num-stub-workers 2] [--requests 1000] [--duration 5] [--concurrency 64]
+                            [--router-arg=--max-concurrent-requests=512] [--output results.json]
+
+Against stub workers (``radixserve.bench.stub_worker``: they answer at once, with no model), all
+started here as subprocesses with one ``radixserve router`` per policy in front of them:
+
+1. latency: non-streaming ``/generate`` calls one at a time, straight to a stub and through the
+   router, from the same client on the same keep-alive connections, in alternating blocks (the
+   order flips every round) so that a drift of the shared host hits both sides alike; P50 / P99 of
+   each side and the difference (what a request pays for the extra hop);
+2. throughput: the router pinned to one core, the stubs and this process (the load generator) on
+   the others; ``--concurrency`` requests kept in flight for ``--duration`` seconds, non-streaming
+   then streaming (SSE relayed chunk by chunk). Reported: requests/s, and the router's CPU seconds
+   per request from ``/proc/<pid>/stat``, as "requests per router-CPU-second": on a 2-core machine
+   the client and the stubs share one core and may be what limits requests/s, while the router's
+   CPU per request does not depend on who is the bottleneck. The same load sent straight to the
+   stubs is measured once, as the ceiling of the client and stubs.
+
+The prompts are text (``--prompt-chars``), most of each one a shared prefix (``--num-prefixes``
+of them), so the cache_aware policy's tree matches and grows as it would in service.
+
+With ``--real-workers N``: ``radixserve launch`` starts N real workers and the router, once per
+policy (fresh workers each time, so no run inherits a warm cache), and ``radixserve bench serve``
+(default: the multi-turn workload) runs against the router; reported per policy: the prefix-cache
+hit rate (cached / prompt tokens, from the workers' ``usage.prompt_tokens_details``), TTFT and
+where the router sent the requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import resource
+import shlex
+import signal
+import socket
+import string
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import aiohttp
+    from tqdm import tqdm
+
+# NOTE: aiohttp, tqdm and bench.serving are imported where they are used: the CLI imports this
+# module to build its parser, and every radixserve command would pay for them otherwise.
+
+POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+STUB_START_S = 30.0
+ROUTER_START_S = 60.0
+STOP_S = 10.0
+LAUNCH_STOP_S = 60.0  # launch stops its router, then each worker (15 s grace each)
+WARMUP_REQUESTS = 50
+THROUGHPUT_WARMUP_S = 0.5
+BENCH_SERVE_DEFAULTS = ("--num-prompts", "16", "--num-turns", "4", "--input-len", "256", "--turn-len", "64",
+                        "--output-len", "16")
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", choices=POLICIES, default="cache_aware", help="Router policy.")
+    p.add_argument("--compare-policies", default=None,
+                   help="Comma-separated policies to run one after another (e.g. cache_aware,round_robin); "
+                        "overrides --policy.")
+    p.add_argument("--num-stub-workers", type=int, default=2, help="Stub workers behind the router.")
+    p.add_argument("--requests", type=int, default=1000, help="Latency samples per side (direct, routed).")
+    p.add_argument("--block", type=int, default=20, help="Latency: requests per block before switching side.")
+    p.add_argument("--duration", type=float, default=5.0, help="Seconds of each throughput phase.")
+    p.add_argument("--concurrency", type=int, default=64, help="Requests in flight in the throughput phases.")
+    p.add_argument("--prompt-chars", type=int, default=512, help="Characters of each prompt.")
+    p.add_argument("--num-prefixes", type=int, default=8,
+                   help="Distinct shared prefixes (3/4 of each prompt); the rest is random.")
+    p.add_argument("--stream-chunks", type=int, default=4, help="SSE events of each streamed stub answer.")
+    p.add_argument("--no-pin", action="store_true", help="Do not pin the router to a core of its own.")
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARGS",
+                   help="Extra router options, passed through; repeatable. Write it as "
+                        "--router-arg=--cache-threshold=0.5 or --router-arg '--cache-threshold 0.5'.")
+    p.add_argument("--real-workers", type=int, default=0, metavar="N",
+                   help="Instead of stubs: start N real workers with 'radixserve launch' per policy and run "
+                        "'radixserve bench serve' against the router.")
+    p.add_argument("--workload", default="multi-turn", choices=("random", "shared-prefix", "multi-turn"),
+                   help="--real-workers: the bench serve workload.")
+    p.add_argument("--bench-serve-arg", action="append", default=[], metavar="ARGS",
+                   help="--real-workers: extra 'bench serve' options (default: "
+                        f"{' '.join(BENCH_SERVE_DEFAULTS)}); repeatable, as --router-arg.")
+    p.add_argument("--launch-arg", action="append", default=[], metavar="ARGS",
+                   help="--real-workers: extra engine options for the workers ('radixserve launch'); repeatable.")
+    p.add_argument("--max-total-tokens", type=int, default=16384, help="--real-workers: each worker's KV pool.")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--real-workers: run the policies this many times, alternating (A B A B).")
+    p.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="--real-workers: seconds to wait for the fleet to come up.")
+    p.add_argument("--port", type=int, default=0, help="Router port (default: a free one).")
+    p.add_argument("--output", default=None, help="Write the results as JSON here.")
+    p.add_argument("--disable-tqdm", action="store_true", help="No progress bars.")
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+
+class Procs:
+    """The subprocesses of one benchmark, each in a session of its own (so a terminal's Ctrl-C
+    reaches this process alone and they are stopped in order here), with its output in a log file."""
+
+    def __init__(self) -> None:
+        self.log_dir = tempfile.mkdtemp(prefix="radixserve-bench-router-")
+        self.running: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+        log = open(os.path.join(self.log_dir, re.sub(r"[^\w.-]", "_", name) + ".log"), "ab")
+        try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        finally:
+            log.close()
+        self.running.append((name, proc))
+        return proc
+
+    def log_tail(self, name: str, n: int = 2000) -> str:
+        path = os.path.join(self.log_dir, re.sub(r"[^\w.-]", "_", name) + ".log")
+        try:
+            with open(path, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = STOP_S) -> None:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        self.running = [(n, p) for n, p in self.running if p is not proc]
+
+    def stop_all(self) -> None:
+        for name, proc in reversed(list(self.running)):
+            # launch stops its workers on SIGINT (KeyboardInterrupt while starting, or its router's handler)
+            if name.startswith("launch"):
+                self.stop(proc, signal.SIGINT, LAUNCH_STOP_S)
+            else:
+                self.stop(proc)
+
+
+def free_ports(n: int, consecutive: bool = False) -> list[int]:
+    """``n`` ports nothing listens on now (``consecutive``: a block, as ``radixserve launch`` wants)."""
+    if not consecutive:
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for s in socks:
+                s.bind(("127.0.0.1", 0))
+            return [s.getsockname()[1] for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        if all(_port_free(base + i) for i in range(n)):
+            return list(range(base, base + n))
+    raise BenchError(f"found no {n} free consecutive ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (``/proc/<pid>/stat`` fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def self_cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` (threads started later inherit their creator's affinity)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+async def wait_healthy(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes], name: str,
+                       procs: Procs, timeout: float) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise BenchError(f"{name} exited with {proc.returncode} while starting:\n{procs.log_tail(name)}")
+        try:
+            async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status == 200:
+                    return
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise BenchError(f"{name} not healthy after {timeout:.0f} s:\n{procs.log_tail(name)}")
+        await asyncio.sleep(0.1)
+
+
+def _split_args(items: Sequence[str]) -> list[str]:
+    return [a for item in items for a in shlex.split(item)]
+
+
+def router_command(urls: Sequence[str], port: int, policy: str, extra: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "radixserve.cli", "router", "--worker-urls", *urls, "--port", str(port),
+            "--policy", policy, "--log-level", "warning", *extra]
+
+
+# --- the load ----------------------------------------------------------------------------------
+
+
+def make_bodies(n: int, prompt_chars: int, num_prefixes: int, stream: bool, seed: int = 0) -> list[bytes]:
+    rng = random.Random(seed)
+    alphabet = string.ascii_lowercase + " "
+    prefix_len = prompt_chars * 3 // 4
+    prefixes = ["".join(rng.choices(alphabet, k=prefix_len)) for _ in range(max(1, num_prefixes))]
+    out = []
+    for i in range(n):
+        text = prefixes[i % len(prefixes)] + "".join(rng.choices(alphabet, k=prompt_chars - prefix_len))
+        body: dict[str, Any] = {"text": text, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        if stream:
+            body["stream"] = True
+        out.append(json.dumps(body).encode())
+    return out
+
+
+_HEADERS = {"Content-Type": "application/json"}
+
+
+async def send(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool) -> str | None:
+    """One request, its answer read to the end; None when it went well, else what went wrong."""
+    import aiohttp
+
+    try:
+        async with session.post(url, data=body, headers=_HEADERS) as r:
+            if not stream:
+                await r.read()
+                return None if r.status == 200 else f"HTTP {r.status}"
+            tail = b""
+            async for chunk in r.content.iter_any():
+                tail = (tail + chunk)[-16:]
+            if r.status != 200:
+                return f"HTTP {r.status}"
+            return None if tail.endswith(b"[DONE]\n\n") else "stream ended without [DONE]"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return type(e).__name__
+
+
+def _stats(xs: list[float]) -> dict[str, float | int | None]:
+    from radixserve.bench.serving import percentile
+
+    ms = [x * 1e3 for x in xs]
+    return {"n": len(ms), "mean_ms": sum(ms) / len(ms) if ms else None, "p50_ms": percentile(ms, 50),
+            "p90_ms": percentile(ms, 90), "p99_ms": percentile(ms, 99)}
+
+
+async def measure_latency(session: aiohttp.ClientSession, direct: Sequence[str], routed: str, bodies: list[bytes],
+                          n: int, block: int, bar: tqdm[Any]) -> dict[str, Any]:
+    """``n`` sequential calls per side, in blocks of ``block``, the side that goes first flipping
+    every round (ABBA), after ``WARMUP_REQUESTS`` unrecorded calls per side."""
+    samples: dict[str, list[float]] = {"direct": [], "routed": []}
+    errors: Counter[str] = Counter()
+    i = 0
+
+    async def one(side: str, record: bool) -> None:
+        nonlocal i
+        url = routed if side == "routed" else direct[i % len(direct)]
+        body = bodies[i % len(bodies)]
+        i += 1
+        t0 = time.perf_counter()
+        err = await send(session, url, body, stream=False)
+        dt = time.perf_counter() - t0
+        if err is not None:
+            errors[f"{side}: {err}"] += 1
+        elif record:
+            samples[side].append(dt)
+            bar.update(1)
+
+    for _ in range(min(WARMUP_REQUESTS, n)):
+        await one("direct", False)
+        await one("routed", False)
+    first = True
+    while len(samples["direct"]) < n or len(samples["routed"]) < n:
+        for side in ("direct", "routed") if first else ("routed", "direct"):
+            for _ in range(min(block, n - len(samples[side]))):
+                await one(side, True)
+        first = not first
+        if sum(errors.values()) > n:
+            break  # something is broken: report what there is
+    d, r = _stats(samples["direct"]), _stats(samples["routed"])
+
+    def diff(key: str) -> float | None:
+        a, b = r[key], d[key]
+        return float(a) - float(b) if a is not None and b is not None else None
+
+    return {"direct": d, "routed": r, "added_p50_ms": diff("p50_ms"), "added_p99_ms": diff("p99_ms"),
+            "added_mean_ms": diff("mean_ms"), "errors": dict(errors)}
+
+
+async def measure_throughput(session: aiohttp.ClientSession, urls: Sequence[str], bodies: list[bytes],
+                             concurrency: int, duration: float, stream: bool, watched: dict[str, list[int]],
+                             bar: tqdm[Any]) -> dict[str, Any]:
+    """``concurrency`` requests in flight for ``duration`` s (after a warm-up); the CPU seconds of
+    each ``watched`` group of processes and of this one over exactly the measured window."""
+    done = 0
+    errors: Counter[str] = Counter()
+    measuring = False
+    stop = False
+
+    async def loop(k: int) -> None:
+        nonlocal done
+        i = k
+        while not stop:
+            err = await send(session, urls[i % len(urls)], bodies[i % len(bodies)], stream)
+            i += concurrency
+            if measuring:
+                if err is None:
+                    done += 1
+                else:
+                    errors[err] += 1
+
+    def cpu() -> dict[str, float]:
+        out = {name: sum(cpu_seconds(p) for p in pids) for name, pids in watched.items()}
+        out["client"] = self_cpu_seconds()
+        return out
+
+    tasks = [asyncio.create_task(loop(k)) for k in range(concurrency)]
+    try:
+        await asyncio.sleep(THROUGHPUT_WARMUP_S)
+        cpu0, t0 = cpu(), time.perf_counter()
+        measuring = True
+        while (elapsed := time.perf_counter() - t0) < duration:
+            bar.n = round(elapsed, 1)
+            bar.refresh()
+            await asyncio.sleep(min(0.25, duration - elapsed))
+        measuring = False
+        cpu1, wall = cpu(), time.perf_counter() - t0
+    finally:
+        stop = True
+        await asyncio.gather(*tasks, return_exceptions=True)
+    out: dict[str, Any] = {"requests": done, "errors": dict(errors), "wall_s": wall,
+                           "requests_per_s": done / wall if wall else 0.0}
+    for name in cpu0:
+        used = cpu1[name] - cpu0[name]
+        out[f"{name}_cpu_s"] = used
+        out[f"{name}_cpu_util"] = used / wall if wall else 0.0
+        out[f"{name}_cpu_ms_per_request"] = used / done * 1e3 if done else None
+    if "router" in watched:
+        used = out["router_cpu_s"]
+        out["requests_per_router_cpu_s"] = done / used if used > 0 else None
+    return out
+
+
+# --- stub mode ---------------------------------------------------------------------------------
+
+
+def _check(ns: argparse.Namespace) -> None:
+    bad = [f"--{k.replace('_', '-')}" for k in ("num_stub_workers", "requests", "block", "concurrency",
+                                                  "prompt_chars", "rounds") if getattr(ns, k) < 1]
+    if not ns.duration > 0:
+        bad.append("--duration")
+    if bad:
+        raise BenchError(f"{', '.join(bad)} must be positive")
+    _policies(ns)
+
+
+def _policies(ns: argparse.Namespace) -> list[str]:
+    if not ns.compare_policies:
+        return [ns.policy]
+    names = [x.strip() for x in ns.compare_policies.split(",") if x.strip()]
+    bad = [x for x in names if x not in POLICIES]
+    if bad or not names:
+        raise BenchError(f"--compare-policies: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}")
+    return names
+
+
+def _cpu_split(no_pin: bool) -> tuple[set[int], set[int]] | None:
+    """(the router's core, everyone else's), or None when there is one core or pinning is off."""
+    cores = sorted(os.sched_getaffinity(0))
+    if no_pin or len(cores) < 2:
+        return None
+    return {cores[-1]}, set(cores[:-1])
+
+
+def _machine() -> dict[str, Any]:
+    import aiohttp
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
+            "python": platform.python_version(), "aiohttp": aiohttp.__version__}
+
+
+async def run_stubs(ns: argparse.Namespace, procs: Procs) -> dict[str, Any]:
+    import aiohttp
+
+    policies = _policies(ns)
+    split = _cpu_split(ns.no_pin)
+    own = os.sched_getaffinity(0)
+    ports = free_ports(ns.num_stub_workers + 1)
+    router_port = ns.port or ports[0]
+    stub_urls = [f"http://127.0.0.1:{p}" for p in ports[1:]]
+    stubs = [procs.start(f"stub-{p}", [sys.executable, "-m", "radixserve.bench.stub_worker", "--port", str(p),
+                                        "--stream-chunks", str(ns.stream_chunks)]) for p in ports[1:]]
+    bodies = make_bodies(256, ns.prompt_chars, ns.num_prefixes, stream=False)
+    sbodies = make_bodies(256, ns.prompt_chars, ns.num_prefixes, stream=True)
+    router_extra = _split_args(ns.router_arg)
+    # A connector per phase would measure connection set-up; one keep-alive pool serves them all.
+    connector = aiohttp.TCPConnector(limit=max(ns.concurrency, 1), keepalive_timeout=30.0)
+    report: dict[str, Any] = {
+        "mode": "stubs", "machine": _machine(),
+        "settings": {k: getattr(ns, k) for k in ("num_stub_workers", "requests", "block", "duration", "concurrency",
+                                                  "prompt_chars", "num_prefixes", "stream_chunks")}
+        | {"router_args": router_extra},
+        "pinned": {"router": sorted(split[0]), "stubs_and_client": sorted(split[1])} if split else None,
+        "policies": {},
+    }
+    try:
+        if split:
+            os.sched_setaffinity(0, split[1])
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+            for url, proc in zip(stub_urls, stubs, strict=True):
+                await wait_healthy(session, url, proc, f"stub-{url.rsplit(':', 1)[1]}", procs, STUB_START_S)
+                if split:
+                    pin(proc.pid, split[1])
+            stub_pids = [p.pid for p in stubs]
+            with _bar(ns, ns.duration, "direct throughput", "s") as bar:
+                report["direct_throughput"] = await measure_throughput(
+                    session, [f"{u}/generate" for u in stub_urls], bodies, ns.concurrency, ns.duration, False,
+                    {"stubs": stub_pids}, bar)
+            for policy in policies:
+                name = f"router-{policy}"
+                router = procs.start(name, router_command(stub_urls, router_port, policy, router_extra))
+                rurl = f"http://127.0.0.1:{router_port}"
+                try:
+                    await wait_healthy(session, rurl, router, name, procs, ROUTER_START_S)
+                    if split:
+                        pin(router.pid, split[0])
+                    res: dict[str, Any] = {}
+                    with _bar(ns, 2 * ns.requests, f"{policy}: latency", "req") as bar:
+                        res["latency"] = await measure_latency(
+                            session, [f"{u}/generate" for u in stub_urls], f"{rurl}/generate", bodies,
+                            ns.requests, ns.block, bar)
+                    watched = {"router": [router.pid], "stubs": stub_pids}
+                    for key, b, stream in (("throughput", bodies, False), ("streaming", sbodies, True)):
+                        with _bar(ns, ns.duration, f"{policy}: {key}", "s") as bar:
+                            res[key] = await measure_throughput(session, [f"{rurl}/generate"], b, ns.concurrency,
+                                                                ns.duration, stream, watched, bar)
+                    if router.poll() is not None:
+                        raise BenchError(f"{name} exited with {router.returncode}:\n{procs.log_tail(name)}")
+                    res["router_metrics"] = await router_counts(session, rurl)
+                    report["policies"][policy] = res
+                finally:
+                    procs.stop(router)
+    finally:
+        os.sched_setaffinity(0, own)
+    return report
+
+
+def _bar(ns: argparse.Namespace, total: float, desc: str, unit: str) -> tqdm[Any]:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=ns.disable_tqdm, file=sys.stderr, leave=False)
+
+
+def _f(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:,.{digits}f}"
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def print_stub_report(rep: dict[str, Any]) -> None:
+    w = 46
+    print(f"{' Router Benchmark (stub workers) ':=^{w + 16}}")
+    pinned = rep["pinned"]
+    print(f"{'Router CPUs / stubs + client CPUs':<{w}}"
+          f"{(str(pinned['router']) + ' / ' + str(pinned['stubs_and_client'])) if pinned else 'not pinned':>16}")
+    d = rep["direct_throughput"]
+    print(f"{'Direct to stubs (req/s)':<{w}}{_f(d['requests_per_s'], 1):>16}")
+    util = f"{d['stubs_cpu_util']:.2f} / {d['client_cpu_util']:.2f}"
+    print(f"{'Direct: CPU utilisation stubs / client':<{w}}{util:>16}")
+    for policy, res in rep["policies"].items():
+        lat, thr, st = res["latency"], res["throughput"], res["streaming"]
+        print(f"{' ' + policy + ' ':-^{w + 16}}")
+        rows: list[tuple[str, Any, int]] = [
+            ("Latency direct P50 / P99 (ms)", f"{_f(lat['direct']['p50_ms'])} / {_f(lat['direct']['p99_ms'])}", 0),
+            ("Latency routed P50 / P99 (ms)", f"{_f(lat['routed']['p50_ms'])} / {_f(lat['routed']['p99_ms'])}", 0),
+            ("Added by the router P50 / P99 (ms)", f"{_f(lat['added_p50_ms'])} / {_f(lat['added_p99_ms'])}", 0),
+            ("Throughput (req/s)", thr["requests_per_s"], 1),
+            ("CPU utilisation router / stubs / client",
+             f"{thr['router_cpu_util']:.2f} / {thr['stubs_cpu_util']:.2f} / {thr['client_cpu_util']:.2f}", 0),
+            ("Router CPU ms / request", thr["router_cpu_ms_per_request"], 3),
+            ("Requests per router-CPU-second", thr["requests_per_router_cpu_s"], 0),
+            ("Streaming throughput (req/s)", st["requests_per_s"], 1),
+            ("Streaming: requests per router-CPU-second", st["requests_per_router_cpu_s"], 0),
+        ]
+        for name, val, digits in rows:
+            print(f"{name:<{w}}{_f(val, digits):>16}")
+        errs = {**lat["errors"], **thr["errors"], **{f"stream: {k}": v for k, v in st["errors"].items()}}
+        if errs:
+            print(f"{'Errors':<{w}}{json.dumps(errs)}")
+    print("=" * (w + 16))
+
+
+# --- real-workers mode -------------------------------------------------------------------------
+
+_REQ_LINE = re.compile(r'^radixserve_router_requests_total\{([^}]*)\}\s+([0-9.e+]+)$')
+_DECISION_LINE = re.compile(r'^radixserve_router_decisions_total\{([^}]*)\}\s+([0-9.e+]+)$')
+
+
+def _labels(s: str) -> dict[str, str]:
+    return dict(re.findall(r'(\w+)="([^"]*)"', s))
+
+
+async def router_counts(session: aiohttp.ClientSession, url: str) -> dict[str, dict[str, int]]:
+    """Requests per worker and decisions per branch, from the router's /metrics."""
+    import aiohttp
+
+    per_worker: Counter[str] = Counter()
+    branches: Counter[str] = Counter()
+    try:
+        async with session.get(f"{url}/metrics") as r:
+            text = await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return {}
+    for line in text.splitlines():
+        if m := _REQ_LINE.match(line):
+            per_worker[_labels(m.group(1)).get("worker", "?")] += int(float(m.group(2)))
+        elif m := _DECISION_LINE.match(line):
+            branches[_labels(m.group(1)).get("branch", "?")] += int(float(m.group(2)))
+    return {"requests_per_worker": dict(per_worker), "decisions": dict(branches)}
+
+
+def _serve_namespace(ns: argparse.Namespace, base_url: str) -> argparse.Namespace:
+    from radixserve.bench.serving import add_args as serve_args
+
+    p = argparse.ArgumentParser(prog="bench serve")
+    serve_args(p)
+    sns = p.parse_args(["--workload", ns.workload, *BENCH_SERVE_DEFAULTS, *_split_args(ns.bench_serve_arg)])
+    sns.base_url = base_url
+    sns.disable_tqdm = sns.disable_tqdm or ns.disable_tqdm
+    return sns
+
+
+async def _real_once(ns: argparse.Namespace, procs: Procs, policy: str, rnd: int) -> dict[str, Any]:
+    import aiohttp
+
+    from radixserve.bench.serving import ServingBenchmark
+
+    n = ns.real_workers
+    port = ns.port or free_ports(n + 1, consecutive=True)[0]
+    name = f"launch-{policy}-{rnd}"
+    cmd = [sys.executable, "-m", "radixserve.cli", "launch", "--num-workers", str(n), "--port", str(port),
+           "--policy", policy, "--log-level", "warning", "--max-total-tokens", str(ns.max_total_tokens),
+           *_split_args(ns.launch_arg), *_split_args(ns.router_arg)]
+    url = f"http://127.0.0.1:{port}"
+    print(f"[bench router] {policy} (round {rnd + 1}): starting {n} workers: {shlex.join(cmd[2:])}", file=sys.stderr)
+    proc = procs.start(name, cmd)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            t0 = time.monotonic()
+            await wait_healthy(session, url, proc, name, procs, ns.startup_timeout)
+            startup = time.monotonic() - t0
+            rep = await ServingBenchmark(_serve_namespace(ns, url)).run()
+            counts = await router_counts(session, url)
+    finally:
+        procs.stop(proc, signal.SIGINT, LAUNCH_STOP_S)
+    return {"policy": policy, "round": rnd, "startup_s": startup, "completed": rep["completed"],
+            "failed": rep["failed"], "errors": rep["errors"], "duration_s": rep["duration_s"],
+            "cache_hit_rate": rep.get("cache_hit_rate"), "total_cached_tokens": rep.get("total_cached_tokens"),
+            "total_input_tokens": rep["total_input_tokens"], "output_throughput": rep["output_throughput"],
+            "ttft": rep["ttft"], "e2e_latency": rep["e2e_latency"], **counts}
+
+
+async def run_real(ns: argparse.Namespace, procs: Procs) -> dict[str, Any]:
+    policies = _policies(ns)
+    runs = []
+    for rnd in range(ns.rounds):
+        for policy in policies:
+            runs.append(await _real_once(ns, procs, policy, rnd))
+    summary: dict[str, dict[str, float | None]] = {}
+    for policy in policies:
+        mine = [r for r in runs if r["policy"] == policy]
+        cached = sum(r["total_cached_tokens"] or 0 for r in mine)
+        prompt = sum(r["total_input_tokens"] for r in mine)
+        ttfts = [r["ttft"]["p50_ms"] for r in mine if r["ttft"]["p50_ms"] is not None]
+        summary[policy] = {"cache_hit_rate": cached / prompt if prompt else None,
+                           "ttft_p50_ms": sum(ttfts) / len(ttfts) if ttfts else None}
+    return {"mode": "real-workers", "machine": _machine(), "num_workers": ns.real_workers,
+            "bench_serve_args": ["--workload", ns.workload, *BENCH_SERVE_DEFAULTS, *_split_args(ns.bench_serve_arg)],
+            "max_total_tokens": ns.max_total_tokens, "runs": runs, "summary": summary}
+
+
+def print_real_report(rep: dict[str, Any]) -> None:
+    print(f"{' Router Benchmark (' + str(rep['num_workers']) + ' real workers) ':=^86}")
+    print(f"{'policy':<14}{'round':>6}{'hit rate':>10}{'TTFT P50':>11}{'TTFT P99':>11}{'E2E P50':>11}"
+          f"{'out tok/s':>11}{'failed':>8}")
+    for r in rep["runs"]:
+        hit = r["cache_hit_rate"]
+        print(f"{r['policy']:<14}{r['round'] + 1:>6}{(f'{hit:.1%}' if hit is not None else '-'):>10}"
+              f"{_f(r['ttft']['p50_ms'], 0):>11}{_f(r['ttft']['p99_ms'], 0):>11}{_f(r['e2e_latency']['p50_ms'], 0):>11}"
+              f"{_f(r['output_throughput'], 1):>11}{r['failed']:>8}")
+        if r.get("requests_per_worker"):
+            spread = " ".join(f"{u.rsplit(':', 1)[1]}:{c}" for u, c in sorted(r["requests_per_worker"].items()))
+            print(f"{'':<14}requests per worker port: {spread}; decisions: {json.dumps(r.get('decisions', {}))}")
+    print("=" * 86)
+
+
+# --- entry point -------------------------------------------------------------------------------
+
+
+def main(ns: argparse.Namespace) -> int:
+    procs = Procs()
+    run: Callable[[argparse.Namespace, Procs], Any] = run_real if ns.real_workers > 0 else run_stubs
+    # SIGTERM as Ctrl-C, so that the subprocesses are stopped on the way out either way
+    old = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        _check(ns)
+        rep = asyncio.run(run(ns, procs))
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        procs.stop_all()
+        signal.signal(signal.SIGTERM, old)
+    if rep["mode"] == "stubs":
+        print_stub_report(rep)
+    else:
+        print_real_report(rep)
+    if ns.output:
+        with open(ns.output, "w") as f:
+            json.dump(rep, f, indent=2)
+    return 0
