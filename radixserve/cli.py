@@ -76,8 +76,9 @@ def _router(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not args.worker_urls:
-        print("error: give at least one worker with --worker-urls URL [URL ...]", file=sys.stderr)
+    if not args.worker_urls and not args.pd_disaggregation:
+        print("error: give at least one worker with --worker-urls URL [URL ...] (or --pd-disaggregation with "
+              "--prefill and --decode workers)", file=sys.stderr)
         return 2
     return run_router(args)
 
@@ -160,8 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="Route requests over many workers (cache-aware, round-robin, random, "
                        "power-of-two), with health checks, retries and backpressure.",
                        description="A router in front of radixserve (or SGLang-compatible) workers. See docs/router.md.",
-                       epilog="example: radixserve router --worker-urls http://127.0.0.1:30001 "
-                              "http://127.0.0.1:30002 --port 30000 --policy cache_aware")
+                       epilog="examples:\n  radixserve router --worker-urls http://127.0.0.1:30001 "
+                              "http://127.0.0.1:30002 --port 30000 --policy cache_aware\n"
+                              "  radixserve router --pd-disaggregation --prefill http://127.0.0.1:30001 8998 "
+                              "--decode http://127.0.0.1:30002 --port 30000",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     RouterArgs.add_cli_args(r)
     r.set_defaults(func=_router)
 

@@ -21,16 +21,20 @@ from typing import Any
 from aiohttp import web
 
 
-def create_stub_app(port: int, dp_size: int = 1, delay_ms: float = 0.0, stream_chunks: int = 4) -> web.Application:
+def create_stub_app(port: int, dp_size: int = 1, delay_ms: float = 0.0, stream_chunks: int = 4,
+                    disaggregation_mode: str | None = None, bootstrap_port: int | None = None) -> web.Application:
     app = web.Application()
     seen: Counter[str] = Counter()
     fail = {"status": 0, "count": 0}
     ranks: list[int | None] = []
+    bodies: list[dict[str, Any]] = []  # the last few request bodies, for tests
     reported = {"num_reqs": 0}
 
     async def generate(request: web.Request) -> web.StreamResponse:
         seen[request.path] += 1
         body = await request.json()
+        bodies.append(body)
+        del bodies[:-32]
         rank = body.get("data_parallel_rank")
         ranks.append(rank)
         if rank is not None and not (isinstance(rank, int) and 0 <= rank < dp_size):
@@ -63,7 +67,9 @@ def create_stub_app(port: int, dp_size: int = 1, delay_ms: float = 0.0, stream_c
         return web.Response(status=200)
 
     async def server_info(request: web.Request) -> web.Response:
-        return web.json_response({"dp_size": dp_size, "model_path": None, "worker": port, "version": "stub"})
+        return web.json_response({"dp_size": dp_size, "model_path": None, "worker": port, "version": "stub",
+                                  "disaggregation_mode": disaggregation_mode,
+                                  "disaggregation_bootstrap_port": bootstrap_port})
 
     async def get_load(request: web.Request) -> web.Response:
         return web.json_response([{"dp_rank": r, "num_reqs": reported["num_reqs"], "num_waiting_reqs": 0,
@@ -79,7 +85,7 @@ def create_stub_app(port: int, dp_size: int = 1, delay_ms: float = 0.0, stream_c
         return web.json_response({"success": True})
 
     async def stats(request: web.Request) -> web.Response:
-        return web.json_response({"seen": dict(seen), "ranks": ranks})
+        return web.json_response({"seen": dict(seen), "ranks": ranks, "bodies": bodies})
 
     for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
         app.router.add_post(path, generate)

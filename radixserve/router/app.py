@@ -80,7 +80,7 @@ def create_app(router: Router) -> web.Application:
         app.router.add_get(path, any_worker(path))
 
     async def health(request: web.Request) -> web.Response:
-        if router.eligible():
+        if router.serving():
             return web.Response(status=200)
         return error_response("No healthy worker is available.", 503, "no_healthy_worker")
 

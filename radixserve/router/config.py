@@ -25,6 +25,19 @@ class RouterArgs:
         "ranks, sent as data_parallel_rank.", group="fleet")
     worker_api_key: str | None = option(
         None, "Bearer key the router sends to the workers (default: --api-key).", group="fleet")
+    pd_disaggregation: bool = option(
+        False, "Prefill/decode disaggregation: every request goes to a --prefill worker and a --decode "
+        "worker at once, with a bootstrap_room naming the KV hand-over; the client gets the decode "
+        "worker's answer.", group="fleet")
+    prefill_urls: tuple[str, ...] = option((), "PD: the prefill workers (--prefill URL [BOOTSTRAP_PORT]).",
+                                           group="fleet")
+    prefill_bootstrap_ports: tuple[int, ...] = option(
+        (), "PD: each prefill worker's bootstrap port (0: read it from its /get_server_info).", group="fleet")
+    decode_urls: tuple[str, ...] = option((), "PD: the decode workers (--decode URL).", group="fleet")
+    prefill_policy: str | None = option(None, "PD: how a prefill worker is picked (default: --policy).",
+                                        ROUTER_POLICIES, group="fleet")
+    decode_policy: str | None = option(None, "PD: how a decode worker is picked (default: --policy).",
+                                       ROUTER_POLICIES, group="fleet")
     worker_startup_timeout_secs: float = option(
         600.0, "How long to wait for the workers to come up at start; a worker still down after it is "
         "kept out of rotation until its health checks pass.", group="fleet")
@@ -105,9 +118,18 @@ class RouterArgs:
         errors: list[str] = []
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
                 errors.append(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
-        for url in self.worker_urls:
+        if self.pd_disaggregation:
+            if not self.prefill_urls or not self.decode_urls:
+                errors.append("--pd-disaggregation needs at least one --prefill and one --decode worker")
+            if self.worker_urls:
+                errors.append("--pd-disaggregation takes --prefill and --decode workers, not --worker-urls")
+            if len(self.prefill_bootstrap_ports) not in (0, len(self.prefill_urls)):
+                errors.append("one bootstrap port per --prefill worker (0: ask the worker)")
+        elif self.prefill_urls or self.decode_urls:
+            errors.append("--prefill and --decode workers need --pd-disaggregation")
+        for url in (*self.worker_urls, *self.prefill_urls, *self.decode_urls):
             if not url.startswith(("http://", "https://")):
                 errors.append(f"worker URL {url!r} must start with http:// or https://")
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -139,8 +161,26 @@ class RouterArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-        add_dataclass_cli_args(cls, parser, skip)
+        add_dataclass_cli_args(cls, parser, (*skip, *_PD_FIELDS))
+        if "worker_urls" in skip:  # radixserve launch: its own workers, no PD
+            return
+        pd = parser.add_argument_group("prefill/decode disaggregation")
+        pd.add_argument("--prefill", action="append", nargs="+", metavar=("URL", "BOOTSTRAP_PORT"),
+                        help="A prefill worker and, optionally, its bootstrap port (repeat for more).")
+        pd.add_argument("--decode", action="append", metavar="URL", help="A decode worker (repeat for more).")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> RouterArgs:
+        prefill = getattr(ns, "prefill", None) or []
+        for entry in prefill:
+            if len(entry) > 2 or (len(entry) == 2 and not entry[1].isdigit()):
+                raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(entry)}")
+        if prefill:
+            ns.prefill_urls = [e[0] for e in prefill]
+            ns.prefill_bootstrap_ports = [int(e[1]) if len(e) == 2 else 0 for e in prefill]
+        if getattr(ns, "decode", None):
+            ns.decode_urls = ns.decode
         return dataclass_from_cli_args(cls, ns)  # type: ignore[no-any-return]
+
+
+_PD_FIELDS = ("prefill_urls", "prefill_bootstrap_ports", "decode_urls")

@@ -31,7 +31,7 @@ from aiohttp import web
 from radixserve.router.admission import Admission
 from radixserve.router.config import RouterArgs
 from radixserve.router.metrics import RouterMetrics
-from radixserve.router.policy import PolicyConfig, RouteRequest, Target, make_router_policy
+from radixserve.router.policy import PolicyConfig, RouteRequest, RouterPolicy, Target, make_router_policy
 from radixserve.router.worker import CircuitBreaker, Health, Worker
 
 logger = logging.getLogger("radixserve.router")
@@ -39,6 +39,7 @@ logger = logging.getLogger("radixserve.router")
 # request headers not passed on to a worker (hop-by-hop, or set by the router itself)
 _DROP_REQ = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "authorization",
                        "x-api-key", "accept-encoding", "te", "upgrade", "proxy-authorization"})
+STREAMED = web.RequestKey("radixserve_streamed", bool)  # the client has been sent the response head
 LOAD_REFRESH_S = 1.0  # power_of_two: how often the workers' /get_load is read
 _KEEP_RESP = ("content-type", "retry-after", "x-request-id", "cache-control")
 
@@ -57,11 +58,19 @@ def error_response(message: str, status: int, code: str, headers: dict[str, str]
 class Router:
     def __init__(self, args: RouterArgs) -> None:
         self.args = args
-        self.policy = make_router_policy(args.policy, PolicyConfig(
+        config = PolicyConfig(
             cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
             balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
-            balance_affinity=args.balance_affinity, seed=args.seed))
-        self.needs_key = self.policy.uses_tree
+            balance_affinity=args.balance_affinity, seed=args.seed)
+        # one policy per pool of workers: the plain fleet (role None), or PD's prefill and decode pools
+        self.policies: dict[str | None, RouterPolicy]
+        if args.pd_disaggregation:
+            self.policies = {"prefill": make_router_policy(args.prefill_policy or args.policy, config),
+                             "decode": make_router_policy(args.decode_policy or args.policy, config)}
+        else:
+            self.policies = {None: make_router_policy(args.policy, config)}
+        self.policy = next(iter(self.policies.values()))
+        self.needs_key = any(p.uses_tree for p in self.policies.values())
         self.workers: dict[str, Worker] = {}
         self.admission = Admission(args.max_concurrent_requests, args.queue_size, args.queue_timeout_secs)
         self.metrics = RouterMetrics(lambda: list(self.workers.values()), lambda: self.admission.waiting)
@@ -80,7 +89,12 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0, enable_cleanup_closed=True),
             timeout=aiohttp.ClientTimeout(total=self.args.request_timeout_secs, sock_connect=5.0),
             auto_decompress=False, skip_auto_headers=("User-Agent",))
-        await asyncio.gather(*(self.add_worker(u, wait=True) for u in self.args.worker_urls))
+        a = self.args
+        ports = a.prefill_bootstrap_ports or (0,) * len(a.prefill_urls)
+        await asyncio.gather(*(self.add_worker(u, wait=True) for u in a.worker_urls),
+                             *(self.add_worker(u, wait=True, role="prefill", bootstrap_port=port or None)
+                               for u, port in zip(a.prefill_urls, ports, strict=True)),
+                             *(self.add_worker(u, wait=True, role="decode") for u in a.decode_urls))
         if self.args.prefix_match == "tokens":
             self._load_tokenizer()
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
@@ -106,11 +120,19 @@ class Router:
         logger.info("matching prefixes by tokens (tokenizer of %s)", path or "the bundled model")
 
     # --- the fleet -------------------------------------------------------------------------------
-    async def add_worker(self, url: str, wait: bool = False) -> Worker:
+    def policy_for(self, w: Worker) -> RouterPolicy:
+        return self.policies[w.role]
+
+    async def add_worker(self, url: str, wait: bool = False, role: str | None = None,
+                         bootstrap_port: int | None = None) -> Worker:
         url = url.rstrip("/")
         a = self.args
+        if role not in self.policies:
+            raise ValueError(f"worker role {role!r}: this router takes "
+                             f"{' and '.join(str(r) for r in self.policies) if a.pd_disaggregation else 'no role'}")
         w = Worker(url, Health(a.health_failure_threshold, a.health_success_threshold),
-                   CircuitBreaker(a.cb_failure_threshold, a.cb_success_threshold, a.cb_timeout_duration_secs))
+                   CircuitBreaker(a.cb_failure_threshold, a.cb_success_threshold, a.cb_timeout_duration_secs),
+                   role=role, bootstrap_port=bootstrap_port)
         deadline = time.monotonic() + (a.worker_startup_timeout_secs if wait else 0.0)
         while True:
             info = await self._server_info(url)
@@ -133,7 +155,7 @@ class Router:
         if w is None:
             return False
         for t in w.targets:
-            self.policy.remove_target(t.key)
+            self.policy_for(w).remove_target(t.key)
         sub = self.subscribers.pop(w.url, None)
         if sub is not None:
             await sub.stop()
@@ -144,6 +166,11 @@ class Router:
         w.dp_size = int(info.get("dp_size") or 1)
         w.model_path = info.get("model_path")
         w.cache_events_endpoint = info.get("cache_events_endpoint")
+        if w.role == "prefill" and w.bootstrap_port is None and info.get("disaggregation_bootstrap_port"):
+            w.bootstrap_port = int(info["disaggregation_bootstrap_port"])
+        mode = info.get("disaggregation_mode")
+        if w.role is not None and mode not in (None, w.role):
+            logger.warning("worker %s runs --disaggregation-mode %s but is listed as a %s worker", w.url, mode, w.role)
 
     def _subscribe(self, w: Worker) -> None:
         if not self.args.enable_cache_events or w.url in self.subscribers:
@@ -156,7 +183,7 @@ class Router:
 
         # NOTE: one subscriber per worker feeds the worker's first target; with --dp-aware each rank
         # has its own cache, and events name no rank yet, so only rank 0 follows real state.
-        sub = CacheEventSubscriber(w.cache_events_endpoint, w.targets[0].key, self.policy)
+        sub = CacheEventSubscriber(w.cache_events_endpoint, w.targets[0].key, self.policy_for(w))
         sub.start()
         self.subscribers[w.url] = sub
 
@@ -172,13 +199,17 @@ class Router:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
 
-    def eligible(self, exclude: set[str] | None = None) -> list[Target]:
+    def eligible(self, exclude: set[str] | None = None, role: str | None = None) -> list[Target]:
         now = time.monotonic()
-        out = [t for w in self.workers.values() if (not exclude or w.url not in exclude) and w.eligible(now)
-               for t in w.targets]
+        out = [t for w in self.workers.values()
+               if w.role == role and (not exclude or w.url not in exclude) and w.eligible(now) for t in w.targets]
         if not out and exclude:  # every worker was tried: any eligible one may be tried again
-            return self.eligible()
+            return self.eligible(role=role)
         return out
+
+    def serving(self) -> bool:
+        """Can a request be served now: an eligible target in every pool."""
+        return all(self.eligible(role=role) for role in self.policies)
 
     # --- health ----------------------------------------------------------------------------------
     async def _health_loop(self) -> None:
@@ -218,7 +249,7 @@ class Router:
         old = w.dp_size
         self._apply_info(w, info)
         for t in w.targets:  # a restarted worker has an empty cache
-            self.policy.remove_target(t.key)
+            self.policy_for(w).remove_target(t.key)
         if w.dp_size != old:
             w.make_targets(self.args.dp_aware)
         sub = self.subscribers.pop(w.url, None)
@@ -251,7 +282,7 @@ class Router:
     async def _eviction_loop(self) -> None:
         while True:
             await asyncio.sleep(self.args.eviction_interval_secs)
-            dropped = self.policy.evict()
+            dropped = sum(p.evict() for p in self.policies.values())
             if dropped:
                 logger.debug("prefix tree: evicted %d elements", dropped)
 
@@ -294,6 +325,10 @@ class Router:
         t0 = time.perf_counter()
         raw = await request.read()
         body: dict[str, Any] | None = None
+        if self.args.pd_disaggregation:
+            from radixserve.router.pd import proxy_pd
+
+            return await proxy_pd(self, request, path, raw, t0)
         if self.needs_key or self.args.dp_aware:
             try:
                 parsed = json.loads(raw)
@@ -303,9 +338,7 @@ class Router:
                 return error_response("the request body must be a JSON object", 400, "invalid_json")
             body = parsed
         rreq = self.route_request(path, body) if self.needs_key and body is not None else RouteRequest()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQ}
-        headers.update(self._auth)
-        headers.setdefault("Content-Type", "application/json")
+        headers = self.upstream_headers(request)
         tried: set[str] = set()
         a = self.args
         attempt = 0
@@ -325,17 +358,31 @@ class Router:
             tried.add(worker.url)
             if attempt == 0:
                 self.metrics.overhead.observe(time.perf_counter() - t0)
-            outcome = await self._send(request, path, worker, target, payload, headers,
+            outcome = await self.send(request, path, worker, target, payload, headers,
                                        last=attempt >= a.retry_max_retries)
             if isinstance(outcome, web.StreamResponse):
                 return outcome
             attempt += 1
             self.metrics.retries.labels(outcome).inc()
-            delay = min(a.retry_initial_backoff_ms * a.retry_backoff_multiplier ** (attempt - 1), a.retry_max_backoff_ms)
-            delay *= 1.0 + a.retry_jitter_factor * (2.0 * self._rng.random() - 1.0)
-            await asyncio.sleep(max(delay, 0.0) / 1e3)
+            await self.backoff(attempt)
 
-    async def _send(self, request: web.Request, path: str, worker: Worker, target: Target, payload: bytes,
+    @staticmethod
+    def log_failure(worker: Worker, e: BaseException) -> None:
+        logger.warning("worker %s: %s: %s", worker.url, type(e).__name__, e)
+
+    def upstream_headers(self, request: web.Request) -> dict[str, str]:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQ}
+        headers.update(self._auth)
+        headers.setdefault("Content-Type", "application/json")
+        return headers
+
+    async def backoff(self, attempt: int) -> None:
+        a = self.args
+        delay = min(a.retry_initial_backoff_ms * a.retry_backoff_multiplier ** (attempt - 1), a.retry_max_backoff_ms)
+        delay *= 1.0 + a.retry_jitter_factor * (2.0 * self._rng.random() - 1.0)
+        await asyncio.sleep(max(delay, 0.0) / 1e3)
+
+    async def send(self, request: web.Request, path: str, worker: Worker, target: Target, payload: bytes,
                     headers: dict[str, str], last: bool) -> web.StreamResponse | str:
         """Send once. Returns the client's response, or the reason to retry (only when ``last`` is
         False and nothing was sent to the client)."""
@@ -349,7 +396,7 @@ class Router:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 worker.breaker.record_failure(time.monotonic())
                 asyncio.get_running_loop().create_task(self.check_worker(worker))
-                logger.warning("worker %s: %s: %s", worker.url, type(e).__name__, e)
+                self.log_failure(worker, e)
                 if not last:
                     return "connection_error"
                 return error_response(f"worker {worker.url} failed: {type(e).__name__}", 502, "bad_gateway")
@@ -375,6 +422,7 @@ class Router:
         if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
             return web.Response(body=await upstream.read(), status=upstream.status, headers=headers)
         resp = web.StreamResponse(status=upstream.status, headers=headers)
+        request[STREAMED] = True  # from here on a failure cannot be retried: the client has bytes
         await resp.prepare(request)
         async for chunk in upstream.content.iter_any():
             await resp.write(chunk)
@@ -385,7 +433,7 @@ class Router:
     async def forward_one(self, request: web.Request, path: str) -> web.Response:
         """A GET that any worker can answer (models, info): the first eligible one."""
         assert self.session is not None
-        for t in self.eligible():
+        for t in [t for role in self.policies for t in self.eligible(role=role)]:
             w = self.workers[t.url]
             try:
                 async with self.session.request(request.method, w.url + path, headers=self._auth,
@@ -415,7 +463,8 @@ class Router:
 
     def describe(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        return [{"url": w.url, "healthy": w.health.healthy, "eligible": w.eligible(now),
+        return [{"url": w.url, "role": w.role, "bootstrap_port": w.bootstrap_port,
+                 "healthy": w.health.healthy, "eligible": w.eligible(now),
                  "circuit_breaker": w.breaker.state.value, "dp_size": w.dp_size, "load": w.load,
                  "targets": [{"key": t.key, "dp_rank": t.dp_rank, "load": t.load,
                               "reported_load": t.reported_load} for t in w.targets],

@@ -111,6 +111,8 @@ class Worker:
     targets: list[Target] = field(default_factory=list)
     model_path: str | None = None
     cache_events_endpoint: str | None = None
+    role: str | None = None  # PD: "prefill" or "decode"
+    bootstrap_port: int | None = None  # PD prefill worker: where decode workers register a room
 
     def make_targets(self, dp_aware: bool) -> None:
         if dp_aware:
