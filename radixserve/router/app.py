@@ -4,9 +4,9 @@
 
 Routes: ``/generate``, ``/v1/completions``, ``/v1/chat/completions`` (routed per request, SSE passed
 through as it comes); ``/v1/models``, ``/get_model_info``, ``/get_server_info``, ``/health_generate``
-(any eligible worker); ``/flush_cache`` (every worker); ``/get_loads`` (every worker's
-``/get_load``); ``GET/POST/DELETE /workers`` (the fleet at run time); ``/health`` (200 while some
-worker is eligible); ``/metrics`` (Prometheus). With ``--api-key`` every route but ``/health``
+(any eligible worker); ``/flush_cache``, ``/abort_request``, ``/set_schedule_policy`` (every
+worker); ``/get_loads`` (every worker's ``/get_load``); ``GET/POST/DELETE /workers`` (the fleet at
+run time); ``/health`` (200 while every pool has an eligible worker); ``/metrics`` (Prometheus). With ``--api-key`` every route but ``/health``
 wants ``Authorization: Bearer <key>``.
 """
 
@@ -78,6 +78,27 @@ def create_app(router: Router) -> web.Application:
 
     for path in ("/v1/models", "/get_model_info", "/get_server_info", "/health_generate"):
         app.router.add_get(path, any_worker(path))
+
+    async def one_model(request: web.Request) -> web.StreamResponse:
+        return await router.forward_one(request, request.path)
+
+    app.router.add_get("/v1/models/{model_id:.+}", one_model)
+
+    def every_worker(path: str, all_must: bool) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """An admin call that each worker gets. ``all_must``: success means every worker said so (a
+        policy switch); else one is enough (an abort: the request lives on one worker)."""
+        async def handler(request: web.Request) -> web.StreamResponse:
+            results = await router.fan_out("POST", path, await request.read())
+            said = [s == 200 and isinstance(b, dict) and b.get("success", True) is not False
+                    for s, b in results.values()]
+            ok = all(said) if all_must else any(said)
+            workers = {u: {"status": s, "body": b} for u, (s, b) in results.items()}
+            status = 200 if ok or not all_must else 502
+            return web.json_response({"success": ok, "workers": workers}, status=status)
+        return handler
+
+    app.router.add_post("/abort_request", every_worker("/abort_request", all_must=False))
+    app.router.add_post("/set_schedule_policy", every_worker("/set_schedule_policy", all_must=True))
 
     async def health(request: web.Request) -> web.Response:
         if router.serving():

@@ -445,13 +445,15 @@ class Router:
                 continue
         return error_response("No healthy worker is available.", 503, "no_healthy_worker")
 
-    async def fan_out(self, method: str, path: str) -> dict[str, tuple[int, Any]]:
+    async def fan_out(self, method: str, path: str, body: bytes | None = None) -> dict[str, tuple[int, Any]]:
         """Call every worker; {url: (status or 0 when unreachable, JSON body or error text)}."""
         assert self.session is not None
+        headers = {**self._auth, "Content-Type": "application/json"}
 
         async def one(w: Worker) -> tuple[str, tuple[int, Any]]:
             try:
-                async with self.session.request(method, w.url + path, headers=self._auth) as r:  # type: ignore[union-attr]
+                async with self.session.request(method, w.url + path, headers=headers,  # type: ignore[union-attr]
+                                                data=body) as r:
                     try:
                         return w.url, (r.status, await r.json(content_type=None))
                     except ValueError:

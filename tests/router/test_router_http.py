@@ -4,6 +4,7 @@ errors and disconnects, retries, backpressure, DP-aware ranks, health ejection, 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -259,5 +260,32 @@ def test_unknown_route_is_an_openai_shaped_404() -> None:
             assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
         async with client.get(f"{fleet.url}/generate") as r:
             assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
+
+    run(scenario)
+
+
+def test_admin_calls_reach_every_worker() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        app_a, app_b = web.Application(), web.Application()
+        seen: list[str] = []
+
+        def make(name: str, found: bool) -> Any:
+            async def abort(request: web.Request) -> web.Response:
+                seen.append(name + ":" + (await request.json())["rid"])
+                return web.json_response({"success": found})
+            return abort
+
+        async def info(request: web.Request) -> web.Response:
+            return web.json_response({"dp_size": 1})
+
+        for app, name, found in ((app_a, "a", False), (app_b, "b", True)):
+            app.router.add_post("/abort_request", make(name, found))
+            app.router.add_get("/get_server_info", info)
+        a, b = await fleet.stub(app_a), await fleet.stub(app_b)
+        await fleet.start_router([a, b])
+        status, out = await post(client, f"{fleet.url}/abort_request", {"rid": "r1"})
+        assert status == 200 and out["success"] is True and sorted(seen) == ["a:r1", "b:r1"]
+        async with client.get(f"{fleet.url}/v1/models/default") as r:
+            assert r.status == 404  # these stubs have no such route: the worker's answer passes through
 
     run(scenario)
