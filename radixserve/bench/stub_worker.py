@@ -6,7 +6,8 @@ For measuring what the router itself costs (``radixserve bench router``) and for
 tests. Every answer names the worker (``worker``: its port) and the data-parallel rank it was
 asked for, so a test can see where a request landed. ``POST /stub/fail`` with
 ``{"status": 500, "count": 3}`` makes the next ``count`` generate calls answer ``status``;
-``POST /stub/load`` with ``{"num_reqs": 50}`` sets the load its ``/get_load`` reports;
+``POST /stub/load`` with ``{"num_reqs": 50}`` (or ``num_waiting_tokens``, ``prefill_tokens_per_s``)
+sets what its ``/get_load`` reports;
 ``GET /stub/stats`` returns the requests seen per route.
 """
 
@@ -28,7 +29,7 @@ def create_stub_app(port: int, dp_size: int = 1, delay_ms: float = 0.0, stream_c
     fail = {"status": 0, "count": 0}
     ranks: list[int | None] = []
     bodies: list[dict[str, Any]] = []  # the last few request bodies, for tests
-    reported = {"num_reqs": 0}
+    reported: dict[str, float] = {"num_reqs": 0, "num_waiting_tokens": 0, "prefill_tokens_per_s": 0.0}
 
     async def generate(request: web.Request) -> web.StreamResponse:
         seen[request.path] += 1
@@ -72,11 +73,11 @@ def create_stub_app(port: int, dp_size: int = 1, delay_ms: float = 0.0, stream_c
                                   "disaggregation_bootstrap_port": bootstrap_port})
 
     async def get_load(request: web.Request) -> web.Response:
-        return web.json_response([{"dp_rank": r, "num_reqs": reported["num_reqs"], "num_waiting_reqs": 0,
-                                   "num_tokens": 0} for r in range(dp_size)])
+        return web.json_response([{"dp_rank": r, "num_waiting_reqs": 0, "num_tokens": 0, **reported}
+                                  for r in range(dp_size)])
 
     async def set_load(request: web.Request) -> web.Response:
-        reported["num_reqs"] = int((await request.json())["num_reqs"])
+        reported.update({k: v for k, v in (await request.json()).items() if k in reported})
         return web.json_response({"success": True})
 
     async def set_fail(request: web.Request) -> web.Response:

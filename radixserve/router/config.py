@@ -10,9 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.config import add_dataclass_cli_args, dataclass_from_cli_args, option
+from radixserve.config import add_dataclass_cli_args, dataclass_from_cli_args, option, parse_tenant_weights
 
-ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "deadline_aware")
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,20 @@ class RouterArgs:
         False, "cache_aware: subscribe to the workers' cache events (workers started with "
         "--cache-events-port) so the tree forgets prefixes the workers evicted.", group="policy")
     seed: int | None = option(None, "Seed of the random and power_of_two policies.", group="policy")
+
+    # --- quality of service across the fleet -------------------------------------------------------
+    enable_priority_scheduling: bool = option(
+        False, "Requests waiting at the router (past --max-concurrent-requests) are let through by their "
+        "priority field first (larger is more important, as the engine's), then in order of arrival.",
+        group="qos")
+    schedule_low_priority_values_first: bool = option(
+        False, "With --enable-priority-scheduling: a smaller priority value is more important.", group="qos")
+    tenant_fairness: bool = option(
+        False, "Requests waiting at the router are let through by virtual token counters per tenant "
+        "(VTC: x-tenant header, else the OpenAI user / native tenant field), fleet-wide; after priority.",
+        group="qos")
+    tenant_weights: str | None = option(
+        None, "--tenant-fairness: relative shares, e.g. 'a=2,b=1' (default 1 each).", group="qos")
 
     # --- reliability -----------------------------------------------------------------------------
     health_check_interval_secs: float = option(60.0, "Seconds between health checks of each worker.",
@@ -151,8 +165,13 @@ class RouterArgs:
             errors.append("max_concurrent_requests must be positive or -1 (no limit)")
         if not 0 <= self.port <= 65535:
             errors.append(f"port must be in [0, 65535], got {self.port}")
-        if self.enable_cache_events and self.policy != "cache_aware":
-            errors.append("--enable-cache-events feeds the cache_aware policy's tree; use --policy cache_aware")
+        if self.tenant_weights is not None:
+            try:
+                parse_tenant_weights(self.tenant_weights)
+            except ValueError as e:
+                errors.append(str(e))
+        if self.enable_cache_events and self.policy not in ("cache_aware", "deadline_aware"):
+            errors.append("--enable-cache-events feeds the prefix tree of --policy cache_aware or deadline_aware")
         if errors:
             raise ValueError("invalid router arguments: " + "; ".join(errors))
 

@@ -31,7 +31,10 @@ SHARED = ("host", "port", "api_key", "log_level")  # options the router and the 
 def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-workers", type=int, default=2, help="Workers to start (default: 2).")
     ServerArgs.add_cli_args(p)
-    RouterArgs.add_cli_args(p, skip=(*SHARED, "worker_urls"))
+    # an option both take (--enable-priority-scheduling, --tenant-weights, ...) is given once and
+    # applies to the workers and to the router's queue alike
+    both = {f.name for f in dataclasses.fields(ServerArgs)} & {f.name for f in dataclasses.fields(RouterArgs)}
+    RouterArgs.add_cli_args(p, skip=(*SHARED, *sorted(both), "worker_urls"))
 
 
 def worker_command(args: ServerArgs, port: int, threads: int) -> list[str]:

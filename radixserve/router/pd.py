@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from radixserve.router.policy import RouteRequest, Target
+from radixserve.router.policy import NoTargetMeetsDeadline, RouteRequest, Target
 from radixserve.router.worker import Worker
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 
 async def proxy_pd(router: Router, request: web.Request, path: str, raw: bytes, t0: float) -> web.StreamResponse:
-    from radixserve.router.router import STREAMED, error_response
+    from radixserve.router.router import STREAMED, error_body, error_response
 
     try:
         body = json.loads(raw)
@@ -46,7 +46,7 @@ async def proxy_pd(router: Router, request: web.Request, path: str, raw: bytes, 
         return error_response(f"malformed JSON body: {e}", 400, "invalid_json")
     if not isinstance(body, dict):
         return error_response("the request body must be a JSON object", 400, "invalid_json")
-    rreq = router.route_request(path, body) if router.needs_key else RouteRequest()
+    rreq = router.route_request(path, body, request.headers) if router.needs_key else RouteRequest()
     headers = router.upstream_headers(request)
     tried_p: set[str] = set()
     tried_d: set[str] = set()
@@ -60,8 +60,13 @@ async def proxy_pd(router: Router, request: web.Request, path: str, raw: bytes, 
             which = "prefill" if not prefills else "decode"
             return error_response(f"No healthy {which} worker is available.", 503, "no_healthy_worker",
                                   {"Retry-After": "1"})
-        p = _select(router, "prefill", prefills, rreq)
-        d = _select(router, "decode", decodes, rreq)
+        try:
+            p = _select(router, "prefill", prefills, rreq)
+            d = _select(router, "decode", decodes, rreq)
+        except NoTargetMeetsDeadline as e:
+            router.metrics.rejected.labels("deadline").inc()
+            return web.json_response(error_body(str(e), 429, "deadline_unmeetable", "rate_limit_error"),
+                                     status=429, headers={"Retry-After": "1"})
         pw, dw = router.workers[p.url], router.workers[d.url]
         tried_p.add(pw.url)
         tried_d.add(dw.url)

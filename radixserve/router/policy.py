@@ -28,6 +28,10 @@ Policies (``--policy``):
   (branch ``balance_affinity``; with no match anywhere it is ``balance``). This keeps a long shared
   system prompt on the workers that hold it while the load spreads.
 
+- ``deadline_aware`` (ours): ``cache_aware`` for requests without a deadline; a request with a
+  time-to-first-token deadline goes where it is predicted to be met (``DeadlineAware``), or is
+  refused at the router.
+
 To add a policy: subclass ``RouterPolicy``, decorate it with ``@register_router_policy``.
 """
 
@@ -52,6 +56,11 @@ class Target:
     dp_rank: int | None = None
     load: int = 0
     reported_load: int = 0
+    # what the worker last reported for predicting time to first token (deadline_aware), and the
+    # prompt tokens the router has sent it since that report
+    waiting_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    sent_tokens: int = 0
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -68,6 +77,12 @@ class RouteRequest:
 
     text: str = ""
     tokens: Sequence[int] | None = None
+    deadline_ms: float | None = None  # time-to-first-token deadline, from the request's arrival
+
+    @property
+    def num_tokens(self) -> int:
+        """The prompt's size in tokens (about 4 characters a token when only the text is known)."""
+        return len(self.tokens) if self.tokens is not None else (len(self.text) + 3) // 4
 
     @property
     def key(self) -> Sequence[Any]:
@@ -231,3 +246,57 @@ class CacheAware(RouterPolicy):
 
     def on_cache_removed(self, target_key: str, key: Sequence[Any], keep: int) -> None:
         self.tree.remove(key, target_key, keep)
+
+
+class NoTargetMeetsDeadline(Exception):
+    """deadline_aware: no eligible target is predicted to meet the request's deadline."""
+
+    def __init__(self, deadline_ms: float, best_ms: float) -> None:
+        super().__init__(f"no worker can meet the {deadline_ms:.0f} ms time-to-first-token deadline: the best "
+                         f"predicted is {best_ms:.0f} ms; retry later or with a later deadline")
+        self.best_ms = best_ms
+
+
+@register_router_policy
+class DeadlineAware(CacheAware):
+    """``cache_aware`` for requests without a deadline. A request with a time-to-first-token deadline
+    goes to a target predicted to meet it,
+
+        predicted_ttft = (waiting_tokens + sent_tokens + uncached prompt tokens) / prefill_tokens_per_s
+
+    (what the worker last reported on ``/get_load``, plus what the router has sent it since, plus
+    this prompt less the part the tree says the target holds); among those, the one holding the
+    longest prefix when the match rate is above ``cache_threshold`` (branch ``deadline_hit``), else
+    the one predicted fastest (``deadline_fastest``). When none is predicted to meet it, the router
+    refuses the request (429) rather than let it miss its deadline at a worker. A target that has
+    not reported a prefill speed yet is predicted to meet any deadline."""
+
+    name = "deadline_aware"
+
+    def select(self, targets: Sequence[Target], req: RouteRequest) -> Decision:
+        if req.deadline_ms is None:
+            return super().select(targets, req)
+        key = req.key
+        n = req.num_tokens
+        matched, per = self.tree.match(key) if key else (0, {})
+
+        def predicted_ms(t: Target) -> float:
+            if t.prefill_tokens_per_s <= 0:
+                return 0.0
+            uncached = n * (1.0 - per.get(t.key, 0) / len(key)) if key else n
+            return (t.waiting_tokens + t.sent_tokens + uncached) / t.prefill_tokens_per_s * 1e3
+
+        preds = {t.key: predicted_ms(t) for t in targets}
+        feasible = [t for t in targets if preds[t.key] <= req.deadline_ms]
+        if not feasible:
+            raise NoTargetMeetsDeadline(req.deadline_ms, min(preds.values()))
+        best = max(per.get(t.key, 0) for t in feasible)
+        if key and best / len(key) > self.config.cache_threshold:
+            chosen = min((t for t in feasible if per.get(t.key, 0) == best), key=lambda t: preds[t.key])
+            branch = "deadline_hit"
+        else:
+            chosen, branch = min(feasible, key=lambda t: preds[t.key]), "deadline_fastest"
+        if key:
+            self.tree.insert(key, chosen.key)
+        return Decision(chosen, branch, matched / len(key) if key else 0.0, per.get(chosen.key, 0))
+

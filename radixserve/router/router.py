@@ -28,10 +28,18 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from radixserve.router.admission import Admission
+from radixserve.config import parse_tenant_weights
+from radixserve.router.admission import Admission, TenantCounters
 from radixserve.router.config import RouterArgs
 from radixserve.router.metrics import RouterMetrics
-from radixserve.router.policy import PolicyConfig, RouteRequest, RouterPolicy, Target, make_router_policy
+from radixserve.router.policy import (
+    NoTargetMeetsDeadline,
+    PolicyConfig,
+    RouteRequest,
+    RouterPolicy,
+    Target,
+    make_router_policy,
+)
 from radixserve.router.worker import CircuitBreaker, Health, Worker
 
 logger = logging.getLogger("radixserve.router")
@@ -40,6 +48,8 @@ logger = logging.getLogger("radixserve.router")
 _DROP_REQ = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "authorization",
                        "x-api-key", "accept-encoding", "te", "upgrade", "proxy-authorization"})
 STREAMED = web.RequestKey("radixserve_streamed", bool)  # the client has been sent the response head
+NO_PRIORITY_RANK = 1 << 40  # the queue rank of a request that gives no priority
+DEFAULT_OUTPUT_TOKENS = 128  # a request's output estimate for --tenant-fairness when it gives none
 LOAD_REFRESH_S = 1.0  # power_of_two: how often the workers' /get_load is read
 _KEEP_RESP = ("content-type", "retry-after", "x-request-id", "cache-control")
 
@@ -72,7 +82,8 @@ class Router:
         self.policy = next(iter(self.policies.values()))
         self.needs_key = any(p.uses_tree for p in self.policies.values())
         self.workers: dict[str, Worker] = {}
-        self.admission = Admission(args.max_concurrent_requests, args.queue_size, args.queue_timeout_secs)
+        tenants = TenantCounters(parse_tenant_weights(args.tenant_weights)) if args.tenant_fairness else None
+        self.admission = Admission(args.max_concurrent_requests, args.queue_size, args.queue_timeout_secs, tenants)
         self.metrics = RouterMetrics(lambda: list(self.workers.values()), lambda: self.admission.waiting)
         self.session: aiohttp.ClientSession | None = None
         self.tokenizer: Any = None
@@ -100,7 +111,7 @@ class Router:
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
         if self.needs_key:
             self._tasks.append(asyncio.create_task(self._eviction_loop(), name="evict"))
-        if self.args.policy == "power_of_two":
+        if self.args.policy in ("power_of_two", "deadline_aware"):
             self._tasks.append(asyncio.create_task(self._load_loop(), name="loads"))
 
     async def stop(self) -> None:
@@ -274,10 +285,14 @@ class Router:
             return
         if not isinstance(loads, list):
             return
-        by_rank = {int(x.get("dp_rank", i)): int(x.get("num_reqs", 0)) for i, x in enumerate(loads)
-                   if isinstance(x, dict)}
+        by_rank = {int(x.get("dp_rank", i)): x for i, x in enumerate(loads) if isinstance(x, dict)}
         for t in w.targets:
-            t.reported_load = by_rank.get(t.dp_rank or 0, 0) if t.dp_rank is not None else sum(by_rank.values())
+            mine = [by_rank.get(t.dp_rank, {})] if t.dp_rank is not None else list(by_rank.values())
+            t.reported_load = sum(int(x.get("num_reqs", 0)) for x in mine)
+            t.waiting_tokens = sum(int(x.get("num_waiting_tokens", 0)) for x in mine)
+            speeds = [float(x.get("prefill_tokens_per_s", 0.0)) for x in mine]
+            t.prefill_tokens_per_s = sum(speeds)  # ranks of one target prefill side by side
+            t.sent_tokens = 0  # the report includes what was sent before it
 
     async def _eviction_loop(self) -> None:
         while True:
@@ -287,8 +302,18 @@ class Router:
                 logger.debug("prefix tree: evicted %d elements", dropped)
 
     # --- the request path ------------------------------------------------------------------------
-    def route_request(self, path: str, body: dict[str, Any]) -> RouteRequest:
-        """The routing key of a generate, completion or chat body."""
+    def route_request(self, path: str, body: dict[str, Any], headers: Any = None) -> RouteRequest:
+        """The routing key (and time-to-first-token deadline) of a generate, completion or chat body."""
+        rreq = self._route_key(path, body)
+        raw = (headers or {}).get("x-ttft-slo-ms") or body.get("ttft_slo_ms") or body.get("deadline_ms")
+        try:
+            ms = float(raw) if raw is not None and not isinstance(raw, bool) else None
+        except (TypeError, ValueError):
+            ms = None  # the worker says what is wrong with it
+        rreq.deadline_ms = ms if ms is not None and ms > 0 else None
+        return rreq
+
+    def _route_key(self, path: str, body: dict[str, Any]) -> RouteRequest:
         tok = self.tokenizer
         if path == "/v1/chat/completions":
             messages = body.get("messages")
@@ -312,18 +337,44 @@ class Router:
         return RouteRequest()
 
     async def proxy(self, request: web.Request, path: str) -> web.StreamResponse:
-        if not await self.admission.acquire():
+        raw = await request.read()
+        if not await self.admission.acquire(*self.queue_order(request, raw)):
             self.metrics.rejected.labels("queue_full").inc()
             return error_response("The router is at --max-concurrent-requests and its queue is full; retry "
                                   "later.", 429, "rate_limit_exceeded", {"Retry-After": "1"})
         try:
-            return await self._proxy(request, path)
+            return await self._proxy(request, path, raw)
         finally:
             self.admission.release()
 
-    async def _proxy(self, request: web.Request, path: str) -> web.StreamResponse:
+    def queue_order(self, request: web.Request, raw: bytes) -> tuple[int, str, float]:
+        """(priority rank, tenant, cost in tokens) for the router's queue; all equal without
+        --enable-priority-scheduling and --tenant-fairness (first come, first served)."""
+        a = self.args
+        if not (a.enable_priority_scheduling or a.tenant_fairness):
+            return 0, "", 0.0
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            body = None
+        if not isinstance(body, dict):
+            return 0, "", 0.0  # the worker will refuse it; no reason to hold it back
+        rank = 0
+        if a.enable_priority_scheduling:
+            p = body.get("priority")
+            if isinstance(p, int) and not isinstance(p, bool):
+                rank = p if a.schedule_low_priority_values_first else -p
+            else:
+                rank = NO_PRIORITY_RANK  # as the engine: a request without a priority is the least important
+        tenant = request.headers.get("x-tenant") or body.get("user") or body.get("tenant") or ""
+        sp = body.get("sampling_params")
+        out = body.get("max_tokens") or body.get("max_completion_tokens") or \
+            (sp.get("max_new_tokens") if isinstance(sp, dict) else None) or DEFAULT_OUTPUT_TOKENS
+        cost = len(raw) / 4 + (out if isinstance(out, int | float) else DEFAULT_OUTPUT_TOKENS)
+        return rank, str(tenant), float(cost)
+
+    async def _proxy(self, request: web.Request, path: str, raw: bytes) -> web.StreamResponse:
         t0 = time.perf_counter()
-        raw = await request.read()
         body: dict[str, Any] | None = None
         if self.args.pd_disaggregation:
             from radixserve.router.pd import proxy_pd
@@ -337,7 +388,8 @@ class Router:
             if not isinstance(parsed, dict):
                 return error_response("the request body must be a JSON object", 400, "invalid_json")
             body = parsed
-        rreq = self.route_request(path, body) if self.needs_key and body is not None else RouteRequest()
+        rreq = self.route_request(path, body, request.headers) if self.needs_key and body is not None \
+            else RouteRequest()
         headers = self.upstream_headers(request)
         tried: set[str] = set()
         a = self.args
@@ -348,9 +400,15 @@ class Router:
                 self.metrics.rejected.labels("no_worker").inc()
                 return error_response("No healthy worker is available.", 503, "no_healthy_worker",
                                       {"Retry-After": "1"})
-            decision = self.policy.select(targets, rreq)
+            try:
+                decision = self.policy.select(targets, rreq)
+            except NoTargetMeetsDeadline as e:
+                self.metrics.rejected.labels("deadline").inc()
+                return web.json_response(error_body(str(e), 429, "deadline_unmeetable", "rate_limit_error"),
+                                         status=429, headers={"Retry-After": "1"})
             self.metrics.decisions.labels(self.policy.name, decision.branch).inc()
             target = decision.target
+            target.sent_tokens += rreq.num_tokens
             worker = self.workers[target.url]
             payload = raw
             if target.dp_rank is not None and body is not None:

@@ -463,13 +463,17 @@ class Scheduler:
         self.tree_cache.reset()
         return True
 
-    def get_load(self) -> dict[str, int]:
+    def get_load(self) -> dict[str, float]:
         """SGLang's /get_load entry. ``num_reqs`` counts every unfinished request, also one whose
-        prefill just ran and that is not merged into the running batch yet."""
+        prefill just ran and that is not merged into the running batch yet. For a router that
+        predicts time to first token: the prompt tokens still waiting (cache hits not yet known)
+        and the measured prefill speed."""
         return {
             "num_reqs": len(self.reqs),
             "num_waiting_reqs": len(self.waiting_queue),
             "num_tokens": self.kv.total_tokens - self.kv.reclaimable_size(),
+            "num_waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.waiting_queue),
+            "prefill_tokens_per_s": round(self.ext.throughput.tokens_per_s, 1),
         }
 
 

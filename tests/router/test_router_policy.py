@@ -28,7 +28,7 @@ def text(s: str) -> RouteRequest:
 
 
 def test_registry_names_and_unknown() -> None:
-    assert router_policy_names() == ["cache_aware", "power_of_two", "random", "round_robin"]
+    assert router_policy_names() == ["cache_aware", "deadline_aware", "power_of_two", "random", "round_robin"]
     with pytest.raises(ValueError, match="unknown router policy 'nope'"):
         make_router_policy("nope")
 
@@ -182,3 +182,30 @@ def test_dp_targets_are_distinct_tenants() -> None:
     assert ts[0].key != ts[1].key
     p.select([ts[1]], text("rank one prefix"))
     assert p.select(ts, text("rank one prefix!")).target is ts[1]
+
+
+def test_deadline_aware_routes_where_the_deadline_holds_or_refuses() -> None:
+    from radixserve.router.policy import NoTargetMeetsDeadline
+
+    p = make_router_policy("deadline_aware")
+    ts = targets(0, 0, 0)
+    for t, waiting in zip(ts, (9000, 1000, 3000), strict=True):
+        t.prefill_tokens_per_s, t.waiting_tokens = 1000.0, waiting
+    req = RouteRequest(tokens=list(range(1000)), deadline_ms=2500.0)
+    # predicted: w0 10 s, w1 2 s, w2 4 s: only w1 meets 2.5 s
+    d = p.select(ts, req)
+    assert d.target is ts[1] and d.branch == "deadline_fastest"
+    ts[1].sent_tokens = 1000  # what the router sent it since its report: now 3 s
+    with pytest.raises(NoTargetMeetsDeadline, match="best predicted is 3000 ms"):
+        p.select(ts, RouteRequest(tokens=list(range(5000, 6000)), deadline_ms=2500.0))
+    # a cached prefix counts: w1 holds the first 1000 tokens, so only 200 new ones: 2.2 s
+    hit = p.select(ts, RouteRequest(tokens=list(range(1200)), deadline_ms=2500.0))
+    assert hit.target is ts[1] and hit.branch == "deadline_hit"
+    # no deadline: cache_aware's rules
+    assert p.select(ts, RouteRequest(tokens=list(range(1000)))).branch == "cache_hit"
+
+
+def test_deadline_aware_trusts_a_target_without_a_report() -> None:
+    p = make_router_policy("deadline_aware")
+    ts = targets(0, 0)
+    assert p.select(ts, RouteRequest(text="x" * 400, deadline_ms=1.0)).target is ts[0]

@@ -172,3 +172,35 @@ def test_admission_unlimited() -> None:
         assert all([await adm.acquire() for _ in range(1000)])
 
     asyncio.run(scenario())
+
+
+def test_admission_lets_waiters_through_by_priority_then_tenant_counter() -> None:
+    from radixserve.router.admission import TenantCounters
+
+    async def scenario() -> None:
+        tenants = TenantCounters({"b": 2.0})
+        adm = Admission(limit=1, queue_size=10, timeout_s=5.0, tenants=tenants)
+        assert await adm.acquire(0, "a", 100.0)  # a holds the slot and was charged 100
+        order: list[str] = []
+
+        async def waiter(name: str, rank: int, tenant: str) -> None:
+            assert await adm.acquire(rank, tenant, 100.0)
+            order.append(name)
+
+        tasks = []
+        for name, rank, tenant in (("a-low", 5, "a"), ("b-low", 5, "b"), ("a-high", 1, "a"), ("c-low", 5, "c")):
+            tasks.append(asyncio.create_task(waiter(name, rank, tenant)))
+            await asyncio.sleep(0)
+        # b and c arrived with no history: lifted to the smallest waiting counter (a's 100), so they
+        # do not bring a backlog of credit
+        assert tenants.get("b") == tenants.get("c") == 100.0
+        for _ in range(4):
+            adm.release()
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        # the high priority first (a: 200 now); then among rank 5: b and c (100) before a (200), b
+        # first by arrival; b's charge counts half (weight 2)
+        assert order == ["a-high", "b-low", "c-low", "a-low"]
+        assert (tenants.get("a"), tenants.get("b"), tenants.get("c")) == (300.0, 150.0, 200.0)
+
+    asyncio.run(scenario())

@@ -88,6 +88,7 @@ def test_ranks_have_their_own_cache_and_report_separately(dp_server: ServerProce
         assert r.status_code == 400
         loads = c.get("/get_load").json()
         assert [x["dp_rank"] for x in loads] == [0, 1]
+        assert all(x["num_waiting_tokens"] == 0 and x["prefill_tokens_per_s"] > 0 for x in loads)
         mem = wait_idle(c)
         assert_memory_ok(mem)
         assert [m["total"] for m in mem["ranks"]] == [4096, 4096]
