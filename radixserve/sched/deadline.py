@@ -3,7 +3,9 @@
 ``Req.deadline`` is an absolute TTFT deadline on the scheduler clock (the server sets it to
 arrival + ``deadline_ms``/``x-ttft-slo-ms``/``ttft_slo_ms`` / 1000; the simulator sets it directly).
 
-``edf``: earliest deadline first; requests without one go last, first come first served among them.
+``edf``: earliest deadline first; requests without one go last, first come first served among them,
+and so does a request whose deadline has already passed. Serving a late request first would only
+push the requests behind it past their deadlines too (the EDF domino effect under overload).
 
 ``--deadline-admission``: at arrival, a request with a deadline is refused (429, code
 ``deadline_unmeetable``) when
@@ -44,9 +46,13 @@ class EarliestDeadlineFirst(SchedulePolicy):
     name = "edf"
 
     def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
+        now = ctx.now
+
         def key(r: Req) -> tuple[int, float, float]:
             d = deadline_of(r)
-            return (ctx.priority_key(r), INF if d is None else d, r.arrival_time)
+            # NOTE: a request whose deadline has passed has none left to meet: it joins the requests
+            # without one (first come, first served) instead of pushing the others past theirs
+            return (ctx.priority_key(r), INF if d is None or d < now else d, r.arrival_time)
 
         return sorted(waiting, key=key)
 

@@ -27,6 +27,9 @@ def add(sched: Scheduler, rid: str, n: int, deadline: float | None, max_new: int
 
 def test_edf_order_no_deadline_last_fcfs() -> None:
     sched, _, _ = make_scheduler(schedule_policy="edf", prefill_max_requests=1)
+    clock = Clock()
+    clock.t = 0.0  # every deadline below is still ahead
+    sched.clock = clock  # type: ignore[method-assign]
     reqs = [
         add(sched, "none1", 8, None, arrival=0.0),
         add(sched, "late", 8, 9.0, arrival=1.0),
@@ -42,6 +45,28 @@ def test_edf_order_no_deadline_last_fcfs() -> None:
     drain(sched)
     for r in reqs:
         assert r.output_ids == expected_tokens(r.origin_input_ids, 2)
+
+
+def test_edf_puts_a_request_that_already_missed_behind_those_that_can_still_make_it() -> None:
+    """No domino: a late request (its deadline passed while it waited) would push every request
+    behind it past its deadline too; it goes after them, with the requests that have no deadline."""
+    sched, _, _ = make_scheduler(schedule_policy="edf", prefill_max_requests=1)
+    clock = Clock()
+    sched.clock = clock  # type: ignore[method-assign]
+    now = clock.t
+    reqs = [
+        add(sched, "missed", 8, now - 1.0, arrival=0.0),
+        add(sched, "none", 8, None, arrival=1.0),
+        add(sched, "later", 8, now + 9.0, arrival=2.0),
+        add(sched, "soon", 8, now + 3.0, arrival=3.0),
+        add(sched, "missed_more", 8, now - 5.0, arrival=4.0),
+    ]
+    order: list[str] = []
+    while sched.has_work():
+        sched.step()
+        order += [r.rid for r in reqs if r.first_scheduled_time is not None and r.rid not in order]
+    assert order == ["soon", "later", "missed", "none", "missed_more"]
+    drain(sched)
 
 
 def test_deadline_admission_rejects_unmeetable() -> None:
