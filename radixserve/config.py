@@ -207,7 +207,8 @@ class ServerArgs:
         if not 0 <= self.port <= 65535:
             errors.append(f"port must be in [0, 65535], got {self.port}")
         if self.cache_events_port is not None:
-            last = self.cache_events_port + (self.dp_size if isinstance(self.dp_size, int) else 1) - 1
+            ranks = self.dp_size if isinstance(self.dp_size, int) and self.dp_size > 0 else 1
+            last = self.cache_events_port + ranks - 1 if isinstance(self.cache_events_port, int) else 0
             if not isinstance(self.cache_events_port, int) or not 1 <= self.cache_events_port <= last <= 65535:
                 errors.append(f"cache_events_port must be in [1, 65535] (with --dp-size N, port + N - 1 too), "
                               f"got {self.cache_events_port!r}")

@@ -19,14 +19,20 @@ at node N before the child slot K can register a token there; ``token.invalidate
 when that answer may change: a child is added under N at K, the child at K is split or evicted,
 or N itself is evicted (every token on N), or the tree is reset. ``sched.prefix_match`` keeps
 lpm's cached prefix lengths this way, so a queue of waiting requests is not re-matched each round.
+
+Cache events (``event_sink``, off by default): when set, the tree reports what it now stores and
+what it evicted as ``cache_events`` records (a new path on ``insert``, each evicted leaf, a
+``reset``), for a worker to publish to the router. Unset, each hook is one attribute test.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache, CacheableReq, MatchResult, RadixKey
+from radixserve.mem.cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
 from radixserve.mem.evict_policy import EvictionStrategy, get_eviction_strategy
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.leaf_heap import LeafHeap
@@ -83,6 +89,10 @@ def _match_len(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -
 
 
 class RadixCache(BasePrefixCache):
+    # Receives a ``CacheEvent`` for each change of the default namespace's cached paths (see
+    # cache_events); None: nothing is built or reported.
+    event_sink: Callable[[CacheEvent], None] | None = None
+
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool,
@@ -121,6 +131,8 @@ class RadixCache(BasePrefixCache):
         self._heap.rebuild()
         # bumped when a node is added or evicted (not on a split, which changes no match length)
         self.version = getattr(self, "version", 0) + 1
+        if self.event_sink is not None:
+            self.event_sink(AllCleared())
 
     @property
     def root(self) -> TreeNode:
@@ -262,6 +274,8 @@ class RadixCache(BasePrefixCache):
                 self._evictable += len(leaf.key)
                 self._refresh_leaf(node)
                 self._refresh_leaf(leaf)
+                if self.event_sink is not None and key.extra_key is None:
+                    self.event_sink(BlockStored(list(ids)))
                 return pos
             n = self._page_floor(_match_len(child.key, ids[pos : pos + len(child.key)]))
             child.last_access_time = now
@@ -348,6 +362,9 @@ class RadixCache(BasePrefixCache):
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
         assert parent is not None
+        if self.event_sink is not None and node.extra_key is None:
+            path = self._path_of(node)
+            self.event_sink(BlockRemoved(path, len(path) - len(node.key)))
         ck = self._child_key(parent, node.key, node.extra_key)
         del parent.children[ck]
         self._fire(parent, ck)
@@ -358,6 +375,19 @@ class RadixCache(BasePrefixCache):
         self._evictable -= len(node.key)
         self._leaves.discard(node)
         self._refresh_leaf(parent)
+
+    @staticmethod
+    def _path_of(node: TreeNode) -> list[int]:
+        """The tokens from the root to the end of ``node``."""
+        keys: list[list[int]] = []
+        n: TreeNode | None = node
+        while n is not None and n.parent is not None:
+            keys.append(n.key)
+            n = n.parent
+        out: list[int] = []
+        for k in reversed(keys):
+            out.extend(k)
+        return out
 
     # --- requests ------------------------------------------------------------------------------
     def cache_finished_req(self, req: CacheableReq) -> None:

@@ -101,7 +101,7 @@ def create_app(router: Router) -> web.Application:
     app.router.add_post("/set_schedule_policy", every_worker("/set_schedule_policy", all_must=True))
 
     async def health(request: web.Request) -> web.Response:
-        if router.serving():
+        if router.fleet.serving():
             return web.Response(status=200)
         return error_response("No healthy worker is available.", 503, "no_healthy_worker")
 
@@ -114,13 +114,13 @@ def create_app(router: Router) -> web.Application:
 
     async def get_loads(request: web.Request) -> web.Response:
         results = await router.fan_out("GET", "/get_load")
-        info = {w["url"]: w for w in router.describe()}
+        info = {w["url"]: w for w in router.fleet.describe()}
         return web.json_response({"workers": [{"url": u, "load": b if s == 200 else None,
                                                "router_in_flight": info[u]["load"] if u in info else 0}
                                               for u, (s, b) in results.items()]})
 
     async def list_workers(request: web.Request) -> web.Response:
-        return web.json_response({"policy": router.policy.name, "workers": router.describe()})
+        return web.json_response({"policy": router.policy.name, "workers": router.fleet.describe()})
 
     async def add_worker(request: web.Request) -> web.Response:
         url = await _worker_url(request)
@@ -128,14 +128,14 @@ def create_app(router: Router) -> web.Application:
             return error_response('give the worker as ?url=http://host:port or {"url": ...}', 400, "invalid_url")
         if url.rstrip("/") in router.workers:
             return error_response(f"worker {url} is already in the fleet", 409, "worker_exists")
-        w = await router.add_worker(url)
+        w = await router.fleet.add_worker(url)
         return web.json_response({"success": True, "url": w.url, "healthy": w.health.healthy})
 
     async def remove_worker(request: web.Request) -> web.Response:
         url = await _worker_url(request)
         if url is None:
             return error_response('give the worker as ?url=http://host:port or {"url": ...}', 400, "invalid_url")
-        if not await router.remove_worker(url):
+        if not await router.fleet.remove_worker(url):
             return error_response(f"worker {url} is not in the fleet", 404, "worker_not_found")
         return web.json_response({"success": True, "url": url})
 

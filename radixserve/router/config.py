@@ -172,6 +172,8 @@ class RouterArgs:
                 errors.append(str(e))
         if self.enable_cache_events and self.policy not in ("cache_aware", "deadline_aware"):
             errors.append("--enable-cache-events feeds the prefix tree of --policy cache_aware or deadline_aware")
+        if self.enable_cache_events and self.prefix_match != "tokens":
+            errors.append("--enable-cache-events: the workers' events carry token ids; add --prefix-match tokens")
         if errors:
             raise ValueError("invalid router arguments: " + "; ".join(errors))
 

@@ -53,8 +53,8 @@ async def proxy_pd(router: Router, request: web.Request, path: str, raw: bytes, 
     attempt = 0
     last_reason = ""
     while True:
-        prefills = router.eligible(tried_p, role="prefill")
-        decodes = router.eligible(tried_d, role="decode")
+        prefills = router.fleet.eligible(tried_p, role="prefill")
+        decodes = router.fleet.eligible(tried_d, role="decode")
         if not prefills or not decodes:
             router.metrics.rejected.labels("no_worker").inc()
             which = "prefill" if not prefills else "decode"
@@ -73,7 +73,7 @@ async def proxy_pd(router: Router, request: web.Request, path: str, raw: bytes, 
         if pw.bootstrap_port is None:
             return error_response(f"prefill worker {pw.url} reports no bootstrap port; give it as "
                                   "--prefill URL BOOTSTRAP_PORT", 502, "bad_gateway")
-        room = router._rng.getrandbits(63)
+        room = router.rng.getrandbits(63)
         extra: dict[str, Any] = {"bootstrap_host": urlsplit(pw.url).hostname, "bootstrap_port": pw.bootstrap_port,
                                  "bootstrap_room": room}
         if p.dp_rank is not None:
@@ -145,7 +145,7 @@ async def _prefill(router: Router, worker: Worker, target: Target, path: str, pa
             return None
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         worker.breaker.record_failure(time.monotonic())
-        asyncio.get_running_loop().create_task(router.check_worker(worker))
+        asyncio.get_running_loop().create_task(router.fleet.check_worker(worker))
         router.log_failure(worker, e)
         return "prefill_connection_error"
     except asyncio.CancelledError:

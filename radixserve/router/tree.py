@@ -135,7 +135,7 @@ class PrefixTree:
                 node = child
                 continue
             if keep > pos:  # the cut falls inside this node: keep its upper part
-                if n < keep - pos:
+                if n <= keep - pos:  # the key leaves this node at or before keep: none of it is ours
                     return 0
                 self._split(child, keep - pos)
             return self._drop_subtree(child, tenant)

@@ -1,0 +1,250 @@
+"""``Fleet``: the workers behind the router, and what keeps the router's view of them true.
+
+- Discovery: a worker's ``/get_server_info`` gives its ``dp_size`` (one target per rank with
+  ``--dp-aware``), model path (for ``--prefix-match tokens``), cache-event endpoint and, for a PD
+  prefill worker, its bootstrap port. A worker not reachable at start stays out of rotation until
+  its health checks pass, and is read again then.
+- Health: every ``--health-check-interval-secs`` each worker's ``/health`` (``worker.Health``); a
+  connection error on the request path checks at once (``check_worker``). A worker back from the
+  dead gets a closed breaker, a fresh read of its info and an empty part of the prefix tree.
+- Loads: with ``power_of_two`` and ``deadline_aware``, each worker's ``/get_load`` every
+  ``LOAD_REFRESH_S``.
+- The prefix trees are evicted down to ``--max-tree-size`` every ``--eviction-interval-secs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from radixserve.router.config import RouterArgs
+from radixserve.router.policy import RouterPolicy, Target
+from radixserve.router.worker import CircuitBreaker, Health, Worker
+
+logger = logging.getLogger("radixserve.router")
+LOAD_REFRESH_S = 1.0  # power_of_two, deadline_aware: how often the workers' /get_load is read
+
+
+class Fleet:
+    def __init__(self, args: RouterArgs, policies: dict[str | None, RouterPolicy]) -> None:
+        self.args = args
+        self.policies = policies
+        self.workers: dict[str, Worker] = {}
+        self.session: aiohttp.ClientSession | None = None
+        self.subscribers: dict[str, Any] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._checking: set[str] = set()
+        key = args.worker_api_key or args.api_key
+        self.auth = {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def start(self) -> None:
+        """Open the keep-alive pool, add the configured workers (waiting for them up to
+        --worker-startup-timeout-secs) and start the health, load and eviction loops."""
+        a = self.args
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0, enable_cleanup_closed=True),
+            timeout=aiohttp.ClientTimeout(total=a.request_timeout_secs, sock_connect=5.0),
+            auto_decompress=False, skip_auto_headers=("User-Agent",))
+        ports = a.prefill_bootstrap_ports or (0,) * len(a.prefill_urls)
+        await asyncio.gather(*(self.add_worker(u, wait=True) for u in a.worker_urls),
+                             *(self.add_worker(u, wait=True, role="prefill", bootstrap_port=port or None)
+                               for u, port in zip(a.prefill_urls, ports, strict=True)),
+                             *(self.add_worker(u, wait=True, role="decode") for u in a.decode_urls))
+        self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
+        if any(p.uses_tree for p in self.policies.values()):
+            self._tasks.append(asyncio.create_task(self._eviction_loop(), name="evict"))
+        if a.policy in ("power_of_two", "deadline_aware"):
+            self._tasks.append(asyncio.create_task(self._load_loop(), name="loads"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for sub in self.subscribers.values():
+            await sub.stop()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    def policy_for(self, w: Worker) -> RouterPolicy:
+        return self.policies[w.role]
+
+    async def add_worker(self, url: str, wait: bool = False, role: str | None = None,
+                         bootstrap_port: int | None = None) -> Worker:
+        url = url.rstrip("/")
+        a = self.args
+        if role not in self.policies:
+            raise ValueError(f"worker role {role!r}: this router takes "
+                             f"{' and '.join(str(r) for r in self.policies) if a.pd_disaggregation else 'no role'}")
+        w = Worker(url, Health(a.health_failure_threshold, a.health_success_threshold),
+                   CircuitBreaker(a.cb_failure_threshold, a.cb_success_threshold, a.cb_timeout_duration_secs),
+                   role=role, bootstrap_port=bootstrap_port)
+        deadline = time.monotonic() + (a.worker_startup_timeout_secs if wait else 0.0)
+        while True:
+            info = await self._server_info(url)
+            if info is not None or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.5)
+        if info is None:
+            logger.warning("worker %s is not reachable; it gets traffic once its health checks pass", url)
+            w.health.healthy = False
+        else:
+            self._apply_info(w, info)
+        w.make_targets(a.dp_aware)
+        self.workers[url] = w
+        self._subscribe(w)
+        logger.info("worker %s added (%d target(s))", url, len(w.targets))
+        return w
+
+    async def remove_worker(self, url: str) -> bool:
+        w = self.workers.pop(url.rstrip("/"), None)
+        if w is None:
+            return False
+        for t in w.targets:
+            self.policy_for(w).remove_target(t.key)
+        sub = self.subscribers.pop(w.url, None)
+        if sub is not None:
+            await sub.stop()
+        logger.info("worker %s removed", w.url)
+        return True
+
+    def _apply_info(self, w: Worker, info: dict[str, Any]) -> None:
+        w.dp_size = int(info.get("dp_size") or 1)
+        w.model_path = info.get("model_path")
+        w.cache_events_endpoint = info.get("cache_events_endpoint")
+        if w.role == "prefill" and w.bootstrap_port is None and info.get("disaggregation_bootstrap_port"):
+            w.bootstrap_port = int(info["disaggregation_bootstrap_port"])
+        mode = info.get("disaggregation_mode")
+        if w.role is not None and mode not in (None, w.role):
+            logger.warning("worker %s runs --disaggregation-mode %s but is listed as a %s worker", w.url, mode, w.role)
+
+    def _subscribe(self, w: Worker) -> None:
+        if not self.args.enable_cache_events or w.url in self.subscribers:
+            return
+        if not w.cache_events_endpoint:
+            logger.warning("worker %s publishes no cache events (start it with --cache-events-port); its tree "
+                           "stays approximate", w.url)
+            return
+        from radixserve.router.cache_events import CacheEventSubscriber
+
+        # NOTE: one subscriber per worker feeds the worker's first target; with --dp-aware each rank
+        # has its own cache, and events name no rank yet, so only rank 0 follows real state.
+        sub = CacheEventSubscriber(w.cache_events_endpoint, w.targets[0].key, self.policy_for(w))
+        sub.start()
+        self.subscribers[w.url] = sub
+
+    async def _server_info(self, url: str) -> dict[str, Any] | None:
+        assert self.session is not None
+        try:
+            async with self.session.get(f"{url}/get_server_info", headers=self.auth,
+                                        timeout=aiohttp.ClientTimeout(total=self.args.health_check_timeout_secs)) as r:
+                if r.status != 200:
+                    return None
+                data = await r.json(content_type=None)
+                return data if isinstance(data, dict) else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+    def eligible(self, exclude: set[str] | None = None, role: str | None = None) -> list[Target]:
+        now = time.monotonic()
+        out = [t for w in self.workers.values()
+               if w.role == role and (not exclude or w.url not in exclude) and w.eligible(now) for t in w.targets]
+        if not out and exclude:  # every worker was tried: any eligible one may be tried again
+            return self.eligible(role=role)
+        return out
+
+    def serving(self) -> bool:
+        """Can a request be served now: an eligible target in every pool."""
+        return all(self.eligible(role=role) for role in self.policies)
+
+    # --- health ----------------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check_worker(w) for w in list(self.workers.values())))
+            await asyncio.sleep(self.args.health_check_interval_secs)
+
+    async def check_worker(self, w: Worker) -> None:
+        if w.url in self._checking:
+            return
+        self._checking.add(w.url)
+        try:
+            ok = await self._probe(w)
+            if w.health.record(ok):
+                logger.warning("worker %s is %s", w.url, "healthy again" if ok else "unhealthy: no traffic")
+                if ok:  # back from the dead: a fresh process, so its old failures say nothing now
+                    w.breaker.reset()
+                    await self._rediscover(w)
+        finally:
+            self._checking.discard(w.url)
+
+    async def _probe(self, w: Worker) -> bool:
+        assert self.session is not None
+        try:
+            async with self.session.get(w.url + self.args.health_check_endpoint, headers=self.auth,
+                                        timeout=aiohttp.ClientTimeout(total=self.args.health_check_timeout_secs)) as r:
+                await r.read()
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def _rediscover(self, w: Worker) -> None:
+        """A worker came back (maybe restarted, maybe with another dp_size): read its info again."""
+        info = await self._server_info(w.url)
+        if info is None:
+            return
+        old = w.dp_size
+        self._apply_info(w, info)
+        for t in w.targets:  # a restarted worker has an empty cache
+            self.policy_for(w).remove_target(t.key)
+        if w.dp_size != old:
+            w.make_targets(self.args.dp_aware)
+        sub = self.subscribers.pop(w.url, None)
+        if sub is not None:
+            await sub.stop()
+        self._subscribe(w)
+
+    async def _load_loop(self) -> None:
+        """power_of_two compares loads; the workers' own counts also see traffic that bypasses us."""
+        while True:
+            now = time.monotonic()
+            await asyncio.gather(*(self._refresh_loads(w) for w in list(self.workers.values()) if w.eligible(now)))
+            await asyncio.sleep(LOAD_REFRESH_S)
+
+    async def _refresh_loads(self, w: Worker) -> None:
+        assert self.session is not None
+        try:
+            async with self.session.get(f"{w.url}/get_load", headers=self.auth,
+                                        timeout=aiohttp.ClientTimeout(total=self.args.health_check_timeout_secs)) as r:
+                loads = await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return
+        if not isinstance(loads, list):
+            return
+        by_rank = {int(x.get("dp_rank", i)): x for i, x in enumerate(loads) if isinstance(x, dict)}
+        for t in w.targets:
+            mine = [by_rank.get(t.dp_rank, {})] if t.dp_rank is not None else list(by_rank.values())
+            t.reported_load = sum(int(x.get("num_reqs", 0)) for x in mine)
+            t.waiting_tokens = sum(int(x.get("num_waiting_tokens", 0)) for x in mine)
+            speeds = [float(x.get("prefill_tokens_per_s", 0.0)) for x in mine]
+            t.prefill_tokens_per_s = sum(speeds)  # ranks of one target prefill side by side
+            t.sent_tokens = 0  # the report includes what was sent before it
+
+    async def _eviction_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.args.eviction_interval_secs)
+            dropped = sum(p.evict() for p in self.policies.values())
+            if dropped:
+                logger.debug("prefix tree: evicted %d elements", dropped)
+
+
+    def describe(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [{"url": w.url, "role": w.role, "bootstrap_port": w.bootstrap_port,
+                 "healthy": w.health.healthy, "eligible": w.eligible(now),
+                 "circuit_breaker": w.breaker.state.value, "dp_size": w.dp_size, "load": w.load,
+                 "targets": [{"key": t.key, "dp_rank": t.dp_rank, "load": t.load,
+                              "reported_load": t.reported_load} for t in w.targets],
+                 "cache_events": w.url in self.subscribers} for w in self.workers.values()]
