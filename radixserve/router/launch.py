@@ -3,10 +3,11 @@
     radixserve launch --num-workers 2 --port 30000 [engine options] [router options]
 
 Workers listen on the ports after the router's (``--port`` + 1 ... + N), each a ``radixserve serve``
-process with its share of the CPU threads (``--num-threads``, default: the cores divided by N,
-at least 1). The router waits for them, then serves. Ctrl-C (or SIGTERM) stops the router, then
-the workers (SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``). If a worker fails to start, the
-fleet is stopped and the command exits 1.
+process with its share of the CPU threads (``--num-threads``, default: the cores divided by N and
+by ``--dp-size``, at least 1). With ``--cache-events-port P`` worker i publishes on
+P + i * dp_size (and up). The router waits for the workers, then serves. Ctrl-C (or SIGTERM) stops
+the router, then the workers (SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``). If a worker fails
+to start, the fleet is stopped and the command exits 1.
 """
 
 from __future__ import annotations
@@ -72,11 +73,14 @@ def launch_fleet(ns: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("%s", e)
         return 2
-    threads = max(1, (os.cpu_count() or 1) // n)
+    threads = max(1, (os.cpu_count() or 1) // (n * sargs.dp_size))
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for p in ports:
-            cmd = worker_command(sargs.replace(host="127.0.0.1"), p, threads)
+            wargs = sargs.replace(host="127.0.0.1")
+            if sargs.cache_events_port is not None:  # one publisher port per rank of each worker
+                wargs = wargs.replace(cache_events_port=sargs.cache_events_port + (p - ports[0]) * sargs.dp_size)
+            cmd = worker_command(wargs, p, threads)
             logger.info("worker on :%d: %s", p, " ".join(cmd[2:]))
             # NOTE: their own process group, so a terminal's Ctrl-C reaches the router alone and the
             # workers are stopped in order by us.
