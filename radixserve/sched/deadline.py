@@ -8,19 +8,30 @@ and so does a request whose deadline has already passed. Serving a late request 
 push the requests behind it past their deadlines too (the EDF domino effect under overload).
 
 ``--deadline-admission``: at arrival, a request with a deadline is refused (429, code
-``deadline_unmeetable``) when
+``deadline_unmeetable``) when its predicted time to first token does not fit:
 
-    now + tokens_ahead / prefill_tokens_per_s > deadline
+    now + slot_wait + tokens_ahead / prefill_tokens_per_s > deadline
 
-where ``tokens_ahead`` is its own uncached prompt plus the tokens still to prefill of every waiting
-request at or before it in deadline order (and of the request being chunked), and
-``prefill_tokens_per_s`` starts at ``--deadline-prefill-tokens-per-s`` and follows an EMA (alpha
-0.2) of the measured prefill steps of ``SchedulerStats.step_log`` (steps of at least 32 tokens).
-The estimate ignores decode steps interleaved with prefill and so is optimistic under heavy decode.
+- ``tokens_ahead``: its own uncached prompt plus the tokens still to prefill of every waiting
+  request at or before it in deadline order (and of the request being chunked);
+- ``prefill_tokens_per_s``: starts at ``--deadline-prefill-tokens-per-s``, then an EMA (alpha 0.2)
+  of the measured prefill steps (``SchedulerStats.step_log``, steps of at least 32 tokens); while
+  requests wait, the slower *backlog* rate (prompt tokens prefilled per second over the last 64
+  steps taken with a queue, decode steps included: the engine interleaves them to free KV and
+  slots, so that is how fast a queue really drains);
+- ``slot_wait``: when the running batch is full (``max_running_requests``), the requests ahead of
+  it and itself need slots that only finishing requests free: the k-th shortest remaining output
+  among the running requests (``max_new_tokens`` less what they have, as the reservation does)
+  times the measured decode step (an EMA of decode steps). Decode steps run while the queue waits
+  for slots, which is what made a prefill-only estimate optimistic under a decode-heavy load.
+
+The prediction is kept on the request (``Req.predicted_ttft``, seconds from arrival) so the
+simulator can report its error.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 from radixserve.mem.radix_cache import RadixCache
@@ -33,6 +44,7 @@ if TYPE_CHECKING:
     from radixserve.sched.scheduler import Scheduler
 
 EMA_ALPHA = 0.2
+BACKLOG_WINDOW = 64  # steps
 MIN_SAMPLE_TOKENS = 32
 INF = float("inf")
 
@@ -58,17 +70,47 @@ class EarliestDeadlineFirst(SchedulePolicy):
 
 
 class PrefillThroughput:
-    """EMA of measured prefill tokens per second."""
+    """What the admission estimate needs, measured: the prefill speed of prefill steps (an EMA), the
+    decode step (an EMA) and the *backlog* rate: prompt tokens prefilled per second over the last
+    ``BACKLOG_WINDOW`` steps taken while requests were waiting, decode steps included. With a
+    backlog the engine alternates prefill with the decode steps that free KV and slots, so a queue
+    drains at the backlog rate, not at the prefill rate."""
 
     def __init__(self, initial: float) -> None:
         self.tokens_per_s = initial
+        self.decode_step_s = 0.0  # 0 until a decode step was seen
+        self._window: deque[tuple[int, float]] = deque(maxlen=BACKLOG_WINDOW)  # (prefill tokens, seconds)
+        self._window_tokens = 0
+        self._window_s = 0.0
+
+    @property
+    def backlog_tokens_per_s(self) -> float | None:
+        """None until enough backlogged steps with some prefill were seen."""
+        if len(self._window) < BACKLOG_WINDOW // 4 or self._window_tokens <= 0 or self._window_s <= 0:
+            return None
+        return self._window_tokens / self._window_s
 
     def observe(self, batch: ScheduleBatch, sched: Scheduler) -> None:
-        if not batch.forward_mode.is_extend() or not sched.stats.step_log:
+        if not sched.stats.step_log:
             return
         _, _, tokens, wall = sched.stats.step_log[-1]
-        if tokens >= MIN_SAMPLE_TOKENS and wall > 0:
+        extend = batch.forward_mode.is_extend()
+        if not extend:
+            if wall > 0:
+                d = self.decode_step_s
+                self.decode_step_s = wall if d == 0.0 else d + EMA_ALPHA * (wall - d)
+        elif tokens >= MIN_SAMPLE_TOKENS and wall > 0:
             self.tokens_per_s += EMA_ALPHA * (tokens / wall - self.tokens_per_s)
+        if sched.waiting_queue and wall > 0:
+            w = self._window
+            if len(w) == w.maxlen:
+                old_tokens, old_s = w[0]
+                self._window_tokens -= old_tokens
+                self._window_s -= old_s
+            new = tokens if extend else 0
+            w.append((new, wall))
+            self._window_tokens += new
+            self._window_s += wall
 
 
 def _uncached_tokens(sched: Scheduler, req: Req) -> int:
@@ -86,20 +128,43 @@ def check_deadline(sched: Scheduler, req: Req) -> FINISH_ABORT | None:
         return None
     now = sched.clock()
     ahead = _uncached_tokens(sched, req)
+    queued_ahead = 0
     for r in sched.waiting_queue:
         rd = deadline_of(r)
         if rd is not None and rd <= d:
             ahead += r.num_tokens  # a waiting request's cache hit is not known until it is matched
+            queued_ahead += 1
     if sched.chunked_req is not None:
         ahead += sched.chunked_req.num_tokens - sched.chunked_req.num_computed_tokens
-    tps = sched.ext.throughput.tokens_per_s
-    eta = now + ahead / tps
+    est = sched.ext.throughput
+    backlog = est.backlog_tokens_per_s if sched.waiting_queue else None
+    tps = min(est.tokens_per_s, backlog) if backlog is not None else est.tokens_per_s
+    wait = slot_wait(sched, queued_ahead + 1, est.decode_step_s)
+    eta = now + wait + ahead / tps
+    req.predicted_ttft = eta - now  # type: ignore[attr-defined]  # for the simulator's error report
     if eta <= d:
         return None
     sched.stats.num_deadline_rejected += 1
     return FINISH_ABORT(
         f"the deadline cannot be met: {ahead} prompt tokens are ahead of this request's first token in "
-        f"deadline order, about {ahead / tps * 1000:.0f} ms at {tps:.0f} prefill tokens/s, but only "
+        f"deadline order, about {ahead / tps * 1000:.0f} ms at {tps:.0f} prefill tokens/s, plus "
+        f"{wait * 1000:.0f} ms waiting for a slot in the running batch, but only "
         f"{max(d - now, 0.0) * 1000:.0f} ms are left; retry later or with a later deadline",
         status_code=429, err_type="rate_limit_error", code="deadline_unmeetable", param="deadline_ms",
     )
+
+
+def slot_wait(sched: Scheduler, slots_needed: int, decode_step_s: float) -> float:
+    """Seconds until ``slots_needed`` running-batch slots are free: 0 while there are enough, else
+    until enough running requests finish, the k-th shortest remaining output first."""
+    running = sched.running_batch.reqs
+    free = sched.max_running_requests - len(running)
+    k = slots_needed - free
+    if k <= 0 or decode_step_s <= 0.0 or not running:
+        return 0.0
+    remaining = sorted(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) for r in running)
+    if k > len(remaining):  # more than the whole batch must turn over: each round takes the longest
+        rounds, k = divmod(k, len(remaining))
+        return (rounds * remaining[-1] + (remaining[k - 1] if k else 0)) * decode_step_s
+    return remaining[k - 1] * decode_step_s
+

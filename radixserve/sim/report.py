@@ -112,6 +112,10 @@ def summary_text(r: dict[str, Any]) -> str:
         lines.append(f"deadline admission: estimated prefill rate per step p5 {e['p5']:.0f}, median {e['p50']:.0f}, "
                      f"mean {e['mean']:.0f}, p95 {e['p95']:.0f}, max {e['max']:.0f} tok/s; prompt tokens prefilled "
                      f"over the run {da['served_prefill_tok_s']:.0f} tok/s")
+        if "ttft_error_ms" in da:
+            te = da["ttft_error_ms"]
+            lines.append(f"deadline admission: TTFT actual minus predicted over {te['n']} admitted requests: mean "
+                         f"{te['bias']:+.0f} ms (|error| {te['mean_abs']:.0f} ms), p5 {te['p5']:+.0f}, p95 {te['p95']:+.0f} ms")
     lines.append(f"KV usage mean {r['kv_usage']['mean']:.3f} max {r['kv_usage']['max']:.3f}; "
                  f"max running {r['max_running']}, max waiting {r['max_waiting']}")
     if w.get("steps"):

@@ -145,6 +145,7 @@ class ReqRecord:
     aborted: bool
     deadline: float | None  # TTFT deadline in seconds after arrival
     arrival: float = 0.0  # virtual seconds
+    predicted_ttft: float | None = None  # --deadline-admission's prediction at arrival (seconds)
 
 
 @dataclass
@@ -177,7 +178,8 @@ def _record(req: Req) -> ReqRecord:
     dl = getattr(req, "deadline", None)
     return ReqRecord(req.priority, getattr(req, "tenant", None), req.prompt_len, n, req.cached_tokens, ttft,
                      fin - arr, tpot, queue, req.num_retractions, req.num_preemptions,
-                     isinstance(req.finished_reason, FINISH_ABORT), None if dl is None else dl - arr, arr)
+                     isinstance(req.finished_reason, FINISH_ABORT), None if dl is None else dl - arr, arr,
+                     getattr(req, "predicted_ttft", None))
 
 
 def run(
@@ -373,6 +375,14 @@ def summarize(trace: SimTrace, args: ServerArgs | None = None) -> dict[str, Any]
                                "max": round(float(est.max()), 1)},
             "served_prefill_tok_s": round(trace.stats.get("prefill_tokens", 0) / dur, 1),
         }
+        # the TTFT predicted at admission against the TTFT the admitted requests got
+        pairs = [(r.predicted_ttft, r.ttft) for r in recs
+                 if r.predicted_ttft is not None and not r.aborted and not math.isnan(r.ttft)]
+        if pairs:
+            err = np.asarray([a - p for p, a in pairs], dtype=float) * 1e3
+            res["deadline_admission"]["ttft_error_ms"] = {
+                "n": len(pairs), "mean_abs": round(float(np.abs(err).mean()), 1), "bias": round(float(err.mean()), 1),
+                "p5": round(float(np.percentile(err, 5)), 1), "p95": round(float(np.percentile(err, 95)), 1)}
     res["kv_timeline"] = [[round(t, 6), round(u, 6), r, w] for t, u, r, w in trace.timeline]
     res["wall"] = wall_summary(trace)
     return res
