@@ -19,7 +19,9 @@ Policies (``--policy``):
   tree; with ``match_rate = matched / len(key)``:
     - ``match_rate > cache_threshold`` (0.3): among the targets that match that longest prefix,
       the least loaded (branch ``cache_hit``);
-    - else the target holding the smallest part of the tree (branch ``cache_miss``).
+    - else the target holding the smallest part of the tree (branch ``cache_miss``); with cache
+      events (``miss_by_load``) the least loaded, ties to the smallest tree, since there the
+      busiest worker holds the smallest real cache.
   The chosen target's path is then inserted into the tree. Ties go to the target listed first.
 
   ``balance_affinity`` (ours): under imbalance, instead of dropping locality altogether, the
@@ -106,6 +108,9 @@ class PolicyConfig:
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 2**26
     balance_affinity: bool = False
+    # cache_miss by load instead of tree size: what a tree that follows the workers' real caches
+    # needs (their busiest worker holds the smallest cache, and would get every new prefix)
+    miss_by_load: bool = False
     seed: int | None = None
 
 
@@ -218,6 +223,9 @@ class CacheAware(RouterPolicy):
                 best = max(per.get(t.key, 0) for t in targets)
                 chosen = least_loaded([t for t in targets if per.get(t.key, 0) == best])
                 branch = "cache_hit" if best / len(key) > self.config.cache_threshold else "cache_miss"
+        elif self.config.miss_by_load:
+            chosen = min(targets, key=lambda t: (t.load, self.tree.tenant_size(t.key)))
+            branch = "cache_miss"
         else:
             chosen = min(targets, key=lambda t: (self.tree.tenant_size(t.key), t.load))
             branch = "cache_miss"

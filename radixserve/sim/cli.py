@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from radixserve.config import ServerArgs
+from radixserve.router.policy import PolicyConfig
 from radixserve.sched.scheduler import calm_garbage_collector
 from radixserve.sim.cost_model import H100Llama2CostModel, make_cost_model
+from radixserve.sim.fleet import FleetConfig, run_fleet
+from radixserve.sim.fleet_report import fleet_item, fleet_table, fleet_text, summarize_fleet
 from radixserve.sim.options import (
     _SKIP_GROUPS,
     GPU_MEM_BYTES,
@@ -21,7 +26,7 @@ from radixserve.sim.options import (
 )
 from radixserve.sim.report import compare_table, plot, summary_text
 from radixserve.sim.simulator import SimTrace, args_for, run, summarize
-from radixserve.sim.workload import WorkloadConfig, generate, read_trace, write_trace
+from radixserve.sim.workload import RequestSpec, WorkloadConfig, generate, read_trace, write_trace
 
 
 def workload_config(ns: argparse.Namespace) -> WorkloadConfig:
@@ -51,6 +56,25 @@ def server_args(ns: argparse.Namespace, cost: Any) -> ServerArgs:
     return ServerArgs(**kwargs)
 
 
+@contextlib.contextmanager
+def profiled(path: str | None) -> Iterator[None]:
+    """``--profile``: cProfile the block, write the stats to ``path``, print the top 25 by own time."""
+    if not path:
+        yield
+        return
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        prof.dump_stats(path)
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+
+
 def main(ns: argparse.Namespace) -> int:
     cost = make_cost_model(ns.cost_model, num_kv_heads=ns.kv_heads, step_overhead_ms=ns.step_overhead_ms,
                            ms_per_step=ns.ms_per_step, ms_per_token=ns.ms_per_token,
@@ -64,28 +88,19 @@ def main(ns: argparse.Namespace) -> int:
           f"{cost.name}, KV pool {base.max_total_tokens} tokens, generated in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     runs = [args_for(base, item.strip()) for item in ns.compare.split(",")] if ns.compare else [("", base)]
+    if is_fleet(ns):
+        return fleet_main(ns, runs, specs, cost)
     calm_garbage_collector()
-    prof = None
-    if ns.profile:
-        import cProfile
-
-        prof = cProfile.Profile()
-        prof.enable()
     traces: list[SimTrace] = []
     results: list[dict[str, Any]] = []
-    for label, args in runs:
-        label = label or (args.scheduler if args.scheduler == "unified" else args.schedule_policy)
-        trace = run(args, specs, cost, ns.context_length, label=label, progress=not ns.no_progress,
-                    skip_req_to_token_writes=ns.skip_req_to_token_writes, max_steps=ns.max_steps,
-                    stream=ns.stream_output)
-        traces.append(trace)
-        results.append(summarize(trace, args))
-    if prof is not None:
-        import pstats
-
-        prof.disable()
-        prof.dump_stats(ns.profile)
-        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    with profiled(ns.profile):
+        for label, args in runs:
+            label = label or (args.scheduler if args.scheduler == "unified" else args.schedule_policy)
+            trace = run(args, specs, cost, ns.context_length, label=label, progress=not ns.no_progress,
+                        skip_req_to_token_writes=ns.skip_req_to_token_writes, max_steps=ns.max_steps,
+                        stream=ns.stream_output)
+            traces.append(trace)
+            results.append(summarize(trace, args))
     for res in results:
         print(summary_text(res))
         print()
@@ -95,6 +110,55 @@ def main(ns: argparse.Namespace) -> int:
         with open(ns.output, "w") as f:
             json.dump({"argv": sys.argv[1:], "results": results}, f, indent=1,
                       default=str)
+    if ns.plot:
+        plot(results, traces, ns.plot)
+        print(f"[simulate] plot written to {ns.plot}", file=sys.stderr)
+    return 0
+
+
+# --- the fleet (--num-workers, --router-policy, --dp-size, --concurrency) ----------------------------
+def is_fleet(ns: argparse.Namespace) -> bool:
+    return bool(ns.router_policy or ns.num_workers > 1 or ns.dp_size > 1 or ns.dp_aware or ns.router_cache_events
+                or ns.concurrency)
+
+
+def fleet_config(ns: argparse.Namespace) -> FleetConfig:
+    pc = PolicyConfig(cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
+                      balance_rel_threshold=ns.balance_rel_threshold, balance_affinity=ns.balance_affinity,
+                      seed=ns.seed)
+    return FleetConfig(num_workers=ns.num_workers, dp_size=ns.dp_size, dp_aware=ns.dp_aware, policy_config=pc,
+                       match=ns.router_match, cache_events=ns.router_cache_events,
+                       concurrency=ns.concurrency)
+
+
+def fleet_main(ns: argparse.Namespace, runs: list[tuple[str, ServerArgs]], specs: list[RequestSpec],
+               cost: Any) -> int:
+    if ns.max_steps is not None:
+        raise SystemExit("radixserve simulate: --max-steps is for one engine; the fleet always runs to the end")
+    base = fleet_config(ns)
+    items = [fleet_item(base, item.strip()) for item in (ns.router_policy or "cache_aware").split(",")]
+    engines = base.num_workers * base.dp_size
+    # NOTE: a ReqToTokenPool's table is 256 x context int32s: 4 MiB an engine adds up in a large fleet
+    skip = ns.skip_req_to_token_writes or engines > 64
+    calm_garbage_collector()
+    traces: list[SimTrace] = []
+    results: list[dict[str, Any]] = []
+    with profiled(ns.profile):
+        for sched_label, args in runs:
+            for router_label, cfg in items:
+                label = "/".join(x for x in (sched_label, router_label) if x)
+                trace = run_fleet(args, specs, cost, ns.context_length, cfg, label=label,
+                                  progress=not ns.no_progress, skip_req_to_token_writes=skip, stream=ns.stream_output)
+                res = summarize_fleet(trace, args)
+                traces.append(SimTrace(label, records=[r.record for r in trace.records]))
+                results.append(res)
+                print(fleet_text(res))
+                print()
+    if len(results) > 1:
+        print(fleet_table(results))
+    if ns.output:
+        with open(ns.output, "w") as f:
+            json.dump({"argv": sys.argv[1:], "results": results}, f, indent=1, default=str)
     if ns.plot:
         plot(results, traces, ns.plot)
         print(f"[simulate] plot written to {ns.plot}", file=sys.stderr)

@@ -22,10 +22,14 @@ examples:
   radixserve simulate --priority-classes 0:0.8,10:0.2 --enable-priority-scheduling --plot sim.png
   radixserve simulate --tenants a:10,b:1 --ttft-slo-ms 500 --output results.json
   radixserve simulate --trace trace.jsonl --cost-model linear --ms-per-step 8 --ms-per-token 0.05
+  radixserve simulate --workload multi-turn --num-turns 3 --prefix-len 200 --num-workers 64 --request-rate 64 \
+      --num-requests 1536 --router-policy cache_aware,round_robin,power_of_two,cache_aware:balance_affinity=1
+  radixserve simulate --workload multi-turn --num-turns 3 --num-workers 1 --dp-size 8 --concurrency 16 \
+      --router-policy cache_aware,cache_aware:dp_aware=1 --router-cache-events
 
 All latencies are in virtual time (the cost model's GPU); "scheduler overhead" is the real wall
 time the scheduler spends per step on this machine and "scheduler CPU" its process CPU time, forward
-excluded. See docs/simulator.md.
+excluded. See docs/simulator.md (one engine) and docs/router.md (fleets).
 """
 
 
@@ -47,8 +51,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--len-dist", choices=["fixed", "uniform", "exponential"], default="uniform",
                    help="Distribution of input and output lengths around their means.")
     w.add_argument("--range-ratio", type=float, default=0.5, help="--len-dist uniform: lengths in [mean(1-r), mean(1+r)].")
-    w.add_argument("--num-prefix-groups", type=int, default=8, help="shared-prefix: number of distinct system prompts.")
-    w.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens of each system prompt.")
+    w.add_argument("--num-prefix-groups", type=int, default=8, help="shared-prefix (and multi-turn with --prefix-len): number of distinct system prompts.")
+    w.add_argument("--prefix-len", type=int, default=None,
+                   help="Tokens of each system prompt: shared-prefix (default 1024), and multi-turn (default 0: "
+                        "none), where conversation c opens with system prompt c %% --num-prefix-groups.")
     w.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation.")
     w.add_argument("--turn-len", type=int, default=64, help="multi-turn: mean new user tokens per turn.")
     w.add_argument("--think-time", type=float, default=5.0, help="multi-turn: mean seconds between a conversation's turns (open loop).")
@@ -79,6 +85,40 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--ms-per-step", type=float, default=10.0, help="linear model: fixed ms per step.")
     c.add_argument("--ms-per-token", type=float, default=0.1, help="linear model: ms per new (computed) token.")
     c.add_argument("--ms-per-context-token", type=float, default=0.0, help="linear model: ms per context token read.")
+
+    f = p.add_argument_group("fleet: the router's policies in front of several engines (docs/router.md)")
+    f.add_argument("--num-workers", type=int, default=1,
+                   help="Simulated workers (each --dp-size engines) behind the router. More than 1, or --router-policy, "
+                        "--dp-size, --dp-aware, --router-cache-events or --concurrency, runs a fleet; "
+                        "--num-workers 1 alone is the single engine.")
+    f.add_argument("--router-policy", default=None, metavar="POLICY[:field=value],...",
+                   help="The router's policy (cache_aware, round_robin, random, power_of_two; default cache_aware). "
+                        "Several, comma-separated, run one after the other and print one table; overrides per item, "
+                        "e.g. cache_aware,cache_aware:balance_affinity=1,cache_aware:match=chars:dp_aware=1.")
+    f.add_argument("--dp-size", type=int, default=1,
+                   help="Data-parallel ranks per worker, each an engine of its own (own KV pool and radix cache).")
+    f.add_argument("--dp-aware", action="store_true",
+                   help="The router sees one target per DP rank and picks the rank; without it, it sees one per "
+                        "worker and the worker's DP controller hands requests to its ranks in turn (round robin).")
+    f.add_argument("--router-match", choices=["tokens", "chars"], default="tokens",
+                   help="cache_aware's key: the prompt's token ids, or a text stand-in of 3-6 characters per token "
+                        "(sgl-router matches characters, whose match rate is not the cache's token hit rate).")
+    f.add_argument("--router-cache-events", action="store_true",
+                   help="cache_aware: each engine's radix cache inserts and evictions also update the router's "
+                        "tree (as the router's --enable-cache-events does), so it forgets what the engines evicted.")
+    f.add_argument("--cache-threshold", type=float, default=0.3,
+                   help="cache_aware: a match rate above this routes to the target holding the prefix.")
+    f.add_argument("--balance-abs-threshold", type=int, default=64,
+                   help="cache_aware: imbalanced when max load - min load exceeds this (and the relative test holds).")
+    f.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                   help="cache_aware: imbalanced when max load exceeds min load times this (and the absolute test holds).")
+    f.add_argument("--balance-affinity", action="store_true",
+                   help="cache_aware: when imbalanced, the best prefix match among the targets within the balance "
+                        "window of the least loaded one, instead of the least loaded one.")
+    f.add_argument("--concurrency", type=int, default=None,
+                   help="Closed loop: this many clients; each sends its conversation's next turn (or the next "
+                        "conversation) as soon as its request finishes, with no think time. Default: open loop "
+                        "at --request-rate.")
 
     r = p.add_argument_group("run and output")
     r.add_argument("--compare", default=None, metavar="RUN,RUN,...",

@@ -166,7 +166,8 @@ def plot(results: Sequence[dict[str, Any]], traces: Sequence[SimTrace], path: st
         ax1b.plot([p[0] for p in tl], [p[3] for p in tl], color="tab:red", lw=0.8, label="waiting")
         ax1b.set_ylabel("requests")
         ax1b.legend(loc="upper right", fontsize=8)
-    ax1.legend(loc="upper left", fontsize=8)
+    if ax1.get_legend_handles_labels()[0]:  # a fleet's results carry no KV timeline
+        ax1.legend(loc="upper left", fontsize=8)
     ax1.set_title("KV cache usage over time")
 
     def cdf(values: list[float], label: str) -> None:

@@ -87,7 +87,7 @@ class WorkloadConfig:
     len_dist: str = "uniform"  # fixed | uniform | exponential
     range_ratio: float = 0.5  # uniform: lengths in [len x (1-r), len x (1+r)]
     num_prefix_groups: int = 8
-    prefix_len: int = 1024
+    prefix_len: int | None = None  # None: 1024 for shared-prefix, 0 (no system prompt) for multi-turn
     num_turns: int = 4
     turn_len: int = 64  # new user tokens per turn
     think_time: float = 5.0  # mean seconds between a conversation's turns
@@ -172,30 +172,36 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
         spec.deadline_ms = float(slo) if slo is not None else cfg.ttft_slo_ms
 
     if cfg.workload in ("random", "shared-prefix"):
+        prefix_len = 1024 if cfg.prefix_len is None else cfg.prefix_len
         for i in range(n):
             out_len = _length(rng, cfg.output_len, cfg.len_dist, cfg.range_ratio)
             own = _length(rng, cfg.input_len, cfg.len_dist, cfg.range_ratio)
             spec = RequestSpec(f"r{i}", times[i], own, out_len, stream=seed_key + i)
             if cfg.workload == "shared-prefix":
                 spec.prefix_group = rng.randrange(cfg.num_prefix_groups)
-                spec.prefix_len = cfg.prefix_len
-                spec.prompt_len = cfg.prefix_len + own
+                spec.prefix_len = prefix_len
+                spec.prompt_len = prefix_len + own
             spec.prompt_len = min(spec.prompt_len, max_prompt)
             spec.prefix_len = min(spec.prefix_len, spec.prompt_len - 1)
             classify(spec)
             specs.append(spec)
     elif cfg.workload == "multi-turn":
-        # conversations start on the arrival process; turn t+1 comes think_time (exp.) after turn t
+        # conversations start on the arrival process; turn t+1 comes think_time (exp.) after turn t.
+        # With a prefix_len, conversation c opens with system prompt c % num_prefix_groups (chosen
+        # without the rng, so a workload without one draws exactly what it drew before).
         n_conv = max(1, math.ceil(n / cfg.num_turns))
+        system = min(cfg.prefix_len or 0, max_prompt - 1)
         for c in range(n_conv):
             t = times[c]
-            prompt = _length(rng, cfg.input_len, cfg.len_dist, cfg.range_ratio)
+            prompt = system + _length(rng, cfg.input_len, cfg.len_dist, cfg.range_ratio)
             tenant_prio: tuple[int | None, str | None, float | None] | None = None
             for turn in range(cfg.num_turns):
                 if len(specs) >= n or prompt >= max_prompt:
                     break
                 out_len = _length(rng, cfg.output_len, cfg.len_dist, cfg.range_ratio)
                 spec = RequestSpec(f"c{c}t{turn}", t, prompt, out_len, stream=seed_key + c, conversation=c, turn=turn)
+                if system > 0:
+                    spec.prefix_group, spec.prefix_len = c % max(cfg.num_prefix_groups, 1), system
                 if tenant_prio is None:
                     classify(spec)
                     tenant_prio = (spec.priority, spec.tenant, spec.deadline_ms)

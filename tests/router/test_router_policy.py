@@ -209,3 +209,11 @@ def test_deadline_aware_trusts_a_target_without_a_report() -> None:
     p = make_router_policy("deadline_aware")
     ts = targets(0, 0)
     assert p.select(ts, RouteRequest(text="x" * 400, deadline_ms=1.0)).target is ts[0]
+
+
+def test_miss_by_load_picks_the_least_loaded_not_the_smallest_tree() -> None:
+    p = make_router_policy("cache_aware", PolicyConfig(miss_by_load=True))
+    ts = targets(5, 0, 3)
+    p.select([ts[1]], text("a" * 40))  # w1 holds the biggest tree but is the least loaded
+    d = p.select(ts, text("z" * 10))
+    assert d.branch == "cache_miss" and d.target is ts[1]

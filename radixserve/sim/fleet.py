@@ -1,0 +1,343 @@
+"""A simulated fleet: the router's policy objects in front of N simulated engines, one virtual timeline.
+
+    request ──> RouterPolicy.select(targets) ──> worker w ──> its DP controller: rank (round robin)
+                                            └──> rank (w, r) directly with --dp-aware
+
+Every engine (a worker, or one data-parallel rank of it) is ``build_sim_scheduler``'s real
+scheduler + radix cache with a ``VirtualClock`` of its own: the time its next step may start (its
+"busy until"). One event heap orders three kinds of events by virtual time, ties in this order:
+
+- ``FINISH``: a request ended at the end of the step that produced it. The router's load of its
+  target drops by one; a closed-loop client (``concurrency``) sends its next request.
+- ``ARRIVAL``: the policy picks a target from the loads of that moment; the load rises by one. The
+  request waits at its engine until the engine's next step starts.
+- ``STEP``: the engine whose next step starts earliest runs it (``sched.step()``; its clock moves
+  by the cost model's step time). An idle engine steps when a request reaches it.
+
+An engine only ever sees its own requests, and a step is processed at its start with everything
+that arrived up to then, so one engine behaves exactly as in ``simulator.run`` (a test holds them
+equal). The router's load is its in-flight count per target (what sgl-router counts); the workers'
+own ``/get_load`` reports are not modelled, because in a simulation they equal the router's count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.config import ServerArgs
+from radixserve.router.policy import PolicyConfig, RouteRequest, RouterPolicy, Target, make_router_policy
+from radixserve.sched.req import Req
+from radixserve.sched.scheduler import Scheduler
+from radixserve.sim.cost_model import CostModel
+from radixserve.sim.simulator import (
+    ReqRecord,
+    SimRunner,
+    VirtualClock,
+    _record,
+    build_sim_scheduler,
+    make_req,
+)
+from radixserve.sim.workload import RequestSpec
+
+FINISH, ARRIVAL, STEP = 0, 1, 2
+ROUTER_MATCHES = ("tokens", "chars")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    num_workers: int = 1
+    dp_size: int = 1  # data-parallel ranks (engines) per worker
+    dp_aware: bool = False  # one router target per rank instead of per worker
+    policy: str = "cache_aware"
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    match: str = "tokens"  # the routing key: token ids, or a text stand-in (sgl-router matches characters)
+    cache_events: bool = False  # the engines' radix cache inserts and evictions also drive the router's tree
+    concurrency: int | None = None  # closed loop: this many clients, each sends its next request on an answer
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1 or self.dp_size < 1:
+            raise ValueError("--num-workers and --dp-size must be at least 1")
+        if self.match not in ROUTER_MATCHES:
+            raise ValueError(f"--router-match: choose from {ROUTER_MATCHES}, not {self.match!r}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("--concurrency must be at least 1")
+
+
+# --- the routing key -------------------------------------------------------------------------------
+def _word(token: int) -> str:
+    """A deterministic 3-6 letter stand-in for a token's text."""
+    h = (token * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
+    letters = []
+    for _ in range(3 + h % 4):
+        h = (h * 1103515245 + 12345) & 0x7FFFFFFF
+        letters.append(chr(97 + (h >> 16) % 26))
+    return "".join(letters)
+
+
+@functools.cache
+def _words(vocab: int = 32000) -> tuple[str, ...]:
+    return tuple(_word(t) for t in range(vocab))
+
+
+def chars_key(ids: Sequence[int]) -> str:
+    """The prompt as sgl-router would see it: text, whose length in characters is not its length
+    in tokens (each token is a word of its own length), so character match rates differ from the
+    cache's token hit rates as they do for real text."""
+    words = _words()
+    n = len(words)
+    return "".join([words[t] if 0 <= t < n else _word(t) for t in ids])
+
+
+# --- the fleet -------------------------------------------------------------------------------------
+class Engine:
+    """One simulated scheduler (a worker, or one DP rank of it) and what the fleet loop keeps of it."""
+
+    def __init__(self, sched: Scheduler, runner: SimRunner, clock: VirtualClock, worker: int, rank: int,
+                 target: Target) -> None:
+        self.sched, self.runner, self.clock = sched, runner, clock
+        self.worker, self.rank = worker, rank
+        self.target = target  # the router target its requests are counted under
+        self.pending: list[Req] = []  # routed here, not yet handed to the scheduler
+        self.live: dict[str, Req] = {}
+        self.scheduled = False  # a STEP event for it is in the heap
+        self.steps = 0
+        self.usage_sum = 0.0
+        self.usage_max = 0.0
+        self.max_running = 0
+        self.max_waiting = 0
+
+
+@dataclass
+class Routed:
+    """A request between its routing and its finish."""
+
+    target: Target
+    engine: Engine
+    branch: str
+    predicted: float | None  # the share of the prompt the router believed the target holds
+    conversation: int  # closed loop: index into the fleet's conversation list
+
+
+@dataclass
+class FleetRecord:
+    rid: str
+    record: ReqRecord
+    worker: int
+    rank: int
+    branch: str
+    predicted: float | None
+
+
+@dataclass
+class FleetTrace:
+    label: str
+    config: FleetConfig
+    records: list[FleetRecord] = field(default_factory=list)
+    engines: list[Engine] = field(default_factory=list)
+    step_sched_s: list[float] = field(default_factory=list)
+    step_sched_cpu_s: list[float] = field(default_factory=list)
+    duration: float = 0.0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    cache_events: int = 0  # insert + evict events the router's tree received
+
+
+class Fleet:
+    def __init__(self, args: ServerArgs, cost: CostModel, context_len: int, cfg: FleetConfig,
+                 skip_req_to_token_writes: bool = False, stream: bool = False) -> None:
+        self.cfg = cfg
+        self.stream = stream
+        # as the HTTP router: a tree that follows the real caches picks a cache miss's target by load
+        pcfg = dataclasses.replace(cfg.policy_config, miss_by_load=True) if cfg.cache_events else cfg.policy_config
+        self.policy: RouterPolicy = make_router_policy(cfg.policy, pcfg)
+        self.uses_key = self.policy.uses_tree
+        self.engines: list[Engine] = []
+        self.targets: list[Target] = []
+        self.by_target: dict[str, list[Engine]] = {}
+        for w in range(cfg.num_workers):
+            ranks = [Target(f"w{w}", dp_rank=r) for r in range(cfg.dp_size)] if cfg.dp_aware else [Target(f"w{w}")]
+            self.targets.extend(ranks)
+            for r in range(cfg.dp_size):
+                target = ranks[r] if cfg.dp_aware else ranks[0]
+                sched, runner, clock = build_sim_scheduler(args, cost, context_len,
+                                                           skip_req_to_token_writes=skip_req_to_token_writes)
+                eng = Engine(sched, runner, clock, w, r, target)
+                self.engines.append(eng)
+                self.by_target.setdefault(target.key, []).append(eng)
+        self.next_rank = dict.fromkeys(self.by_target, 0)  # a worker's DP controller: round robin
+        self.routed: dict[str, Routed] = {}
+        self.convs: list[list[RequestSpec]] = []  # closed loop: the conversations, in the order clients take them
+        self.turn_of: dict[int, int] = {}  # closed loop: conversation -> its next turn
+        self.next_conv = 0
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.events = 0
+        if cfg.cache_events:
+            self._subscribe()
+
+    def _key(self, ids: Sequence[int]) -> Sequence[Any]:
+        return chars_key(ids) if self.cfg.match == "chars" else ids
+
+    def _subscribe(self) -> None:
+        from radixserve.sim.fleet_events import subscribe  # the radix cache's event hook
+
+        for eng in self.engines:
+            subscribe(eng.sched, eng.target.key, self.policy, self._key, self._count_event)
+
+    def _count_event(self) -> None:
+        self.events += 1
+
+    def _push(self, t: float, kind: int, item: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, kind, self.seq, item))
+
+    # --- events ------------------------------------------------------------------------------------
+    def _arrive(self, t: float, spec: RequestSpec, conversation: int) -> None:
+        req = make_req(spec, self.stream)
+        ids = req.origin_input_ids
+        chars = self.uses_key and self.cfg.match == "chars"  # the text is only built for a policy that reads it
+        route = RouteRequest(text=chars_key(ids)) if chars else RouteRequest(tokens=ids)
+        d = self.policy.select(self.targets, route)
+        d.target.load += 1
+        ranks = self.by_target[d.target.key]
+        i = self.next_rank[d.target.key]
+        self.next_rank[d.target.key] = (i + 1) % len(ranks)
+        eng = ranks[i]
+        key = route.key
+        predicted = (d.matched / len(key) if len(key) else 0.0) if self.uses_key else None
+        self.routed[req.rid] = Routed(d.target, eng, d.branch, predicted, conversation)
+        eng.pending.append(req)
+        if not eng.scheduled:
+            eng.scheduled = True
+            self._push(max(t, eng.clock.now), STEP, eng)
+
+    def _step(self, t: float, eng: Engine, trace: FleetTrace) -> None:
+        eng.scheduled = False
+        sched, clock, runner = eng.sched, eng.clock, eng.runner
+        clock.now = max(clock.now, t)  # an idle engine jumps to the arrival that woke it
+        for req in eng.pending:
+            eng.live[req.rid] = req
+            sched.add_request(req)
+        eng.pending = []
+        fwd0, fwd_cpu0 = runner.wall, runner.cpu
+        t0, c0 = time.perf_counter(), time.process_time()
+        outs = sched.step()
+        if sched.cur_batch is not None:
+            trace.step_sched_s.append(time.perf_counter() - t0 - (runner.wall - fwd0))
+            trace.step_sched_cpu_s.append(time.process_time() - c0 - (runner.cpu - fwd_cpu0))
+            usage = sched.kv.usage()
+            eng.steps += 1
+            eng.usage_sum += usage
+            eng.usage_max = max(eng.usage_max, usage)
+            eng.max_running = max(eng.max_running, len(sched.running_batch.reqs))
+            eng.max_waiting = max(eng.max_waiting, len(sched.waiting_queue))
+        for o in outs:
+            if o.finished_reason is None:
+                continue
+            if o.rid not in eng.live:
+                continue
+            req = eng.live.pop(o.rid)
+            r = self.routed[o.rid]
+            trace.records.append(FleetRecord(o.rid, _record(req), eng.worker, eng.rank, r.branch, r.predicted))
+            self._push(clock.now, FINISH, o.rid)
+        # a step that scheduled nothing while work remains waits for the next request routed here
+        if sched.cur_batch is not None and sched.has_work():
+            eng.scheduled = True
+            self._push(clock.now, STEP, eng)
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def run(self, specs: Sequence[RequestSpec], label: str = "", progress: bool = False) -> FleetTrace:
+        trace = FleetTrace(label or self.cfg.policy, self.cfg, engines=self.engines)
+        if self.cfg.concurrency:
+            self.convs = _conversations(specs)
+            self.next_conv = min(self.cfg.concurrency, len(self.convs))
+            for c in range(self.next_conv):
+                self.turn_of[c] = 0
+                self._send(0.0, c)
+        else:
+            self.heap = [(s.arrival_time, ARRIVAL, i, (s, -1)) for i, s in enumerate(specs)]
+            heapq.heapify(self.heap)
+            self.seq = len(specs)
+        total = len(specs)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc=f"simulate {trace.label}", unit="req", mininterval=0.5)
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        heap = self.heap
+        while heap:
+            t, kind, _, item = heapq.heappop(heap)
+            if kind == STEP:
+                self._step(t, item, trace)
+            elif kind == ARRIVAL:
+                self._arrive(t, item[0], item[1])
+            else:
+                r = self.routed.pop(item)
+                r.target.load -= 1
+                if bar is not None:
+                    bar.update(1)
+                if r.conversation >= 0:
+                    self._client_next(t, r.conversation)
+        if bar is not None:
+            bar.close()
+        self._drain_check(trace)
+        trace.wall_s = time.perf_counter() - wall0
+        trace.cpu_s = time.process_time() - cpu0
+        trace.duration = max(e.clock.now for e in self.engines)
+        trace.cache_events = self.events
+        return trace
+
+    def _client_next(self, t: float, c: int) -> None:
+        """A closed-loop client's request in conversation ``c`` ended at ``t``: it sends the next
+        turn at once (no think time), or starts the next conversation nobody has taken yet."""
+        if self.turn_of[c] >= len(self.convs[c]):
+            if self.next_conv >= len(self.convs):
+                return
+            c, self.next_conv = self.next_conv, self.next_conv + 1
+            self.turn_of[c] = 0
+        self._send(t, c)
+
+    def _send(self, t: float, c: int) -> None:
+        spec = self.convs[c][self.turn_of[c]]
+        self.turn_of[c] += 1
+        self._push(t, ARRIVAL, (dataclasses.replace(spec, arrival_time=t), c))
+
+    def _drain_check(self, trace: FleetTrace) -> None:
+        """Every request finished, every load is back to 0, every engine's memory adds up."""
+        for eng in self.engines:
+            if eng.sched.has_work() or eng.pending or eng.live:
+                raise RuntimeError(f"engine w{eng.worker} rank {eng.rank} has work but schedules nothing "
+                                   f"({len(eng.sched.waiting_queue)} waiting)")
+            eng.sched.step()  # the idle step (the scheduler's own self-check with --idle-self-check)
+            eng.sched.kv.check_invariant()
+        leaked = {t.key: t.load for t in self.targets if t.load}
+        if leaked or self.routed:
+            raise RuntimeError(f"router loads left over: {leaked}, {len(self.routed)} requests unfinished")
+
+
+def _conversations(specs: Sequence[RequestSpec]) -> list[list[RequestSpec]]:
+    """The requests grouped by conversation (turns in order), conversations by first arrival; a
+    request without a conversation is one of its own."""
+    groups: dict[Any, list[RequestSpec]] = {}
+    for i, s in enumerate(specs):
+        groups.setdefault(("c", s.conversation) if s.conversation is not None else ("r", i), []).append(s)
+    return [sorted(g, key=lambda s: s.turn) for g in groups.values()]
+
+
+def run_fleet(args: ServerArgs, specs: Sequence[RequestSpec], cost: CostModel, context_len: int,
+              cfg: FleetConfig, label: str = "", progress: bool = False,
+              skip_req_to_token_writes: bool = False, stream: bool = False) -> FleetTrace:
+    fleet = Fleet(args, cost, context_len, cfg, skip_req_to_token_writes, stream)
+    return fleet.run(specs, label, progress)
+
+
+def branch_counts(records: Sequence[FleetRecord]) -> dict[str, int]:
+    return dict(sorted(Counter(r.branch for r in records).items()))
