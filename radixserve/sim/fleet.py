@@ -14,6 +14,10 @@ scheduler + radix cache with a ``VirtualClock`` of its own: the time its next st
 - ``STEP``: the engine whose next step starts earliest runs it (``sched.step()``; its clock moves
   by the cost model's step time). An idle engine steps when a request reaches it.
 
+``deadline_aware`` reads each target's waiting prompt tokens and measured prefill speed straight
+from its engines at every decision (the HTTP router reads ``/get_load`` once a second); a request
+it refuses never reaches an engine and is recorded as aborted (branch ``deadline_refused``).
+
 An engine only ever sees its own requests, and a step is processed at its start with everything
 that arrived up to then, so one engine behaves exactly as in ``simulator.run`` (a test holds them
 equal). The router's load is its in-flight count per target (what sgl-router counts); the workers'
@@ -32,7 +36,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import ServerArgs
-from radixserve.router.policy import PolicyConfig, RouteRequest, RouterPolicy, Target, make_router_policy
+from radixserve.router.policy import (
+    NoTargetMeetsDeadline,
+    PolicyConfig,
+    RouteRequest,
+    RouterPolicy,
+    Target,
+    make_router_policy,
+)
+from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.req import Req
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sim.cost_model import CostModel
@@ -179,6 +191,8 @@ class Fleet:
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.events = 0
+        self.reports = cfg.policy == "deadline_aware"
+        self.refused: list[FleetRecord] = []  # refused at the router (deadline_aware)
         if cfg.cache_events:
             self._subscribe()
 
@@ -204,7 +218,18 @@ class Fleet:
         ids = req.origin_input_ids
         chars = self.uses_key and self.cfg.match == "chars"  # the text is only built for a policy that reads it
         route = RouteRequest(text=chars_key(ids)) if chars else RouteRequest(tokens=ids)
-        d = self.policy.select(self.targets, route)
+        route.deadline_ms = spec.deadline_ms
+        if self.reports:
+            self._report_loads()
+        try:
+            d = self.policy.select(self.targets, route)
+        except NoTargetMeetsDeadline as e:  # refused at the router: it never reaches an engine
+            req.finished_reason = FINISH_ABORT(str(e), status_code=429, code="deadline_unmeetable")
+            req.finished_time = t
+            self.refused.append(FleetRecord(req.rid, _record(req), -1, -1, "deadline_refused", None))
+            if conversation >= 0:
+                self._client_next(t, conversation)
+            return
         d.target.load += 1
         ranks = self.by_target[d.target.key]
         i = self.next_rank[d.target.key]
@@ -217,6 +242,17 @@ class Fleet:
         if not eng.scheduled:
             eng.scheduled = True
             self._push(max(t, eng.clock.now), STEP, eng)
+
+    def _report_loads(self) -> None:
+        """What the workers' /get_load says (deadline_aware): each target's waiting prompt tokens and
+        its ranks' measured prefill speed. Read at every routing decision: fresher than the HTTP
+        router's one-second reports."""
+        for engines in self.by_target.values():
+            target = engines[0].target
+            target.waiting_tokens = sum(int(e.sched.get_load()["num_waiting_tokens"]) for e in engines) + \
+                sum(len(r.origin_input_ids) for e in engines for r in e.pending)
+            target.prefill_tokens_per_s = sum(e.sched.ext.throughput.tokens_per_s for e in engines)
+            target.sent_tokens = 0
 
     def _step(self, t: float, eng: Engine, trace: FleetTrace) -> None:
         eng.scheduled = False
@@ -289,6 +325,7 @@ class Fleet:
         if bar is not None:
             bar.close()
         self._drain_check(trace)
+        trace.records.extend(self.refused)
         trace.wall_s = time.perf_counter() - wall0
         trace.cpu_s = time.process_time() - cpu0
         trace.duration = max(e.clock.now for e in self.engines)

@@ -43,7 +43,8 @@ def router_figures(recs: Sequence[FleetRecord], num_workers: int) -> dict[str, A
     ``actual`` the share the engine's radix cache served (``Req.cached_tokens / prompt_len``)."""
     per_worker = [0] * num_workers
     for r in recs:
-        per_worker[r.worker] += 1
+        if r.worker >= 0:  # -1: refused at the router
+            per_worker[r.worker] += 1
     mean = sum(per_worker) / num_workers
     d: dict[str, Any] = {
         "branches": branch_counts(recs),
@@ -88,12 +89,14 @@ def summarize_fleet(trace: FleetTrace, args: ServerArgs | None = None) -> dict[s
     if cfg.dp_size > 1:
         per_rank = [0] * (cfg.num_workers * cfg.dp_size)
         for r in trace.records:
-            per_rank[r.worker * cfg.dp_size + r.rank] += 1
+            if r.worker >= 0:
+                per_rank[r.worker * cfg.dp_size + r.rank] += 1
         mean = sum(per_rank) / len(per_rank)
         res["router"]["rank_imbalance"] = round(max(per_rank) / mean, 4) if mean else None
     by_worker: list[list[FleetRecord]] = [[] for _ in range(cfg.num_workers)]
     for r in trace.records:
-        by_worker[r.worker].append(r)
+        if r.worker >= 0:
+            by_worker[r.worker].append(r)
     res["workers"] = []
     for w, recs in enumerate(by_worker):
         d = {"worker": w, **_latency(recs, trace.duration), "branches": branch_counts(recs)}
@@ -163,7 +166,7 @@ def fleet_text(r: dict[str, Any], max_workers: int = 16) -> str:
 
 
 # policies that read what the simulator does not model
-UNSIMULATED = {"deadline_aware": "the simulated workers send no /get_load reports (queue, prefill speed) for"}
+UNSIMULATED: dict[str, str] = {}
 
 
 # --- --router-policy items -------------------------------------------------------------------------

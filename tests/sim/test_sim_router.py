@@ -144,7 +144,8 @@ def test_balance_affinity_and_items() -> None:
     assert label.startswith("cache_aware") and cfg.policy_config.balance_affinity and cfg.dp_aware
     assert cfg.match == "chars" and cfg.concurrency is None and cfg.policy_config.seed == 3 and cfg.num_workers == 4
     assert fleet_item(base, "power_of_two")[1].policy == "power_of_two"
-    for bad in ("nope", "deadline_aware", "cache_aware:nope=1", "cache_aware:balance_affinity"):
+    assert fleet_item(base, "deadline_aware")[1].policy == "deadline_aware"
+    for bad in ("nope", "cache_aware:nope=1", "cache_aware:balance_affinity"):
         with pytest.raises(ValueError):
             fleet_item(base, bad)
     # a long shared prompt and a low balance threshold: the balance branch fires, affinity keeps locality
@@ -185,3 +186,15 @@ def test_cli_fleet_compares_policies(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert all(len(r["workers"]) == 3 and r["completed"] == 40 for r in results)
     assert results[0]["fleet"]["cache_events_received"] > 0 and results[1]["fleet"]["cache_events_received"] == 0
     assert "p95" in results[0]["ttft_ms"] and "p95" in results[0]["tpot_ms"]
+
+
+def test_deadline_aware_refuses_at_the_router_what_no_worker_can_meet() -> None:
+    specs = _specs(num_requests=60, request_rate=400.0, input_len=512, ttft_slo_classes="30:0.5,100000:0.5")
+    fleet, trace = _fleet(specs, num_workers=2, policy="deadline_aware")
+    refused = [r for r in trace.records if r.branch == "deadline_refused"]
+    assert len(trace.records) == 60 and refused  # every request accounted for, some refused up front
+    assert all(r.worker == -1 and r.record.aborted and r.record.deadline is not None
+               and r.record.deadline < 1.0 for r in refused)  # only tight ones: the loose always fit
+    assert {r.branch for r in trace.records} <= {"deadline_fastest", "deadline_hit", "deadline_refused"}
+    res = summarize_fleet(trace)
+    assert sum(w["requests"] for w in res["workers"]) == 60 - len(refused)
