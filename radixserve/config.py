@@ -173,6 +173,23 @@ class ServerArgs:
         None, "host:port of torch.distributed's TCP store, served by TP rank 0 on node 0 (required with "
         "--nnodes > 1; default: a free local port).", group="server")
 
+    # prefill/decode disaggregation (SGLang's flag names; radixserve/disagg, docs/scale-out.md)
+    disaggregation_mode: str = option(
+        "null", "Prefill/decode disaggregation: 'prefill' runs prompts and sends their KV to a decode worker, "
+        "'decode' receives KV and decodes, 'null' does both (no disaggregation).", ("null", "prefill", "decode"),
+        group="server")
+    disaggregation_bootstrap_port: int = option(
+        8998, "A prefill worker's bootstrap server port (data-parallel rank r: port + r), where decode workers "
+        "register the rooms they wait for.", group="server")
+    disaggregation_transfer_backend: str = option(
+        "zmq", "How KV moves between workers: ZeroMQ over TCP, zero-copy frames.", ("zmq",), group="server")
+    num_reserved_decode_tokens: int = option(
+        512, "A decode worker refuses a request (429) unless its KV pool keeps this many tokens free for "
+        "decoding after reserving the prompt.", group="server")
+    disaggregation_timeout_secs: float = option(
+        30.0, "Seconds a room may wait for its other half (KV on a decode worker; registration or "
+        "acknowledgement on a prefill worker) before it is aborted and its KV freed.", group="server")
+
     def __post_init__(self) -> None:
         errors: list[str] = []
 
@@ -202,6 +219,18 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 errors.append(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+        if self.disaggregation_mode != "null":
+            if not 1 <= self.disaggregation_bootstrap_port <= 65535:
+                errors.append("disaggregation_bootstrap_port must be in [1, 65535]")
+            if not self.disaggregation_timeout_secs > 0:
+                errors.append("disaggregation_timeout_secs must be > 0")
+            if self.num_reserved_decode_tokens < 0:
+                errors.append("num_reserved_decode_tokens must be >= 0")
+            if self.disable_radix_cache:
+                errors.append("--disaggregation-mode hands KV over through the radix cache; it cannot be used "
+                              "with --disable-radix-cache")
+            if getattr(self, "tp_size", 1) != 1:
+                errors.append("--disaggregation-mode does not support --tp-size > 1 yet")
         for name in ("decode_log_interval", "stream_interval", "dp_size"):  # server section
             positive(name, allow_none=False)
         if not 0 <= self.port <= 65535:

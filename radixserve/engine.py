@@ -7,6 +7,9 @@
 
 Every CLI option of ``ServerArgs`` is a keyword argument. The HTTP server runs the same pieces in
 separate processes; this class is the offline API, the benchmark's engine and the test harness.
+
+``Engine(tp_size=N)`` runs tensor-parallel rank 0 in this process and spawns ranks 1..N-1 as
+processes of this machine; ``shutdown()`` (or leaving a ``with Engine(...)`` block) stops them.
 """
 
 from __future__ import annotations
@@ -17,14 +20,17 @@ import os
 import sys
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from radixserve.config import ServerArgs
 from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache, ChunkCache
-from radixserve.mem.kv_pool import ReqToTokenPool
+from radixserve.mem.kv_pool import JournaledReqToTokenPool, ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
 from radixserve.model.detokenize import IncrementalDetokenizer
 from radixserve.model.model_runner import ModelRunner
@@ -88,6 +94,11 @@ class Engine:
         if args.dp_size != 1:
             raise ValueError("dp_size: data parallelism runs in the server (radixserve serve --dp-size N); "
                              "the in-process Engine has one scheduler")
+        self._tp_procs: list[Any] = []
+        self._stop_tp: Callable[[], None] = lambda: None
+        if args.tp_size > 1:
+            runner = self._start_tp(runner)
+            args = self.server_args
         self.runner = runner or ModelRunner(
             args.model_path, dtype=args.dtype, attention_backend=args.attention_backend,
             seed=args.random_seed, num_threads=args.num_threads,
@@ -95,8 +106,50 @@ class Engine:
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.tokenizer
         self.context_len = args.context_length or self.model_config.max_position
-        self.scheduler = build_scheduler(args, self.runner, self.context_len)
+        try:
+            self.scheduler = build_scheduler(args, self.runner, self.context_len)
+        except BaseException:
+            self.shutdown()
+            raise
         self._rid_counter = itertools.count()
+
+    def _start_tp(self, runner: ModelRunner | None) -> ModelRunner:
+        """Spawn ranks 1..N-1, join the group as rank 0 and load rank 0's shard."""
+        from radixserve.model.loader import load_config
+        from radixserve.model.parallel import check_tp_size
+        from radixserve.model.tp_worker import load_tp_rank, spawn_tp_ranks, with_tp_defaults
+
+        args = self.server_args
+        if runner is not None:
+            raise ValueError("tp_size > 1: the engine loads each rank's shard itself; pass no runner")
+        if args.nnodes != 1:
+            raise ValueError("the in-process Engine runs every tensor-parallel rank here: nnodes must be 1 "
+                             "(radixserve serve --nnodes N runs across machines)")
+        check_tp_size(load_config(args.model_path), args.tp_size)  # before anything is spawned
+        self.server_args = args = with_tp_defaults(args)
+        procs = self._tp_procs = spawn_tp_ranks(args, range(1, args.tp_size))
+        holder: list[ModelRunner] = []
+        # NOTE: a finalizer, not only shutdown(): it also runs at interpreter exit (before
+        # multiprocessing kills its daemon children), so a script that never calls shutdown()
+        # still stops the ranks with the stop message and leaves the group cleanly.
+        self._stop_tp = weakref.finalize(self, _stop_tp_ranks, holder, procs, torch.get_num_threads())
+        try:
+            runner = load_tp_rank(args, 0, alive=lambda: all(p.is_alive() for p in procs))
+        except BaseException:
+            self.shutdown()
+            raise
+        holder.append(runner)
+        return runner
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (no-op without them). The engine cannot run afterwards."""
+        self._stop_tp()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # --- public API ----------------------------------------------------------------------------
     def generate(
@@ -272,18 +325,33 @@ class Engine:
         return out
 
 
+def _stop_tp_ranks(runners: list[ModelRunner], procs: list[Any], threads: int, timeout: float = 10.0) -> None:
+    for runner in runners:
+        runner.shutdown()  # the stop message, then leave the group
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+    torch.set_num_threads(threads)  # rank 0 took its share of this process's threads
+
+
 def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int) -> Scheduler:
     """Size the pools, attach them to the runner, and build the scheduler over them."""
-    bpt = runner.kv_bytes_per_token()
-    total = kv_pool_tokens(args, bpt, context_len)
+    bpt = runner.kv_bytes_per_token()  # under tensor parallelism: this rank's KV heads only
+    # NOTE: the tensor-parallel ranks of one machine share its memory, as data-parallel ranks do: the
+    # --mem-fraction-static budget holds the same tokens whatever the tp size (each rank 1/tp of each).
+    total = kv_pool_tokens(args, bpt * args.tp_ranks_per_node, context_len)
     max_reqs = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
     print(
         f"[radixserve] KV cache: {total} tokens x {bpt} B/token = {total * bpt / 2**30:.2f} GiB "
         f"({'--max-total-tokens' if args.max_total_tokens else f'--mem-fraction-static {args.mem_fraction_static}'}), "
-        f"page size {args.page_size}, {max_reqs} request slots, context {context_len}",
+        f"page size {args.page_size}, {max_reqs} request slots, context {context_len}"
+        + (f" (per tensor-parallel rank: 1/{args.tp_size} of the KV heads)" if args.tp_size > 1 else ""),
         file=sys.stderr,
     )
-    r2t = ReqToTokenPool(max_reqs, context_len)
+    # under tensor parallelism the other ranks replay this pool's writes into their copy of the table
+    r2t = JournaledReqToTokenPool(max_reqs, context_len) if args.tp_size > 1 else ReqToTokenPool(max_reqs, context_len)
     allocator = TokenToKVPoolAllocator(total, args.page_size)
     runner.attach_pools(runner.make_kv_pool(total, args.page_size), r2t)
     cache: BasePrefixCache = (

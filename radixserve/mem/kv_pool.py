@@ -79,3 +79,54 @@ class ReqToTokenPool:
             t = self.req_to_token
             dev = t.device
             t[int64_tensor(rows).to(dev), int64_tensor(cols).to(dev)] = int64_tensor(slots).to(dev)
+
+
+class JournaledReqToTokenPool(ReqToTokenPool):
+    """A ``ReqToTokenPool`` that also records every write since the last ``take_journal``.
+
+    Under tensor parallelism rank 0's scheduler is the only writer of the table; the other ranks
+    keep a copy that the attention reads, brought up to date each step by ``replay_journal`` of
+    what rank 0 wrote since the previous step (a few ints per request, instead of the rows).
+
+    Journal format, flat ints: ``row, start, n, slot*n`` for ``write`` and ``-1, n, row*n, col*n,
+    slot*n`` for ``write_many``.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
+        super().__init__(size, max_context_len, device)
+        self.journal: list[int] = []
+
+    def write(self, idx: int, start: int, slots: list[int]) -> None:
+        super().write(idx, start, slots)
+        if slots:
+            self.journal += (idx, start, len(slots))
+            self.journal += slots
+
+    def write_many(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
+        super().write_many(rows, cols, slots)
+        if slots:
+            self.journal += (-1, len(slots))
+            self.journal += rows
+            self.journal += cols
+            self.journal += slots
+
+    def take_journal(self) -> list[int]:
+        out, self.journal = self.journal, []
+        return out
+
+
+def replay_journal(pool: ReqToTokenPool, journal: torch.Tensor) -> None:
+    """Apply a ``JournaledReqToTokenPool`` journal (an int64 tensor) to another pool's table."""
+    t = pool.req_to_token
+    vals = journal.to(t.device)
+    ints = journal.tolist()  # the headers are read one by one: faster from a list
+    i = 0
+    while i < len(ints):
+        if ints[i] >= 0:
+            row, start, n = ints[i : i + 3]
+            t[row, start : start + n] = vals[i + 3 : i + 3 + n]
+            i += 3 + n
+        else:
+            n, b = ints[i + 1], i + 2
+            t[vals[b : b + n], vals[b + n : b + 2 * n]] = vals[b + 2 * n : b + 3 * n]
+            i = b + 3 * n

@@ -6,6 +6,9 @@ fused into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (fewer, larger
 
 ``forward`` consumes a ``ForwardBatch`` (flat new tokens of all requests) and returns the logits of
 each request's last new token only: the LM head never runs on the other positions.
+
+With a ``TPGroup`` (tensor parallelism, parallel.py) each rank builds and loads only its shard of
+every layer; without one (``tp`` None) nothing of that runs: no collective, no masking.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from radixserve.mem.forward_batch import ForwardBatch
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model.attention import AttentionBackend, create_attention_backend
 from radixserve.model.config import ModelConfig
+from radixserve.model.parallel import TPGroup
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -134,14 +138,19 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    """Under tensor parallelism: this rank's heads only (column-parallel qkv), and a row-parallel
+    o_proj whose partial sums are all-reduced."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp_size = tp.size if tp is not None else 1
+        self.tp = tp
         self.layer_id = layer_id
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = config.num_heads // tp_size
+        self.num_kv_heads = config.num_kv_heads // tp_size
         self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype
         )
@@ -171,8 +180,8 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KVH, D)
         qk = _apply_rope(qk, cos, sin)  # q and k rotated in one go: [T, H + KVH, D]
         q, k = qk[:, :H], qk[:, H:]
-        out = backend.forward(q, k, v, self.layer_id, fb, kv_pool, r2t)
-        return self.o_proj(out)
+        out = self.o_proj(backend.forward(q, k, v, self.layer_id, fb, kv_pool, r2t))
+        return out if self.tp is None else self.tp.all_reduce_(out)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -184,25 +193,32 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    """Under tensor parallelism: this rank's slice of the intermediate rows (column-parallel
+    gate/up, row-parallel down_proj, all-reduced)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
+        self.tp = tp
+        start, end = tp.split(config.intermediate_size) if tp is not None else (0, config.intermediate_size)
+        self.rows = (start, end)
+        self.intermediate = end - start
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, False, dtype)
+        self.down_proj = Linear(self.intermediate, config.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
         gate, up = gu[:, : self.intermediate], gu[:, self.intermediate :]
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce_(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps, dtype)
-        self.self_attn = Attention(config, layer_id, dtype)
+        self.self_attn = Attention(config, layer_id, dtype, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp = MLP(config, dtype, tp)
 
     def forward(
         self,
@@ -227,19 +243,26 @@ class LlamaForCausalLM(nn.Module):
         config: ModelConfig,
         dtype: torch.dtype = torch.float32,
         attention_backend: str | AttentionBackend = "torch_native",
+        tp: TPGroup | None = None,
     ) -> None:
+        """``tp``: build this rank's shard only (the vocabulary rows of the embedding and LM head,
+        the heads and intermediate rows of every layer); the heads must divide (check_tp_size)."""
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
+        self.tp = tp
+        v0, v1, vocab_rows = tp.vocab_range(config.vocab_size) if tp else (0, config.vocab_size, config.vocab_size)
+        self.vocab_range = (v0, v1)
+        self.embed_tokens = _param(vocab_rows, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps, dtype)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.lm_head = Linear(config.hidden_size, vocab_rows, False, dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
         if isinstance(attention_backend, str):
+            tp_size = tp.size if tp else 1
             attention_backend = create_attention_backend(
-                attention_backend, config.num_heads, config.num_kv_heads, config.head_dim
+                attention_backend, config.num_heads // tp_size, config.num_kv_heads // tp_size, config.head_dim
             )
         self.attn_backend = attention_backend
         # cos/sin per position, computed in float32 as HF does, then cast; only one half is kept.
@@ -256,14 +279,19 @@ class LlamaForCausalLM(nn.Module):
         state_dict: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         attention_backend: str | AttentionBackend = "torch_native",
+        tp: TPGroup | None = None,
     ) -> LlamaForCausalLM:
-        model = cls(config, dtype, attention_backend)
+        model = cls(config, dtype, attention_backend, tp)
         model.load_weights(state_dict)
         return model.eval()
 
     @torch.no_grad()
     def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy an HF-named state dict in, fusing q/k/v and gate/up. Every parameter must be set."""
+        """Copy an HF-named state dict in, fusing q/k/v and gate/up. Every parameter must be set.
+
+        Under tensor parallelism the whole tensors come in and this rank's rows / columns are cut
+        out here: every rank reads the whole checkpoint, which is fine for small models (a large
+        one would want each rank to read only its slices from the file)."""
         used: set[str] = set()
 
         def take(name: str) -> torch.Tensor:
@@ -272,33 +300,45 @@ class LlamaForCausalLM(nn.Module):
             used.add(name)
             return sd[name]
 
-        self.embed_tokens.copy_(take("model.embed_tokens.weight"))
+        c, D = self.config, self.config.head_dim
+        tp_size, rank = (self.tp.size, self.tp.rank) if self.tp is not None else (1, 0)
+        hq, hk = c.num_heads // tp_size, c.num_kv_heads // tp_size
+        q_part, kv_part = slice(rank * hq * D, (rank + 1) * hq * D), slice(rank * hk * D, (rank + 1) * hk * D)
+        v0, v1 = self.vocab_range
+
+        def vocab_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+            dst[: v1 - v0].copy_(src[v0:v1])
+            dst[v1 - v0 :].zero_()  # padding of the last rank's slice: never looked up, its logits cut off
+
+        vocab_rows(self.embed_tokens, take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
-        if not self.config.tie_word_embeddings:
-            self.lm_head.weight.copy_(take("lm_head.weight"))
+        if not c.tie_word_embeddings:
+            vocab_rows(self.lm_head.weight, take("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p = f"model.layers.{i}."
             a = layer.self_attn
+            parts = (q_part, kv_part, kv_part)
             a.qkv_proj.weight.copy_(
-                torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")], dim=0)
+                torch.cat([take(p + f"self_attn.{n}_proj.weight")[r] for n, r in zip("qkv", parts, strict=True)])
             )
             if a.qkv_proj.bias is not None:
                 a.qkv_proj.bias.copy_(
-                    torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
+                    torch.cat([take(p + f"self_attn.{n}_proj.bias")[r] for n, r in zip("qkv", parts, strict=True)])
                 )
-            a.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+            a.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight")[:, q_part])
             if a.q_norm is not None and a.k_norm is not None:
                 a.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
                 a.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
+            r0, r1 = layer.mlp.rows
             layer.mlp.gate_up_proj.weight.copy_(
-                torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
+                torch.cat([take(p + "mlp.gate_proj.weight")[r0:r1], take(p + "mlp.up_proj.weight")[r0:r1]], dim=0)
             )
-            layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+            layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight")[:, r0:r1])
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
         unused = [
-            k for k in sd if k not in used and not (k == "lm_head.weight" and self.config.tie_word_embeddings)
+            k for k in sd if k not in used and not (k == "lm_head.weight" and c.tie_word_embeddings)
         ]
         if unused:
             raise ValueError(f"state dict has tensors this model does not use: {unused[:8]}")
@@ -334,7 +374,7 @@ class LlamaForCausalLM(nn.Module):
         positions = fb.positions
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
-        h = F.embedding(fb.input_ids, self.embed_tokens)
+        h = F.embedding(fb.input_ids, self.embed_tokens) if self.tp is None else self._embed_sharded(fb.input_ids)
         for layer in self.layers:
             h = layer(h, cos, sin, backend, fb, kv_pool, req_to_token_pool)
         return h
@@ -348,4 +388,17 @@ class LlamaForCausalLM(nn.Module):
                 s += n
                 ends.append(s - 1)
             last = hidden.index_select(0, torch.tensor(ends, dtype=torch.int64))
-        return self.lm_head(self.norm(last))
+        if self.tp is None:
+            return self.lm_head(self.norm(last))
+        # rank 0 gets every rank's slice side by side; the padding columns past the vocabulary go
+        logits = self.tp.gather_last_dim(self.lm_head(self.norm(last)))
+        return logits[:, : self.config.vocab_size]
+
+    def _embed_sharded(self, ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: rows of other ranks' tokens are zeros here, and the
+        all-reduce adds the one rank's real row to them (exactly: every other term is 0)."""
+        assert self.tp is not None
+        v0, v1 = self.vocab_range
+        outside = (ids < v0) | (ids >= v1)
+        h = F.embedding((ids - v0).masked_fill_(outside, 0), self.embed_tokens)
+        return self.tp.all_reduce_(h.masked_fill_(outside.unsqueeze(-1), 0.0))

@@ -92,3 +92,16 @@ def load_model(
     from radixserve.model.safetensors_loader import load_safetensors_dir
 
     return load_safetensors_dir(resolved, torch_dtype, progress=progress)
+
+
+def load_config(path: str | None) -> ModelConfig:
+    """The model's config without its weights (the GGUF header parse is cached for the loader)."""
+    kind, resolved = resolve_model_path(path)
+    if kind == "gguf":
+        from radixserve.model.gguf_loader import read_gguf_metadata
+
+        return ModelConfig.from_gguf_metadata(read_gguf_metadata(resolved))
+    import json
+
+    with open(os.path.join(resolved, "config.json")) as f:
+        return ModelConfig.from_hf_dict(json.load(f))

@@ -8,6 +8,10 @@ the engine has sized them, the KV pools::
     r2t = runner.make_req_to_token_pool(size=256)
     runner.attach_pools(kv, r2t)
     out = runner.forward(batch)                     # ForwardOutput, one token per request
+
+Under tensor parallelism (``tp_group``) every rank has a ``ModelRunner`` over its shard. Rank 0's is
+the one the scheduler drives: ``attach_pools`` sends the pool sizes to the other ranks and each
+``forward`` first broadcasts the batch to them (parallel.py); the other ranks run ``tp_worker``.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import time
 import torch
 
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
-from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
+from radixserve.mem.kv_pool import JournaledReqToTokenPool, KVPool, ReqToTokenPool
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import load_model, parse_dtype
+from radixserve.model.parallel import TPGroup, check_tp_size, send_step, send_stop
 from radixserve.model.sampler import Sampler
 from radixserve.model.tokenizer import Tokenizer
 
@@ -108,12 +113,14 @@ class ModelRunner:
         pack_weights: bool = True,
         tune_malloc_arena: bool = True,
         progress: bool = True,
+        tp_group: TPGroup | None = None,
     ) -> None:
         """Load the model at ``model_path`` (None: bundled SmolLM2-135M-Instruct GGUF).
 
         ``pack_weights``: pre-pack fp32 linear weights for oneDNN (faster on CPU; the plain copies
         are then freed). ``seed`` seeds the sampler's generator for unseeded requests.
         ``tune_malloc_arena``: see ``tune_malloc`` (process-wide glibc setting).
+        ``tp_group``: load this rank's shard of a tensor-parallel model (a group of size 1 is none).
         """
         if tune_malloc_arena:
             tune_malloc()
@@ -121,8 +128,11 @@ class ModelRunner:
         self.model_path = model_path
         self.dtype = resolve_dtype(dtype)
         t0 = time.perf_counter()
+        self.tp = tp_group if tp_group is not None and tp_group.size > 1 else None
         config, state = load_model(model_path, self.dtype, progress=progress)
-        self.model = LlamaForCausalLM.from_state_dict(config, state, self.dtype, attention_backend)
+        if self.tp is not None:
+            check_tp_size(config, self.tp.size)
+        self.model = LlamaForCausalLM.from_state_dict(config, state, self.dtype, attention_backend, self.tp)
         del state
         self.packed_linears = self.model.pack_linears(drop_plain_weights=True) if pack_weights else 0
         self.tokenizer = Tokenizer.from_model_path(model_path)
@@ -153,13 +163,22 @@ class ModelRunner:
     def max_context_len(self) -> int:
         return self.model_config.max_position
 
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size if self.tp is not None else 1
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads this rank's pool holds: all of them, or its share under tensor parallelism."""
+        return self.model_config.num_kv_heads // self.tp_size
+
     def kv_bytes_per_token(self, kv_dtype: torch.dtype | None = None) -> int:
         c = self.model_config
-        return KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or self.dtype)
+        return KVPool.bytes_per_token(c.num_layers, self.local_kv_heads, c.head_dim, kv_dtype or self.dtype)
 
     def make_kv_pool(self, size: int, page_size: int = 1, device: str | torch.device = "cpu") -> KVPool:
         c = self.model_config
-        return KVPool(size, page_size, c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, device)
+        return KVPool(size, page_size, c.num_layers, self.local_kv_heads, c.head_dim, self.dtype, device)
 
     def make_req_to_token_pool(self, size: int, max_context_len: int | None = None) -> ReqToTokenPool:
         return ReqToTokenPool(size, max_context_len or self.max_context_len)
@@ -169,10 +188,17 @@ class ModelRunner:
         if kv_pool.num_layers != c.num_layers:
             raise ValueError(f"KV pool has {kv_pool.num_layers} layers, the model {c.num_layers}")
         k0 = kv_pool.k_buffers[0]
-        if tuple(k0.shape[1:]) != (c.num_kv_heads, c.head_dim):
+        if tuple(k0.shape[1:]) != (self.local_kv_heads, c.head_dim):
             raise ValueError(
-                f"KV pool rows are {tuple(k0.shape[1:])}, the model needs {(c.num_kv_heads, c.head_dim)}"
+                f"KV pool rows are {tuple(k0.shape[1:])}, the model needs {(self.local_kv_heads, c.head_dim)}"
             )
+        if self.tp is not None and self.tp.rank == 0:
+            if not isinstance(req_to_token_pool, JournaledReqToTokenPool):
+                raise TypeError("tensor parallelism: rank 0 needs a JournaledReqToTokenPool (build_scheduler)")
+            # the other ranks build the same pools from these sizes (tp_worker.serve_tp_rank)
+            sizes = (kv_pool.size, kv_pool.page_size, req_to_token_pool.size, req_to_token_pool.max_context_len)
+            self.tp.broadcast_(torch.tensor(sizes, dtype=torch.int64).to(self.tp.device))
+            req_to_token_pool.take_journal()  # the table starts empty on every rank
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
 
@@ -180,12 +206,54 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         if self.kv_pool is None or self.req_to_token_pool is None:
             raise RuntimeError("ModelRunner.forward before attach_pools()")
+        if self.tp is not None:
+            return self._forward_tp(batch)
+        return self._forward_local(batch)
+
+    def _forward_local(self, batch: ForwardBatch) -> ForwardOutput:
+        assert self.kv_pool is not None and self.req_to_token_pool is not None
         with torch.inference_mode():
             logits = self.model(batch, self.kv_pool, self.req_to_token_pool).float()
-            sampled = self.sampler.sample(logits, batch.sampling)
+            return self._sample(batch, logits)
+
+    def _sample(self, batch: ForwardBatch, logits: torch.Tensor) -> ForwardOutput:
+        """(Called in inference mode.)"""
+        sampled = self.sampler.sample(logits, batch.sampling)
         return ForwardOutput(
             next_token_ids=sampled.next_token_ids,
             logprobs=sampled.logprobs,
             top_logprobs=sampled.top_logprobs,
             logits=logits if batch.capture_logits else None,
         )
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def _forward_tp(self, batch: ForwardBatch) -> ForwardOutput:
+        """Rank 0: broadcast the step, run this rank's shard (its collectives join the other ranks'),
+        sample from the gathered logits. The sampled ids reach the other ranks as the input ids of
+        the next step's broadcast: they never sample."""
+        tp = self.tp
+        assert tp is not None and self.kv_pool is not None
+        assert isinstance(self.req_to_token_pool, JournaledReqToTokenPool)
+        if tp.broken is not None:  # a group that lost a rank cannot recover: fail every later step too
+            raise RuntimeError(f"the tensor-parallel group is broken: {tp.broken}")
+        try:
+            send_step(tp, batch, self.req_to_token_pool.take_journal())
+            with torch.inference_mode():
+                logits = self.model(batch, self.kv_pool, self.req_to_token_pool).float()
+        except Exception as e:  # a step failed half-way leaves the other ranks inside a collective
+            tp.broken = e
+            raise
+        with torch.inference_mode():
+            return self._sample(batch, logits)
+
+    def shutdown(self) -> None:
+        """Rank 0 under tensor parallelism: tell the other ranks to exit, then leave the group."""
+        tp, self.tp = self.tp, None
+        if tp is None:
+            return
+        if tp.rank == 0 and tp.broken is None:
+            try:
+                send_stop(tp)
+            except Exception:  # a rank already gone: the others see its connection close
+                logger.debug("could not send stop to the tensor-parallel ranks", exc_info=True)
+        tp.destroy()

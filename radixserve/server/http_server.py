@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from radixserve.server.cache_events import advertised_endpoints
 from radixserve.server.common import (
     SSE_DONE,
     SSE_HEADERS,
@@ -37,6 +38,7 @@ from radixserve.server.common import (
 )
 from radixserve.server.io_struct import GenerateReq
 from radixserve.server.openai_api import OpenAIServing
+from radixserve.server.pd_fields import bootstrap_fields
 from radixserve.server.protocol import AbortRequest, APIError, GenerateRequest, parse_body
 from radixserve.server.sched_fields import sched_fields
 from radixserve.server.tokenizer_manager import ClientGone, ReqState, ServerDead, TokenizerManager
@@ -165,6 +167,8 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
         return JSONResponse({"ok": True, "output_ids": states[0].output_ids})
 
     server_fields = {f.name for f in dataclasses.fields(tm.args)}
+    # where a router subscribes to the ranks' cache events ([] when --cache-events-port is unset)
+    cache_events = advertised_endpoints(args.host, args.cache_events_port, args.dp_size)
 
     async def server_info() -> dict[str, Any]:
         cfg = dataclasses.asdict(tm.args)
@@ -179,6 +183,8 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
             "version": VERSION,
             **tm.info,
             "pids": pids,
+            "cache_events_endpoint": cache_events[0] if cache_events else None,
+            "cache_events_endpoints": cache_events,
         }
         info["internal_states"] = await tm.control("get_load")
         info["memory"] = merge_memory(await tm.control("memory"))
@@ -299,7 +305,8 @@ async def _native_generate(tm: TokenizerManager, request: Request, body: Generat
             sp.setdefault("logprobs", True)
             sp.setdefault("top_logprobs_num", body.top_logprobs_num)
         check_sampling_params(sp, tm.info.get("vocab_size"), openai=False)
-        reqs.append(GenerateReq(rid, ids, sp, body.priority, *fields, stream=bool(body.stream)))
+        reqs.append(GenerateReq(rid, ids, sp, body.priority, *fields, stream=bool(body.stream),
+                                bootstrap=bootstrap_fields(body, tm.args.disaggregation_mode)))
     call = Call(tm, request, abort_is_error=False)
     await call.open(reqs)
     if body.stream:

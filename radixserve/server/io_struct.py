@@ -71,6 +71,17 @@ class GenerateReq(msgspec.Struct, tag=True):
     deadline_ms: float | None = None  # TTFT deadline relative to arrival at the scheduler (edf)
     data_parallel_rank: int | None = None  # --dp-size: pins the request to this scheduler rank
     stream: bool = True  # False: the scheduler sends the first token and the finish only
+    bootstrap: Bootstrap | None = None  # prefill/decode disaggregation: the transfer this request is part of
+
+
+class Bootstrap(msgspec.Struct):
+    """The router's ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` (docs/scale-out.md);
+    ``prefill_rank``: the prefill worker's data-parallel rank (its bootstrap server is port + rank)."""
+
+    host: str
+    port: int
+    room: int
+    prefill_rank: int = 0
 
 
 class AbortReq(msgspec.Struct, tag=True):

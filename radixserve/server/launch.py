@@ -6,6 +6,10 @@ Exit codes: 0 after Ctrl-C / SIGTERM (everything shut down in order), 1 when a c
 died (``/health`` answers 503 first, for ``FATAL_EXIT_DELAY_S``) or failed to start, 130 when
 interrupted while loading. Shutdown never hangs: children get SIGTERM, then SIGKILL, and a timer
 kills the whole server if a graceful shutdown takes longer than ``HARD_EXIT_S``.
+
+With ``--tp-size N`` the scheduler process is tensor-parallel rank 0 and ranks 1..N-1 are children
+``tp_1``...; with ``--nnodes K``, ``--node-rank 0`` runs all that for its N/K ranks and any other
+node rank only starts its N/K ranks (``launch_tp_node``), which exit when rank 0 does.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from radixserve.server.http_server import create_app, pid_map
 from radixserve.server.procs import IpcNames, setup_logging
 from radixserve.server.scheduler_proc import run_scheduler_process
 from radixserve.server.tokenizer_manager import TokenizerManager
+from radixserve.server.tp_worker_proc import run_tp_worker_process
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +66,12 @@ def served_model_name(args: ServerArgs) -> tuple[str, str]:
 
 
 def launch_server(args: ServerArgs) -> int:
-    setup_logging(args.log_level, "HTTP")
+    setup_logging(args.log_level, "HTTP" if args.node_rank == 0 else f"node{args.node_rank}")
     try:
+        if args.tp_size > 1:
+            args = _tp_args(args)
+        if args.node_rank > 0:
+            return launch_tp_node(args)
         _check_port(args.host, args.port)  # fail before the model loads, not after
         served_model_name(args)
     except (OSError, ValueError, NotImplementedError) as e:
@@ -81,6 +90,52 @@ def launch_server(args: ServerArgs) -> int:
     finally:
         shutdown_children(procs)
         ipc.cleanup()
+
+
+def _tp_args(args: ServerArgs) -> ServerArgs:
+    """Refuse a tp size the model's heads do not allow before anything starts, and fill in the
+    store address and each rank's threads."""
+    from radixserve.model.loader import load_config
+    from radixserve.model.parallel import check_tp_size
+    from radixserve.model.tp_worker import with_tp_defaults
+
+    check_tp_size(load_config(args.model_path), args.tp_size)
+    return with_tp_defaults(args)
+
+
+def _tp_ranks(args: ServerArgs, parent: int, ipc: IpcNames | None) -> list[tuple[str, Any, tuple[Any, ...]]]:
+    """This node's tensor-parallel ranks but rank 0 (the scheduler process, on node 0)."""
+    per_node = args.tp_ranks_per_node
+    first = args.node_rank * per_node
+    return [(f"tp_{r}", run_tp_worker_process, (args, ipc, parent, r))
+            for r in range(max(first, 1), first + per_node)]
+
+
+def launch_tp_node(args: ServerArgs) -> int:
+    """``--node-rank k > 0``: run this node's tensor-parallel ranks until they exit. 0 when they
+    all exited cleanly (rank 0 stopped), 1 when one failed, 0 after Ctrl-C / SIGTERM."""
+    ctx = mp.get_context("spawn")
+    procs: dict[str, BaseProcess] = {}
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    logger.info("node %d of %d: starting tensor-parallel ranks %s (rank 0's store at %s)", args.node_rank,
+                args.nnodes, [n for n, _, _ in _tp_ranks(args, 0, None)], args.dist_init_addr)
+    try:
+        for pname, target, pargs in _tp_ranks(args, os.getpid(), None):
+            p = ctx.Process(target=target, args=pargs, name=f"radixserve-{pname}", daemon=True)
+            p.start()
+            procs[pname] = p
+        while not stop.is_set() and any(p.is_alive() for p in procs.values()):
+            stop.wait(0.2)
+    finally:
+        shutdown_children(procs)
+    failed = {n: p.exitcode for n, p in procs.items() if p.exitcode not in (0, -signal.SIGTERM)}
+    if failed and not stop.is_set():
+        logger.error("tensor-parallel ranks failed: %s", failed)
+        return 1
+    logger.info("node %d: tensor-parallel ranks stopped", args.node_rank)
+    return 0
 
 
 def _check_port(host: str, port: int) -> None:
@@ -124,6 +179,7 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
     ctx = mp.get_context("spawn")
     tqdm.set_lock(threading.RLock())  # NOTE: tqdm's default lock is a multiprocessing semaphore
     stages = LOAD_STAGES if args.dp_size == 1 else LOAD_STAGES + 4 * (args.dp_size - 1) + 1
+    stages += args.tp_ranks_per_node - 1  # each tp_<r> child's "ready"
     bar = tqdm(total=stages, desc=f"Loading {name}", unit="stage",
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}] {postfix}")
 
@@ -197,7 +253,7 @@ def _children(args: ServerArgs, ipc: IpcNames, parent: int) -> list[tuple[str, A
     controller and N scheduler ranks, each with its share of the CPU threads."""
     detok = ("detokenizer", run_detokenizer_process, (args, ipc, parent))
     if args.dp_size == 1:
-        return [("scheduler", run_scheduler_process, (args, ipc, parent)), detok]
+        return [("scheduler", run_scheduler_process, (args, ipc, parent)), *_tp_ranks(args, parent, ipc), detok]
     # NOTE: the ranks share this machine's memory and cores (SGLang's ranks each own a GPU), so
     # --mem-fraction-static is split between them, and the threads too unless --num-threads is set.
     rank_args = args.replace(mem_fraction_static=args.mem_fraction_static / args.dp_size)

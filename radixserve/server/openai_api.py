@@ -30,6 +30,7 @@ from radixserve.server.common import (
     stream_error,
 )
 from radixserve.server.io_struct import GenerateReq, StrOut
+from radixserve.server.pd_fields import bootstrap_fields
 from radixserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from radixserve.server.sched_fields import sched_fields
 from radixserve.server.tokenizer_manager import ClientGone, ReqState, TokenizerManager
@@ -54,6 +55,7 @@ class OpenAIServing:
     ) -> list[GenerateReq]:
         base = uuid.uuid4().hex
         reqs = []
+        bootstrap = bootstrap_fields(body, self.tm.args.disaggregation_mode)
         for p, ids in enumerate(prompts):
             check_prompt(self.tm, ids, prompt_param)
             sp = body.sampling_params(resolve_max_tokens(self.tm, len(ids), max_tokens), logprobs, top_logprobs)
@@ -63,7 +65,7 @@ class OpenAIServing:
                 if sp["seed"] is not None:
                     spi["seed"] = sp["seed"] + i
                 reqs.append(GenerateReq(f"{base}-{p}-{i}", ids, spi, body.priority, *fields,
-                                        stream=bool(body.stream)))
+                                        stream=bool(body.stream), bootstrap=bootstrap))
         return reqs
 
     def _token_str(self, tid: int) -> str:

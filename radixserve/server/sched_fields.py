@@ -34,7 +34,8 @@ def sched_fields(request: Request, body: Any, openai: bool,
                  dp_size: int = 1) -> tuple[str | None, float | None, int | None]:
     """(tenant, deadline_ms, data_parallel_rank) of one HTTP request."""
     extra = getattr(body, "model_extra", None) or {}
-    rank = extra.get("data_parallel_rank")
+    # a decode worker under prefill/decode disaggregation: data_parallel_rank names the prefill rank
+    rank = extra.get("data_parallel_rank_decode", extra.get("data_parallel_rank"))
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < dp_size):
         raise APIError(f"data_parallel_rank must be an integer in [0, {dp_size}) (this server's dp_size is "
                        f"{dp_size}), got {rank!r}", param="data_parallel_rank")

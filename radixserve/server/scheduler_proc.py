@@ -8,6 +8,9 @@ its ``ReqOutput`` records on to the detokenizer as one ``BatchTokenOut``. Contro
 Every ``--decode-log-interval`` decode steps it logs a line like SGLang's::
 
     Decode batch. #running-req: 3, #token: 310, token usage: 0.04, gen throughput (token/s): 41.20, #queue-req: 0
+
+With ``--cache-events-port`` the radix cache reports its changes to a ``CacheEventPublisher``,
+which sends what a step produced as one batch at the end of the step (server/cache_events.py).
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ import zmq
 
 from radixserve.config import ServerArgs
 from radixserve.engine import build_scheduler
+from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import ReqOutput
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
 from radixserve.sched.scheduler import Scheduler, calm_garbage_collector
+from radixserve.server.cache_events import CacheEventPublisher, bind_endpoint
 from radixserve.server.io_struct import (
     ENCODER,
     AbortReq,
@@ -45,6 +50,7 @@ from radixserve.server.io_struct import (
     ToScheduler,
     decoder,
 )
+from radixserve.server.pd_worker import PDWorker
 from radixserve.server.procs import IpcNames, child_init, parent_alive, pull_socket, push_socket
 
 logger = logging.getLogger(__name__)
@@ -61,6 +67,10 @@ def make_runner(args: ServerArgs) -> Any:
     if factory:
         mod, _, fn = factory.partition(":")
         return getattr(importlib.import_module(mod), fn)(args)
+    if args.tp_size > 1:  # rank 0 of the tensor-parallel group; the other ranks are tp_worker_proc children
+        from radixserve.model.tp_worker import load_tp_rank
+
+        return load_tp_rank(args, 0)
     from radixserve.model.model_runner import ModelRunner
 
     # NOTE: progress=False: the HTTP process draws the one loading bar (two processes drawing
@@ -87,6 +97,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_r
         context_len = args.context_length or runner.model_config.max_position
         scheduler = build_scheduler(args, runner, context_len)
         to_tm.send(ENCODER.encode(LoadProgress("KV cache allocated")))
+        publisher = open_cache_events(ctx, args, scheduler, dp_rank or 0)
     except Exception as e:
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         to_tm.send(ENCODER.encode(ProcReady(name, error=f"{type(e).__name__}: {e}")))
@@ -103,13 +114,38 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_r
         "pid": os.getpid(),
     }
     to_tm.send(ENCODER.encode(ProcReady(name, info=info)))
-    server = SchedulerServer(args, scheduler, recv_sock, to_detok, to_tm, parent_pid, dp_rank or 0, to_controller)
+    server = SchedulerServer(args, scheduler, recv_sock, to_detok, to_tm, parent_pid, dp_rank or 0, to_controller,
+                             publisher)
     calm_garbage_collector()
     try:
         scheduler.event_loop_normal(server.recv, server.send, server.should_stop)
     finally:
         ctx.destroy(linger=0)
+    if tp_broken(runner):
+        logger.error("a tensor-parallel rank is gone (%s); the scheduler exits", runner.tp.broken)
+        sys.exit(1)
+    if hasattr(runner, "shutdown"):
+        runner.shutdown()  # tensor parallelism: tells the other ranks to exit
     logger.info("scheduler stopped: the HTTP process is gone")
+
+
+def tp_broken(runner: Any) -> bool:
+    """Whether a collective of rank 0 failed: another rank died, and the group cannot go on."""
+    tp = getattr(runner, "tp", None)
+    return tp is not None and tp.broken is not None
+
+
+def open_cache_events(ctx: zmq.Context, args: ServerArgs, scheduler: Scheduler, dp_rank: int) -> CacheEventPublisher | None:
+    """Bind this rank's cache events socket and hook it to the radix cache (None when off)."""
+    if args.cache_events_port is None:
+        return None
+    tree = scheduler.kv.tree_cache
+    if not isinstance(tree, RadixCache):  # ServerArgs refuses --disable-radix-cache with the port
+        raise ValueError("--cache-events-port needs the radix cache")
+    publisher = CacheEventPublisher(ctx, bind_endpoint(args.host, args.cache_events_port + dp_rank))
+    tree.event_sink = publisher.add
+    logger.info("publishing cache events on %s", publisher.endpoint)
+    return publisher
 
 
 class SchedulerServer:
@@ -125,6 +161,7 @@ class SchedulerServer:
         parent_pid: int,
         dp_rank: int = 0,
         to_controller: zmq.Socket | None = None,
+        publisher: CacheEventPublisher | None = None,
     ) -> None:
         self.args = args
         self.sched = scheduler
@@ -134,6 +171,7 @@ class SchedulerServer:
         self.parent_pid = parent_pid
         self.dp_rank = dp_rank
         self.to_controller = to_controller
+        self.publisher = publisher
         self._last_load: tuple[int, int] = (0, 0)
         self.decoder = decoder(ToScheduler)
         self.eos_token_ids = scheduler.eos_token_ids
@@ -147,15 +185,22 @@ class SchedulerServer:
         self._tp_tokens = 0
         self._gen_throughput = 0.0
         self._stop = False
+        # --disaggregation-mode prefill|decode: the bootstrap / KV transfer side (server/pd_worker.py)
+        self.pd = PDWorker.create(args, scheduler, recv_sock.context, dp_rank)
 
     # --- event-loop callables ------------------------------------------------------------------
     def should_stop(self) -> bool:
-        return self._stop or not parent_alive(self.parent_pid)
+        return self._stop or not parent_alive(self.parent_pid) or tp_broken(self.sched.runner)
 
     def recv(self, block: bool) -> list[Req | tuple[str, str]]:
         self._after_step()
         items: list[Req | tuple[str, str]] = []
-        if block and not self.recv_sock.poll(int(IDLE_POLL_S * 1000)):
+        if self.pd is not None:
+            items.extend(self.pd.tick(self.send))  # decode requests whose KV arrived
+            block = block and not items
+            if block and not self.pd.wait(self.recv_sock, int(IDLE_POLL_S * 1000)):
+                return items
+        elif block and not self.recv_sock.poll(int(IDLE_POLL_S * 1000)):
             return items
         while True:
             try:
@@ -168,7 +213,8 @@ class SchedulerServer:
                 if req is not None:
                     items.append(req)
             elif isinstance(msg, AbortReq):
-                items.append(("abort", msg.rid))
+                if self.pd is None or not self.pd.abort(msg.rid, self.send):
+                    items.append(("abort", msg.rid))
             elif isinstance(msg, ControlReq):
                 # NOTE: earlier items of this drain are not yet added; apply them first so a
                 # flush or a memory check sees every request that arrived before it.
@@ -176,9 +222,13 @@ class SchedulerServer:
                 items = []
                 self.to_tm.send(ENCODER.encode(ControlReply(msg.req_id, self._control(msg.op, msg.params),
                                                             self.dp_rank)))
+                if self.publisher is not None:  # a flush's AllCleared goes out now, not after the next step
+                    self.publisher.flush()
         return items
 
     def send(self, outs: list[ReqOutput]) -> None:
+        if self.pd is not None:
+            self.pd.on_outputs(outs)
         self.to_detok.send(ENCODER.encode(BatchTokenOut([self._token_out(o) for o in outs])))
 
     # --- requests --------------------------------------------------------------------------------
@@ -197,6 +247,8 @@ class SchedulerServer:
         req.tenant = msg.tenant
         if msg.deadline_ms is not None:
             req.deadline = now + msg.deadline_ms / 1000.0
+        if self.pd is not None and msg.bootstrap is not None:
+            return self.pd.on_request(msg, req, self.send)
         return req
 
     def _add_items(self, items: list[Req | tuple[str, str]]) -> None:
@@ -247,7 +299,7 @@ class SchedulerServer:
 
     def memory(self) -> dict[str, Any]:
         kv = self.sched.kv
-        idle = not self.sched.has_work()
+        idle = not self.sched.has_work() and (self.pd is None or self.pd.idle())
         out: dict[str, Any] = {
             "total": kv.total_tokens,
             "available": kv.available_size(),
@@ -259,6 +311,8 @@ class SchedulerServer:
             "invariant_ok": None,
             "invariant_error": None,
         }
+        if self.pd is not None:
+            out["disagg"] = self.pd.stats()
         if idle:
             try:
                 kv.check_invariant()
@@ -280,6 +334,8 @@ class SchedulerServer:
             self.to_controller.send(ENCODER.encode(RankLoad(self.dp_rank, *load)))
 
     def _after_step(self) -> None:
+        if self.publisher is not None:
+            self.publisher.flush()
         if self.to_controller is not None:
             self._report_load()
         sched = self.sched

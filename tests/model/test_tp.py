@@ -1,0 +1,130 @@
+"""Tensor parallelism: greedy tokens under ``tp_size`` N equal tp_size 1 through the engine (rank 0
+in this process, the other ranks spawned), the sharded KV pool, the refusal of a tp size the
+model's heads do not allow, and the pieces (request-table journal, shard ranges, options)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from radixserve.config import ServerArgs
+from radixserve.engine import Engine
+from radixserve.mem.kv_pool import JournaledReqToTokenPool, ReqToTokenPool, replay_journal
+from radixserve.model.config import ModelConfig
+from radixserve.model.parallel import TPGroup, check_tp_size
+from tests.model.tiny_llama import make_tiny_llama
+
+GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+PREFIX = "A shared system prompt that several requests start with: "
+PROMPTS = [PREFIX + "first question?", PREFIX + "second, longer question here?", "short", "x" * 40]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+def _run(engine: Engine) -> list[list[int]]:
+    """The first prompt alone, then the rest together (the shared prefix comes from the cache)."""
+    first = engine.generate(PROMPTS[0], GREEDY)
+    rest = engine.generate(PROMPTS[1:], GREEDY)
+    assert isinstance(first, dict) and isinstance(rest, list)
+    assert rest[0]["meta_info"]["cached_tokens"] >= len(PREFIX) - 1  # the radix cache served the prefix
+    return [first["output_ids"], *(o["output_ids"] for o in rest)]
+
+
+def test_engine_tp2_equals_tp1_on_a_tiny_model(tiny: str) -> None:
+    # small prefill chunks: prompts prefill over several steps, so the journal carries chunk writes
+    kw: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 2048, "chunked_prefill_size": 16}
+    tp1 = Engine(tiny, **kw)
+    want = _run(tp1)
+    threads = torch.get_num_threads()
+    with Engine(tiny, tp_size=2, **kw) as tp2:
+        got = _run(tp2)
+        tp2.check_memory_invariant()
+        # each rank's KV pool holds its half of the KV heads: half the bytes per token
+        assert tp2.runner.kv_pool is not None
+        assert tp2.runner.kv_pool.k_buffers[0].shape[1:] == (1, 16)
+        assert tp2.runner.kv_bytes_per_token() * 2 == tp1.runner.kv_bytes_per_token()
+        assert tp2.scheduler.kv.total_tokens == tp1.scheduler.kv.total_tokens
+        procs = list(tp2._tp_procs)
+        assert [p.is_alive() for p in procs] == [True]
+    assert got == want
+    assert [p.exitcode for p in procs] == [0]  # the stop message ended rank 1
+    assert torch.get_num_threads() == threads  # rank 0's share of the threads was given back
+
+
+def test_bundled_model_tp3_equals_tp1_in_float32(fp32_runner: Any) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    want = [o["output_ids"] for o in Engine(runner=fp32_runner, dtype="float32", max_total_tokens=2048)
+            .generate(prompts, params)]
+    with Engine(None, tp_size=3, dtype="float32", max_total_tokens=2048) as tp3:
+        assert tp3.runner.kv_pool is not None and tp3.runner.kv_pool.k_buffers[0].shape[1] == 1  # 3 KV heads / 3
+        got = [o["output_ids"] for o in tp3.generate(prompts, params)]
+    assert got == want
+
+
+def test_bundled_model_refuses_tp2_before_starting_anything() -> None:
+    with pytest.raises(ValueError, match=r"--tp-size 2 does not divide .*num_attention_heads = 9 and "
+                                         r"num_key_value_heads = 3.*allows: \[1, 3\]"):
+        Engine(None, tp_size=2, dtype="float32")
+
+
+def test_check_tp_size() -> None:
+    cfg = ModelConfig("llama", 2, 64, num_heads=8, num_kv_heads=2, head_dim=8, intermediate_size=100, vocab_size=10)
+    check_tp_size(cfg, 2)
+    with pytest.raises(ValueError, match="num_key_value_heads = 2"):
+        check_tp_size(cfg, 4)
+
+
+def test_shard_ranges_cover_everything_once() -> None:
+    for size in (1, 2, 3):
+        ranks = [TPGroup(r, size) for r in range(size)]
+        rows = [g.split(151) for g in ranks]
+        assert rows[0][0] == 0 and rows[-1][1] == 151
+        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
+        vocab = [g.vocab_range(257) for g in ranks]
+        assert {v[2] for v in vocab} == {-(-257 // size)}  # every rank holds the same padded rows
+        assert vocab[0][0] == 0 and vocab[-1][1] == 257
+        assert all(a[1] == b[0] for a, b in zip(vocab, vocab[1:], strict=False))
+
+
+def test_journal_replay_rebuilds_the_request_table() -> None:
+    src = JournaledReqToTokenPool(4, 32)
+    dst = ReqToTokenPool(4, 32)
+    src.write(1, 0, [5, 6, 7])
+    src.write_many([1, 2], [3, 0], [9, 11])
+    src.write(3, 4, [])
+    replay_journal(dst, torch.tensor(src.take_journal(), dtype=torch.int64))
+    assert torch.equal(src.req_to_token, dst.req_to_token)
+    assert src.take_journal() == []
+    src.write(2, 1, [13])
+    replay_journal(dst, torch.tensor(src.take_journal(), dtype=torch.int64))
+    assert torch.equal(src.req_to_token, dst.req_to_token)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"tp_size": 2, "dp_size": 2}, "--tp-size and --dp-size > 1 together"),
+    ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "multiple of nnodes"),
+    ({"tp_size": 2, "nnodes": 2}, "needs --dist-init-addr"),
+    ({"tp_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank must be in"),
+    ({"tp_size": 2, "dist_init_addr": "nohost"}, "host:port"),
+    ({"tp_size": 0}, "tp_size must be a positive integer"),
+])
+def test_parallelism_options_are_validated(kw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kw)
+
+
+def test_tp_options_are_cli_flags() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    ns = p.parse_args(["--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000"])
+    args = ServerArgs.from_cli_args(ns)
+    assert (args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr) == (2, 2, 1, "10.0.0.1:5000")
+    assert args.tp_ranks_per_node == 1
