@@ -38,14 +38,11 @@ if TYPE_CHECKING:
 
 
 async def proxy_pd(router: Router, request: web.Request, path: str, raw: bytes, t0: float) -> web.StreamResponse:
-    from radixserve.router.router import STREAMED, error_body, error_response
+    from radixserve.router.router import STREAMED, error_body, error_response, json_object
 
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        return error_response(f"malformed JSON body: {e}", 400, "invalid_json")
-    if not isinstance(body, dict):
-        return error_response("the request body must be a JSON object", 400, "invalid_json")
+    body = json_object(raw)
+    if isinstance(body, web.Response):
+        return body
     rreq = router.route_request(path, body, request.headers) if router.needs_key else RouteRequest()
     headers = router.upstream_headers(request)
     tried_p: set[str] = set()

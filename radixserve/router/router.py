@@ -65,6 +65,17 @@ def error_response(message: str, status: int, code: str, headers: dict[str, str]
     return web.json_response(error_body(message, status, code), status=status, headers=headers)
 
 
+def json_object(raw: bytes) -> dict[str, Any] | web.Response:
+    """The request body as a JSON object, or the 400 to answer."""
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        return error_response(f"malformed JSON body: {e}", 400, "invalid_json")
+    if not isinstance(parsed, dict):
+        return error_response("the request body must be a JSON object", 400, "invalid_json")
+    return parsed
+
+
 class Router:
     def __init__(self, args: RouterArgs) -> None:
         self.args = args
@@ -192,12 +203,9 @@ class Router:
 
             return await proxy_pd(self, request, path, raw, t0)
         if self.needs_key or self.args.dp_aware:
-            try:
-                parsed = json.loads(raw)
-            except (ValueError, RecursionError) as e:
-                return error_response(f"malformed JSON body: {e}", 400, "invalid_json")
-            if not isinstance(parsed, dict):
-                return error_response("the request body must be a JSON object", 400, "invalid_json")
+            parsed = json_object(raw)
+            if isinstance(parsed, web.Response):
+                return parsed
             body = parsed
         rreq = self.route_request(path, body, request.headers) if self.needs_key and body is not None \
             else RouteRequest()
