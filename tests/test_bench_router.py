@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from radixserve.bench.router_bench import BENCH_SERVE_DEFAULTS, _serve_namespace
+from radixserve.bench.router_bench import BENCH_SERVE_DEFAULTS
+from radixserve.bench.router_bench_real import _serve_namespace
 from radixserve.bench.serving import RequestResult, ServingBenchmark
 from radixserve.cli import build_parser, main
 

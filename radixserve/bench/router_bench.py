@@ -38,14 +38,10 @@ import os
 import platform
 import random
 import re
-import resource
 import shlex
 import signal
-import socket
 import string
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -55,23 +51,26 @@ if TYPE_CHECKING:
     import aiohttp
     from tqdm import tqdm
 
+from radixserve.bench.subprocs import (
+    BenchError,
+    Procs,
+    cpu_seconds,
+    free_ports,
+    pin,
+    self_cpu_seconds,
+    wait_healthy,
+)
+
 # NOTE: aiohttp, tqdm and bench.serving are imported where they are used: the CLI imports this
 # module to build its parser, and every radixserve command would pay for them otherwise.
 
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 STUB_START_S = 30.0
 ROUTER_START_S = 60.0
-STOP_S = 10.0
-LAUNCH_STOP_S = 60.0  # launch stops its router, then each worker (15 s grace each)
 WARMUP_REQUESTS = 50
 THROUGHPUT_WARMUP_S = 0.5
 BENCH_SERVE_DEFAULTS = ("--num-prompts", "16", "--num-turns", "4", "--input-len", "256", "--turn-len", "64",
                         "--output-len", "16")
-
-
-class BenchError(RuntimeError):
-    pass
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -113,123 +112,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 # --- processes ---------------------------------------------------------------------------------
-
-
-class Procs:
-    """The subprocesses of one benchmark, each in a session of its own (so a terminal's Ctrl-C
-    reaches this process alone and they are stopped in order here), with its output in a log file."""
-
-    def __init__(self) -> None:
-        self.log_dir = tempfile.mkdtemp(prefix="radixserve-bench-router-")
-        self.running: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def start(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
-        log = open(os.path.join(self.log_dir, re.sub(r"[^\w.-]", "_", name) + ".log"), "ab")
-        try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-        finally:
-            log.close()
-        self.running.append((name, proc))
-        return proc
-
-    def log_tail(self, name: str, n: int = 2000) -> str:
-        path = os.path.join(self.log_dir, re.sub(r"[^\w.-]", "_", name) + ".log")
-        try:
-            with open(path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = STOP_S) -> None:
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        self.running = [(n, p) for n, p in self.running if p is not proc]
-
-    def stop_all(self) -> None:
-        for name, proc in reversed(list(self.running)):
-            # launch stops its workers on SIGINT (KeyboardInterrupt while starting, or its router's handler)
-            if name.startswith("launch"):
-                self.stop(proc, signal.SIGINT, LAUNCH_STOP_S)
-            else:
-                self.stop(proc)
-
-
-def free_ports(n: int, consecutive: bool = False) -> list[int]:
-    """``n`` ports nothing listens on now (``consecutive``: a block, as ``radixserve launch`` wants)."""
-    if not consecutive:
-        socks = [socket.socket() for _ in range(n)]
-        try:
-            for s in socks:
-                s.bind(("127.0.0.1", 0))
-            return [s.getsockname()[1] for s in socks]
-        finally:
-            for s in socks:
-                s.close()
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        if all(_port_free(base + i) for i in range(n)):
-            return list(range(base, base + n))
-    raise BenchError(f"found no {n} free consecutive ports")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, all its threads (``/proc/<pid>/stat`` fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def self_cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of ``pid`` (threads started later inherit their creator's affinity)."""
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except FileNotFoundError:
-        return
-    for tid in tids:
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-async def wait_healthy(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes], name: str,
-                       procs: Procs, timeout: float) -> None:
-    import aiohttp
-
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise BenchError(f"{name} exited with {proc.returncode} while starting:\n{procs.log_tail(name)}")
-        try:
-            async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    return
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            pass
-        if time.monotonic() > deadline:
-            raise BenchError(f"{name} not healthy after {timeout:.0f} s:\n{procs.log_tail(name)}")
-        await asyncio.sleep(0.1)
 
 
 def _split_args(items: Sequence[str]) -> list[str]:
@@ -572,86 +454,13 @@ async def router_counts(session: aiohttp.ClientSession, url: str) -> dict[str, d
     return {"requests_per_worker": dict(per_worker), "decisions": dict(branches)}
 
 
-def _serve_namespace(ns: argparse.Namespace, base_url: str) -> argparse.Namespace:
-    from radixserve.bench.serving import add_args as serve_args
-
-    p = argparse.ArgumentParser(prog="bench serve")
-    serve_args(p)
-    sns = p.parse_args(["--workload", ns.workload, *BENCH_SERVE_DEFAULTS, *_split_args(ns.bench_serve_arg)])
-    sns.base_url = base_url
-    sns.disable_tqdm = sns.disable_tqdm or ns.disable_tqdm
-    return sns
-
-
-async def _real_once(ns: argparse.Namespace, procs: Procs, policy: str, rnd: int) -> dict[str, Any]:
-    import aiohttp
-
-    from radixserve.bench.serving import ServingBenchmark
-
-    n = ns.real_workers
-    port = ns.port or free_ports(n + 1, consecutive=True)[0]
-    name = f"launch-{policy}-{rnd}"
-    cmd = [sys.executable, "-m", "radixserve.cli", "launch", "--num-workers", str(n), "--port", str(port),
-           "--policy", policy, "--log-level", "warning", "--max-total-tokens", str(ns.max_total_tokens),
-           *_split_args(ns.launch_arg), *_split_args(ns.router_arg)]
-    url = f"http://127.0.0.1:{port}"
-    print(f"[bench router] {policy} (round {rnd + 1}): starting {n} workers: {shlex.join(cmd[2:])}", file=sys.stderr)
-    proc = procs.start(name, cmd)
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-            t0 = time.monotonic()
-            await wait_healthy(session, url, proc, name, procs, ns.startup_timeout)
-            startup = time.monotonic() - t0
-            rep = await ServingBenchmark(_serve_namespace(ns, url)).run()
-            counts = await router_counts(session, url)
-    finally:
-        procs.stop(proc, signal.SIGINT, LAUNCH_STOP_S)
-    return {"policy": policy, "round": rnd, "startup_s": startup, "completed": rep["completed"],
-            "failed": rep["failed"], "errors": rep["errors"], "duration_s": rep["duration_s"],
-            "cache_hit_rate": rep.get("cache_hit_rate"), "total_cached_tokens": rep.get("total_cached_tokens"),
-            "total_input_tokens": rep["total_input_tokens"], "output_throughput": rep["output_throughput"],
-            "ttft": rep["ttft"], "e2e_latency": rep["e2e_latency"], **counts}
-
-
-async def run_real(ns: argparse.Namespace, procs: Procs) -> dict[str, Any]:
-    policies = _policies(ns)
-    runs = []
-    for rnd in range(ns.rounds):
-        for policy in policies:
-            runs.append(await _real_once(ns, procs, policy, rnd))
-    summary: dict[str, dict[str, float | None]] = {}
-    for policy in policies:
-        mine = [r for r in runs if r["policy"] == policy]
-        cached = sum(r["total_cached_tokens"] or 0 for r in mine)
-        prompt = sum(r["total_input_tokens"] for r in mine)
-        ttfts = [r["ttft"]["p50_ms"] for r in mine if r["ttft"]["p50_ms"] is not None]
-        summary[policy] = {"cache_hit_rate": cached / prompt if prompt else None,
-                           "ttft_p50_ms": sum(ttfts) / len(ttfts) if ttfts else None}
-    return {"mode": "real-workers", "machine": _machine(), "num_workers": ns.real_workers,
-            "bench_serve_args": ["--workload", ns.workload, *BENCH_SERVE_DEFAULTS, *_split_args(ns.bench_serve_arg)],
-            "max_total_tokens": ns.max_total_tokens, "runs": runs, "summary": summary}
-
-
-def print_real_report(rep: dict[str, Any]) -> None:
-    print(f"{' Router Benchmark (' + str(rep['num_workers']) + ' real workers) ':=^86}")
-    print(f"{'policy':<14}{'round':>6}{'hit rate':>10}{'TTFT P50':>11}{'TTFT P99':>11}{'E2E P50':>11}"
-          f"{'out tok/s':>11}{'failed':>8}")
-    for r in rep["runs"]:
-        hit = r["cache_hit_rate"]
-        print(f"{r['policy']:<14}{r['round'] + 1:>6}{(f'{hit:.1%}' if hit is not None else '-'):>10}"
-              f"{_f(r['ttft']['p50_ms'], 0):>11}{_f(r['ttft']['p99_ms'], 0):>11}{_f(r['e2e_latency']['p50_ms'], 0):>11}"
-              f"{_f(r['output_throughput'], 1):>11}{r['failed']:>8}")
-        if r.get("requests_per_worker"):
-            spread = " ".join(f"{u.rsplit(':', 1)[1]}:{c}" for u, c in sorted(r["requests_per_worker"].items()))
-            print(f"{'':<14}requests per worker port: {spread}; decisions: {json.dumps(r.get('decisions', {}))}")
-    print("=" * 86)
-
-
 # --- entry point -------------------------------------------------------------------------------
 
 
 def main(ns: argparse.Namespace) -> int:
     procs = Procs()
+    from radixserve.bench.router_bench_real import print_real_report, run_real
+
     run: Callable[[argparse.Namespace, Procs], Any] = run_real if ns.real_workers > 0 else run_stubs
     # SIGTERM as Ctrl-C, so that the subprocesses are stopped on the way out either way
     old = signal.signal(signal.SIGTERM, signal.default_int_handler)
