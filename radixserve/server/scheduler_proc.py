@@ -56,6 +56,7 @@ from radixserve.server.procs import IpcNames, child_init, parent_alive, pull_soc
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05  # how long an idle scheduler waits for a message before looking around
+LOAD_REPORT_S = 0.005  # --dp-size: at most one load report to the controller this often while requests wait
 STATS_INTERVAL_S = 0.5  # how often a busy scheduler reports its gauges to /metrics
 # NOTE: for tests and the simulator only: "module:function" building a runner-like object
 # (tokenizer, model_config, kv_bytes_per_token, make_kv_pool, attach_pools, forward) from ServerArgs.
@@ -173,6 +174,7 @@ class SchedulerServer:
         self.to_controller = to_controller
         self.publisher = publisher
         self._last_load: tuple[int, int] = (0, 0)
+        self._last_load_time = 0.0
         self.decoder = decoder(ToScheduler)
         self.eos_token_ids = scheduler.eos_token_ids
         # what the detokenizer needs about a request, sent along with its first output
@@ -324,9 +326,15 @@ class SchedulerServer:
 
     # --- logs and stats --------------------------------------------------------------------------
     def _report_load(self) -> None:
-        """Tell the data-parallel controller this rank's load when it changed."""
+        """Tell the data-parallel controller this rank's load when it changed. At most every
+        ``LOAD_REPORT_S`` while busy: the waiting prompt tokens are a pass over the queue, not a
+        thing to do every step; the controller counts what it sent in between."""
         assert self.to_controller is not None
         sched = self.sched
+        now = time.monotonic()
+        if sched.waiting_queue and now - self._last_load_time < LOAD_REPORT_S:
+            return
+        self._last_load_time = now
         waiting_tokens = sum(len(r.origin_input_ids) for r in sched.waiting_queue) if sched.waiting_queue else 0
         load = (len(sched.reqs), sched.kv.total_tokens - sched.kv.reclaimable_size() + waiting_tokens)
         if load != self._last_load:
