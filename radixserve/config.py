@@ -64,7 +64,7 @@ class ServerArgs:
     clip_max_new_tokens: int = option(4096, "Cap on one request's max_new_tokens when reserving budget.")
     idle_self_check: bool = option(True, "Assert the KV memory invariant every time the engine goes idle.")
 
-    # --- scheduling policies, priority, the unified scheduler (issue #4; docs/scheduling.md) ---
+    # --- scheduling policies, priority, the unified scheduler (docs/scheduling.md) ---------------
     # SGLang's option names for the default scheduler, vLLM's for --scheduler unified.
     lpm_fallback_threshold: int = option(
         128, "lpm orders by cached prefix only while at most this many requests wait, else fcfs "
@@ -101,8 +101,8 @@ class ServerArgs:
     long_prefill_token_threshold: int = option(
         0, "--scheduler unified: most prompt tokens of one request per step (0: no cap but the budget).")
 
-    # --- aging, short-first, deadlines, tenant fairness, thrash-free preemption, plugins (issue #5;
-    # docs/scheduling.md). Defaults keep the issue-#4 behaviour.
+    # --- aging, short-first, deadlines, tenant fairness, thrash-free preemption, plugins
+    # (docs/scheduling.md). The defaults leave every one of them off.
     priority_aging_rate: float = option(
         0.0, "Priority units a waiting request gains per second of wait (any policy; 0: off).")
     priority_aging_horizon: float | None = option(
@@ -247,7 +247,7 @@ class ServerArgs:
                 errors.append("--cache-events-port reports the radix cache's changes; it cannot be used with "
                               "--disable-radix-cache")
         errors += self._parallelism_errors()
-        # scheduling policies, priority, the unified scheduler (issue #4)
+        # scheduling policies, priority, the unified scheduler
         for name in ("lpm_fallback_threshold", "in_batch_prefix_caching_check_threshold",
                      "in_batch_prefix_caching_deprioritize_threshold", "long_prefill_token_threshold"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
@@ -269,7 +269,7 @@ class ServerArgs:
         if self.scheduler == "sglang" and self.scheduling_policy != "fcfs":
             errors.append("--scheduling-policy is the unified scheduler's (vLLM's); with --scheduler sglang "
                           "use --enable-priority-scheduling")
-        # issue #5
+        # aging, short-first, deadlines, tenant fairness, thrash-free preemption, plugins
         if self.schedule_policy not in SCHEDULE_POLICIES and not self.policy_plugin and ":" not in self.schedule_policy:
             errors.append(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, a --policy-plugin "
                           f"policy or module.path:ClassName; got {self.schedule_policy!r}")

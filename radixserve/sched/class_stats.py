@@ -1,4 +1,4 @@
-"""Per-class counters (issue #5): preemptions, retractions and starved requests by priority and
+"""Per-class counters: preemptions, retractions and starved requests by priority and
 tenant, kept by the scheduler and exported by ``/metrics`` (``server/metrics.py``).
 
 A class is ``(priority, tenant)`` as labels: the priority the client sent (``""`` when it sent

@@ -1,4 +1,4 @@
-"""The issue-#5 hooks the scheduler calls (docs/scheduling.md): ordering with aging, returned
+"""The scheduling extensions' hooks the scheduler calls (docs/scheduling.md): ordering with aging, returned
 victims and queue-aware marking, per-step observation (prefill throughput for deadline admission,
 the policy's ``on_batch``), first-admission accounting."""
 

@@ -68,7 +68,7 @@ class Req:
         self.cached_tokens = 0
         self.num_retractions = 0
         self.num_preemptions = 0
-        # scheduling policies (issue #4)
+        # scheduling policies
         self.queue_entry_time: float | None = None  # when queued (scheduler clock); --queue-timeout
         self.prefix_match_cache: Any = None  # lpm's incremental match state (sched.prefix_match)
         self.lpm_key = LPM_STALE  # lpm's sort key (sched.prefix_match); LPM_STALE: match again
@@ -81,7 +81,7 @@ class Req:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.sent_len = 0  # output tokens already streamed out
-        # issue #5 (docs/scheduling.md); plain attributes the server and the simulator set
+        # scheduling extensions (docs/scheduling.md); plain attributes the server and the simulator set
         self.tenant: str | None = None  # vtc fairness: the OpenAI `user` field or an x-tenant header
         self.deadline: float | None = None  # TTFT deadline, absolute, on the scheduler clock (edf)
 

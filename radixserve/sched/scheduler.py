@@ -96,7 +96,7 @@ class Scheduler:
         self.detokenize = detokenize
         self.clock = clock
         self.policy = make_policy(args)  # plugins.py: a registered name or module:Class
-        self.ext = SchedExtensions(self)  # issue-#5 hooks (extensions.py)
+        self.ext = SchedExtensions(self)  # aging, deadlines, victims, first admission (extensions.py)
         self.prio = PrioritySettings.from_args(args)  # priority.py
         self.rng = random.Random(args.random_seed)
 

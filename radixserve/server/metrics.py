@@ -59,7 +59,7 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
         self.queue_time = hist("queue_time_seconds", "Time in the waiting queue before first scheduled.",
                                _LATENCY_BUCKETS)
-        # issue #5: per-class latency and counters (labels priority and tenant; at most
+        # per-class latency and counters (labels priority and tenant; at most
         # MAX_TENANT_LABELS tenants get their own label, the rest share "other"), and the global
         # preemption / starvation / deadline counters
         cls_names = [*names, "priority", "tenant"]

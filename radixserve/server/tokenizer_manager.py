@@ -70,7 +70,7 @@ class ReqState:
     last: StrOut | None = None
     first_token_time: float | None = None
     finished: bool = False
-    priority: int | None = None  # per-class metrics (issue #5)
+    priority: int | None = None  # per-class metrics
     tenant: str | None = None
 
     @property
