@@ -28,23 +28,19 @@ from typing import Any
 import torch
 
 from radixserve.config import ServerArgs
-from radixserve.mem.allocator import TokenToKVPoolAllocator
-from radixserve.mem.base_cache import BasePrefixCache, ChunkCache
 from radixserve.mem.kv_pool import JournaledReqToTokenPool, ReqToTokenPool
-from radixserve.mem.radix_cache import RadixCache
 from radixserve.model.detokenize import IncrementalDetokenizer
 from radixserve.model.model_runner import ModelRunner
-from radixserve.sched import make_scheduler
+from radixserve.sched.build import build_kv, request_slots
+from radixserve.sched.build import build_scheduler as build_sched
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import ReqOutput
-from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
-from radixserve.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 class RequestError(Exception):
@@ -69,7 +65,7 @@ def kv_pool_tokens(args: ServerArgs, bytes_per_token: int, context_len: int) -> 
     else:
         tokens = int(system_memory_bytes() * args.mem_fraction_static) // bytes_per_token
         # NOTE: no point in more than enough for every request slot at full context.
-        tokens = min(tokens, (args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS) * context_len)
+        tokens = min(tokens, request_slots(args) * context_len)
     tokens -= tokens % args.page_size
     if tokens < args.page_size:
         raise ValueError(f"KV pool of {tokens} tokens is too small (page_size {args.page_size})")
@@ -265,11 +261,10 @@ class Engine:
             )
             pending.add(req.rid)
             if req.to_abort is not None:  # invalid sampling params: finish through the normal path
-                sched._finish(req, req.to_abort)
+                sched.finish(req, req.to_abort)
             else:
                 sched.add_request(req)
-        outs = sched.outputs
-        sched.outputs = []
+        outs = sched.take_outputs()
         while True:
             for o in outs:
                 t = tracked.get(o.rid)
@@ -336,13 +331,13 @@ def _stop_tp_ranks(runners: list[ModelRunner], procs: list[Any], threads: int, t
     torch.set_num_threads(threads)  # rank 0 took its share of this process's threads
 
 
-def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int) -> Scheduler:
+def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int) -> SchedulerCore:
     """Size the pools, attach them to the runner, and build the scheduler over them."""
     bpt = runner.kv_bytes_per_token()  # under tensor parallelism: this rank's KV heads only
     # NOTE: the tensor-parallel ranks of one machine share its memory, as data-parallel ranks do: the
     # --mem-fraction-static budget holds the same tokens whatever the tp size (each rank 1/tp of each).
     total = kv_pool_tokens(args, bpt * args.tp_ranks_per_node, context_len)
-    max_reqs = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+    max_reqs = request_slots(args)
     print(
         f"[radixserve] KV cache: {total} tokens x {bpt} B/token = {total * bpt / 2**30:.2f} GiB "
         f"({'--max-total-tokens' if args.max_total_tokens else f'--mem-fraction-static {args.mem_fraction_static}'}), "
@@ -351,15 +346,11 @@ def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int) -> 
         file=sys.stderr,
     )
     # under tensor parallelism the other ranks replay this pool's writes into their copy of the table
-    r2t = JournaledReqToTokenPool(max_reqs, context_len) if args.tp_size > 1 else ReqToTokenPool(max_reqs, context_len)
-    allocator = TokenToKVPoolAllocator(total, args.page_size)
-    runner.attach_pools(runner.make_kv_pool(total, args.page_size), r2t)
-    cache: BasePrefixCache = (
-        ChunkCache(r2t, allocator) if args.disable_radix_cache else RadixCache(r2t, allocator, args.radix_eviction_policy)
-    )
+    kv = build_kv(args, total, context_len, pool_cls=JournaledReqToTokenPool if args.tp_size > 1 else ReqToTokenPool)
+    runner.attach_pools(runner.make_kv_pool(total, args.page_size), kv.req_to_token_pool)
     tok = runner.tokenizer
-    return make_scheduler(
-        args, runner, KVManager(r2t, allocator, cache), context_len=context_len,
+    return build_sched(
+        args, runner, kv, context_len=context_len,
         vocab_size=runner.model_config.vocab_size, eos_token_ids=list(tok.stop_token_ids),
         detokenize=lambda ids: tok.decode(ids, True),
     )

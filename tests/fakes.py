@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from radixserve.config import ServerArgs
-from radixserve.mem.allocator import TokenToKVPoolAllocator
-from radixserve.mem.base_cache import BasePrefixCache, ChunkCache
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.mem.kv_pool import ReqToTokenPool
-from radixserve.mem.radix_cache import RadixCache
-from radixserve.sched import make_scheduler as build_scheduler
+from radixserve.sched.build import build_kv, build_scheduler
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.kv_manager import KVManager
-from radixserve.sched.scheduler import Scheduler
 
 VOCAB = 1000
 
@@ -51,20 +48,16 @@ def make_scheduler(
     page_size: int = 1,
     radix: bool = True,
     **kw: object,
-) -> tuple[Scheduler, EchoRunner, KVManager]:
+) -> tuple[SchedulerCore, EchoRunner, KVManager]:
     args = ServerArgs(page_size=page_size, disable_radix_cache=not radix, **kw)  # type: ignore[arg-type]
-    r2t = ReqToTokenPool(max_reqs, context_len)
-    alloc = TokenToKVPoolAllocator(pool_tokens, page_size)
-    # as engine.build_scheduler builds it: --radix-eviction-policy picks the eviction strategy
-    cache: BasePrefixCache = RadixCache(r2t, alloc, args.radix_eviction_policy) if radix else ChunkCache(r2t, alloc)
-    kv = KVManager(r2t, alloc, cache)
-    runner = EchoRunner(r2t)
-    # the class --scheduler asks for (sglang: Scheduler, unified: UnifiedScheduler)
+    # built as the engine and the simulator build theirs (sched/build.py), over a pool of max_reqs slots
+    kv = build_kv(args, pool_tokens, context_len, max_reqs=max_reqs)
+    runner = EchoRunner(kv.req_to_token_pool)
     sched = build_scheduler(args, runner, kv, context_len=context_len, vocab_size=VOCAB, eos_token_ids=[0])
     return sched, runner, kv
 
 
-def drain(sched: Scheduler, max_steps: int = 10000) -> list:
+def drain(sched: SchedulerCore, max_steps: int = 10000) -> list:
     outs = []
     for _ in range(max_steps):
         outs.extend(sched.step())

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.sched.policy import PolicyContext, SchedulePolicy, register_policy
+from radixserve.sched.policies import PolicyContext, SchedulePolicy, register_policy
 from radixserve.sched.req import Req
 
 

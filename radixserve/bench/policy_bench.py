@@ -27,7 +27,7 @@ from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import RadixKey
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
-from radixserve.sched.policy import PolicyContext, get_policy
+from radixserve.sched.policies import PolicyContext, get_policy
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
 

@@ -68,6 +68,7 @@ class ForwardBatch:
     extend_seq_lens: list[int]  # [B]
     sampling: SamplingBatchInfo
     capture_logits: bool = False  # return each request's last-position logits (tests, parity)
+    rids: list[str] = field(default_factory=list)  # [B] request ids, for runners that model requests (the simulator)
 
     @property
     def batch_size(self) -> int:

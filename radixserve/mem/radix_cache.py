@@ -27,13 +27,13 @@ what it evicted as ``cache_events`` records (a new path on ``insert``, each evic
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache, CacheableReq, MatchResult, RadixKey
 from radixserve.mem.cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
-from radixserve.mem.evict_policy import EvictionStrategy, get_eviction_strategy
+from radixserve.mem.evict_policy import EvictionStrategy, QueueAwareStrategy, get_eviction_strategy
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.leaf_heap import LeafHeap
 
@@ -60,7 +60,7 @@ class TreeNode:
         TreeNode._next_id += 1
         self.id = TreeNode._next_id
         # bumped whenever a child is added or removed; -1 once the node itself is evicted. Lets a
-        # reader cache "the match stopped at this node" and know when to look again (sched.prefix_match).
+        # reader cache "the match stopped at this node" and know when to look again (sched.policies.prefix_match).
         self.gen = 0
         self.heap_stamp = 0  # only the LeafHeap entry carrying the latest stamp is live
         self.watchers: dict[Any, list[Any]] | None = None  # watch key -> tokens (RadixCache.watch)
@@ -159,7 +159,7 @@ class RadixCache(BasePrefixCache):
     # --- watchers --------------------------------------------------------------------------------
     def watch(self, node: TreeNode, key: Any, token: Any) -> None:
         """Call ``token.invalidate()`` once when the child slot ``key`` of ``node`` changes or
-        ``node`` goes (``key`` is ``_child_key`` of the next token, or ``END``)."""
+        ``node`` goes (``key`` is ``child_key`` of the next token, or ``END``)."""
         w = node.watchers
         if w is None:
             node.watchers = {key: [token]}
@@ -197,7 +197,8 @@ class RadixCache(BasePrefixCache):
             self._fire_all(node)
             stack.extend(node.children.values())
 
-    def _child_key(self, node: TreeNode, key: list[int] | tuple[int, ...], extra_key: str | None) -> Any:
+    def child_key(self, node: TreeNode, key: list[int] | tuple[int, ...], extra_key: str | None) -> Any:
+        """The key under which ``node`` holds the child that ``key`` (the tokens after ``node``) starts."""
         first: Any = key[0] if self.page_size == 1 else tuple(key[: self.page_size])
         return (extra_key, first) if node is self._root else first
 
@@ -216,7 +217,7 @@ class RadixCache(BasePrefixCache):
         indices: list[int] = []
         pos = 0
         while pos < len(ids):
-            child = node.children.get(self._child_key(node, ids[pos : pos + self.page_size], key.extra_key))
+            child = node.children.get(self.child_key(node, ids[pos : pos + self.page_size], key.extra_key))
             if child is None:
                 break
             n = self._page_floor(_match_len(child.key, ids[pos : pos + len(child.key)]))
@@ -245,12 +246,12 @@ class RadixCache(BasePrefixCache):
         upper.lock_ref = child.lock_ref
         upper.last_access_time = child.last_access_time
         upper.hit_count = child.hit_count
-        ck = self._child_key(parent, child.key, child.extra_key)
+        ck = self.child_key(parent, child.key, child.extra_key)
         parent.children[ck] = upper
         self._fire(parent, ck)
         child.key, child.value = child.key[n:], child.value[n:]
         child.parent = upper
-        upper.children[self._child_key(upper, child.key, child.extra_key)] = child
+        upper.children[self.child_key(upper, child.key, child.extra_key)] = child
         return upper
 
     def insert(self, key: RadixKey, value: list[int]) -> int:
@@ -261,7 +262,7 @@ class RadixCache(BasePrefixCache):
         now = self._tick()
         pos = 0
         while pos < len(ids):
-            ck = self._child_key(node, ids[pos : pos + self.page_size], key.extra_key)
+            ck = self.child_key(node, ids[pos : pos + self.page_size], key.extra_key)
             child = node.children.get(ck)
             if child is None:
                 leaf = TreeNode(node, key.extra_key)
@@ -365,7 +366,7 @@ class RadixCache(BasePrefixCache):
         if self.event_sink is not None and node.extra_key is None:
             path = self._path_of(node)
             self.event_sink(BlockRemoved(path, len(path) - len(node.key)))
-        ck = self._child_key(parent, node.key, node.extra_key)
+        ck = self.child_key(parent, node.key, node.extra_key)
         del parent.children[ck]
         self._fire(parent, ck)
         self._fire_all(node)
@@ -433,6 +434,38 @@ class RadixCache(BasePrefixCache):
         req.last_node = match.last_node
         req.cache_protected_len = aligned
 
+    # --- queries for the scheduler -------------------------------------------------------------
+    def exclusive_locked_tokens(self, node: TreeNode | None) -> int:
+        """Cached tokens on ``node``'s path that only one request pins (``lock_ref`` 1, from
+        ``node`` up): what becomes evictable once that request lets go."""
+        n = 0
+        root = self._root
+        while node is not None and node is not root and node.lock_ref == 1:
+            n += len(node.key)
+            node = node.parent
+        return n
+
+    def mark_wanted(self, prefixes: Iterable[tuple[list[int], str | None]]) -> None:
+        """Under the queue-aware eviction strategy: the nodes on the cached paths of ``prefixes``
+        (the waiting requests' tokens and extra keys) are evicted after every other leaf. When a
+        match ends inside a child, that child is wanted too. A no-op under other strategies."""
+        strategy = self._strategy
+        if not isinstance(strategy, QueueAwareStrategy):
+            return
+        wanted: set[int] = set()
+        root = self._root
+        for ids, extra_key in prefixes:
+            node, pos, length = self.peek_prefix(ids, extra_key)
+            if length > pos:
+                child = node.children.get(self.child_key(node, ids[pos:], extra_key))
+                if child is not None:
+                    wanted.add(child.id)
+            n: TreeNode | None = node
+            while n is not None and n is not root and n.id not in wanted:
+                wanted.add(n.id)
+                n = n.parent
+        strategy.wanted = wanted
+
     # --- checks & views ------------------------------------------------------------------------
     def check_integrity(self) -> None:
         evictable = protected = 0
@@ -443,7 +476,7 @@ class RadixCache(BasePrefixCache):
             for ck, child in node.children.items():
                 if child.parent is not node:
                     raise AssertionError(f"{child} has a wrong parent")
-                if self._child_key(node, child.key, child.extra_key) != ck:
+                if self.child_key(node, child.key, child.extra_key) != ck:
                     raise AssertionError(f"{child} filed under a wrong key")
                 if len(child.key) != len(child.value) or not child.key:
                     raise AssertionError(f"{child} key/value lengths differ or are empty")

@@ -1,12 +1,6 @@
-"""Deadlines: ``edf`` ordering and ``--deadline-admission``.
+"""``DeadlineAdmission``: ``--deadline-admission`` and the step-time measurements it rests on.
 
-``Req.deadline`` is an absolute TTFT deadline on the scheduler clock (the server sets it to
-arrival + ``deadline_ms``/``x-ttft-slo-ms``/``ttft_slo_ms`` / 1000; the simulator sets it directly).
-
-``edf``: earliest deadline first; requests without one go last, first come first served among them,
-and so does a request whose deadline has already passed. Serving a late request first would only
-push the requests behind it past their deadlines too (the EDF domino effect under overload).
-
+``Req.deadline`` is an absolute TTFT deadline on the scheduler clock (``policies/edf.py``).
 ``--deadline-admission``: at arrival, a request with a deadline is refused (429, code
 ``deadline_unmeetable``) when its predicted time to first token does not fit:
 
@@ -32,41 +26,20 @@ simulator can report its error.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.finish import FINISH_ABORT
-from radixserve.sched.policy import PolicyContext, SchedulePolicy, register_policy
+from radixserve.sched.kv_manager import KVManager
+from radixserve.sched.policies.edf import deadline_of
 from radixserve.sched.req import Req
-
-if TYPE_CHECKING:
-    from radixserve.sched.schedule_batch import ScheduleBatch
-    from radixserve.sched.scheduler import Scheduler
+from radixserve.sched.schedule_batch import ScheduleBatch
+from radixserve.sched.settings import SchedSettings
+from radixserve.sched.state import Queues
+from radixserve.sched.stats import SchedStats
 
 EMA_ALPHA = 0.2
 BACKLOG_WINDOW = 64  # steps
 MIN_SAMPLE_TOKENS = 32
-INF = float("inf")
-
-
-def deadline_of(req: Req) -> float | None:
-    return getattr(req, "deadline", None)
-
-
-@register_policy
-class EarliestDeadlineFirst(SchedulePolicy):
-    name = "edf"
-
-    def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
-        now = ctx.now
-
-        def key(r: Req) -> tuple[int, float, float]:
-            d = deadline_of(r)
-            # NOTE: a request whose deadline has passed has none left to meet: it joins the requests
-            # without one (first come, first served) instead of pushing the others past theirs
-            return (ctx.priority_key(r), INF if d is None or d < now else d, r.arrival_time)
-
-        return sorted(waiting, key=key)
 
 
 class PrefillThroughput:
@@ -90,18 +63,15 @@ class PrefillThroughput:
             return None
         return self._window_tokens / self._window_s
 
-    def observe(self, batch: ScheduleBatch, sched: Scheduler) -> None:
-        if not sched.stats.step_log:
-            return
-        _, _, tokens, wall = sched.stats.step_log[-1]
-        extend = batch.forward_mode.is_extend()
+    def observe(self, extend: bool, tokens: int, wall: float, backlogged: bool) -> None:
+        """One forward: an extend or not, its tokens, its seconds; ``backlogged``: requests were waiting."""
         if not extend:
             if wall > 0:
                 d = self.decode_step_s
                 self.decode_step_s = wall if d == 0.0 else d + EMA_ALPHA * (wall - d)
         elif tokens >= MIN_SAMPLE_TOKENS and wall > 0:
             self.tokens_per_s += EMA_ALPHA * (tokens / wall - self.tokens_per_s)
-        if sched.waiting_queue and wall > 0:
+        if backlogged and wall > 0:
             w = self._window
             if len(w) == w.maxlen:
                 old_tokens, old_s = w[0]
@@ -113,52 +83,61 @@ class PrefillThroughput:
             self._window_s += wall
 
 
-def _uncached_tokens(sched: Scheduler, req: Req) -> int:
-    if req.kv_indices:
-        return req.num_tokens - req.num_computed_tokens
-    ids = req.fill_ids
-    tree = sched.tree_cache
-    cached = tree.peek_prefix(ids[: len(ids) - 1], req.extra_key)[2] if isinstance(tree, RadixCache) else 0
-    return len(ids) - cached
+class DeadlineAdmission:
+    def __init__(
+        self, settings: SchedSettings, queues: Queues, kv: KVManager, stats: SchedStats, clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.queues = queues
+        self.kv = kv
+        self.stats = stats
+        self.clock = clock
+        self.throughput = PrefillThroughput(settings.args.deadline_prefill_tokens_per_s)
+
+    def observe(self, batch: ScheduleBatch) -> None:
+        """After a forward: feed its measured time (the last ``step_log`` entry) to the estimates."""
+        if self.stats.step_log:
+            _, _, tokens, wall = self.stats.step_log[-1]
+            self.throughput.observe(batch.forward_mode.is_extend(), tokens, wall, bool(self.queues.waiting))
+
+    def check(self, req: Req) -> FINISH_ABORT | None:
+        """At arrival: refuse ``req`` when its predicted time to first token misses its deadline."""
+        d = deadline_of(req)
+        if not self.settings.args.deadline_admission or d is None:
+            return None
+        q = self.queues
+        now = self.clock()
+        ahead = self.kv.uncached_tokens(req)
+        queued_ahead = 0
+        for r in q.waiting:
+            rd = deadline_of(r)
+            if rd is not None and rd <= d:
+                ahead += r.num_tokens  # a waiting request's cache hit is not known until it is matched
+                queued_ahead += 1
+        if q.chunked is not None:
+            ahead += q.chunked.num_tokens - q.chunked.num_computed_tokens
+        est = self.throughput
+        backlog = est.backlog_tokens_per_s if q.waiting else None
+        tps = min(est.tokens_per_s, backlog) if backlog is not None else est.tokens_per_s
+        wait = slot_wait(q.running.reqs, q.max_running_requests, queued_ahead + 1, est.decode_step_s)
+        eta = now + wait + ahead / tps
+        req.predicted_ttft = eta - now  # type: ignore[attr-defined]  # for the simulator's error report
+        if eta <= d:
+            return None
+        self.stats.num_deadline_rejected += 1
+        return FINISH_ABORT(
+            f"the deadline cannot be met: {ahead} prompt tokens are ahead of this request's first token in "
+            f"deadline order, about {ahead / tps * 1000:.0f} ms at {tps:.0f} prefill tokens/s, plus "
+            f"{wait * 1000:.0f} ms waiting for a slot in the running batch, but only "
+            f"{max(d - now, 0.0) * 1000:.0f} ms are left; retry later or with a later deadline",
+            status_code=429, err_type="rate_limit_error", code="deadline_unmeetable", param="deadline_ms",
+        )
 
 
-def check_deadline(sched: Scheduler, req: Req) -> FINISH_ABORT | None:
-    d = deadline_of(req)
-    if not sched.args.deadline_admission or d is None:
-        return None
-    now = sched.clock()
-    ahead = _uncached_tokens(sched, req)
-    queued_ahead = 0
-    for r in sched.waiting_queue:
-        rd = deadline_of(r)
-        if rd is not None and rd <= d:
-            ahead += r.num_tokens  # a waiting request's cache hit is not known until it is matched
-            queued_ahead += 1
-    if sched.chunked_req is not None:
-        ahead += sched.chunked_req.num_tokens - sched.chunked_req.num_computed_tokens
-    est = sched.ext.throughput
-    backlog = est.backlog_tokens_per_s if sched.waiting_queue else None
-    tps = min(est.tokens_per_s, backlog) if backlog is not None else est.tokens_per_s
-    wait = slot_wait(sched, queued_ahead + 1, est.decode_step_s)
-    eta = now + wait + ahead / tps
-    req.predicted_ttft = eta - now  # type: ignore[attr-defined]  # for the simulator's error report
-    if eta <= d:
-        return None
-    sched.stats.num_deadline_rejected += 1
-    return FINISH_ABORT(
-        f"the deadline cannot be met: {ahead} prompt tokens are ahead of this request's first token in "
-        f"deadline order, about {ahead / tps * 1000:.0f} ms at {tps:.0f} prefill tokens/s, plus "
-        f"{wait * 1000:.0f} ms waiting for a slot in the running batch, but only "
-        f"{max(d - now, 0.0) * 1000:.0f} ms are left; retry later or with a later deadline",
-        status_code=429, err_type="rate_limit_error", code="deadline_unmeetable", param="deadline_ms",
-    )
-
-
-def slot_wait(sched: Scheduler, slots_needed: int, decode_step_s: float) -> float:
+def slot_wait(running: list[Req], max_running: int, slots_needed: int, decode_step_s: float) -> float:
     """Seconds until ``slots_needed`` running-batch slots are free: 0 while there are enough, else
     until enough running requests finish, the k-th shortest remaining output first."""
-    running = sched.running_batch.reqs
-    free = sched.max_running_requests - len(running)
+    free = max_running - len(running)
     k = slots_needed - free
     if k <= 0 or decode_step_s <= 0.0 or not running:
         return 0.0

@@ -13,6 +13,7 @@ from operator import attrgetter
 from radixserve.mem.allocator import OutOfKVSlots, TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.mem.kv_pool import ReqToTokenPool
+from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.req import Req
 
 
@@ -39,6 +40,53 @@ class KVManager:
     def usage(self) -> float:
         """Fraction of the pool not free and not evictable (held by running requests)."""
         return 1.0 - self.reclaimable_size() / self.total_tokens
+
+    # --- the prefix cache, as the scheduler's policies and rules need it ---------------------------
+    def match(self, req: Req) -> None:
+        """Match ``req``'s next input against the prefix cache (``Req.prefix_indices``, ``last_node``)."""
+        req.init_next_round_input(self.tree_cache)
+
+    def lock_match(self, req: Req) -> None:
+        """Pin ``req``'s matched prefix so this step's evictions cannot take it."""
+        self.tree_cache.inc_lock_ref(req.last_node)
+
+    def unlock_match(self, req: Req) -> None:
+        self.tree_cache.dec_lock_ref(req.last_node)
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Insert ``req``'s computed KV into the cache now (a finished chunk or prompt), keeping it locked."""
+        self.tree_cache.cache_unfinished_req(req)
+
+    def uncached_tokens(self, req: Req) -> int:
+        """Prompt tokens ``req`` still has to prefill: exact once admitted, else a read-only match."""
+        if req.kv_indices:
+            return req.num_tokens - req.num_computed_tokens
+        ids = req.fill_ids
+        tree = self.tree_cache
+        cached = tree.peek_prefix(ids[: len(ids) - 1], req.extra_key)[2] if isinstance(tree, RadixCache) else 0
+        return len(ids) - cached
+
+    def exclusive_cached_tokens(self, req: Req) -> int:
+        """Cached tokens only ``req`` pins: evictable once it lets go."""
+        tree = self.tree_cache
+        return tree.exclusive_locked_tokens(req.last_node) if isinstance(tree, RadixCache) else 0
+
+    def mark_wanted(self, waiting: list[Req]) -> None:
+        """Queue-aware eviction: keep the waiting requests' cached prefixes longest."""
+        tree = self.tree_cache
+        if isinstance(tree, RadixCache):
+            tree.mark_wanted((r.fill_ids[: len(r.fill_ids) - 1], r.extra_key) for r in waiting)
+
+    def flush(self) -> None:
+        """Drop every cached prefix (only when no request holds KV)."""
+        self.tree_cache.evict(self.tree_cache.evictable_size())
+        self.tree_cache.reset()
+
+    # --- request slots and KV slots -----------------------------------------------------------------
+    def slots_for(self, req: Req, n: int, held: int | None = None) -> int:
+        """KV slots (whole pages) ``req`` takes to grow by ``n`` tokens from ``held`` (its KV by default)."""
+        cur = len(req.kv_indices) if held is None else held
+        return self.allocator.pages_needed(cur, n) * self.page_size
 
     def admit(self, req: Req) -> None:
         """Give a newly admitted request a request slot and its cached prefix (already locked)."""

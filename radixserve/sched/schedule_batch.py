@@ -15,7 +15,6 @@ class ForwardMode(Enum):
     EXTEND = auto()  # prefill / chunk of a prompt (possibly after a cached prefix)
     DECODE = auto()  # one new token per request
     MIXED = auto()  # extends and decodes in one forward (the unified scheduler's steps)
-    IDLE = auto()  # nothing to run
 
     def is_extend(self) -> bool:
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
@@ -41,12 +40,6 @@ class ScheduleBatch:
 
     def is_empty(self) -> bool:
         return not self.reqs
-
-    def filter(self, keep: list[Req]) -> None:
-        self.reqs = keep
-
-    def merge(self, other: ScheduleBatch) -> None:
-        self.reqs.extend(other.reqs)
 
     def to_forward_batch(self, capture_logits: bool = False) -> ForwardBatch:
         if self.forward_mode is ForwardMode.DECODE:
@@ -108,6 +101,7 @@ class ScheduleBatch:
                 top_logprobs_nums=top_logprobs_nums,
             ),
             capture_logits=capture_logits,
+            rids=list(map(_get_rid, self.reqs)),
         )
 
 
@@ -115,5 +109,6 @@ _get_sp = attrgetter("sampling_params")
 _get_output_ids = attrgetter("output_ids")
 _last = itemgetter(-1)
 _get_pool_idx = attrgetter("req_pool_idx")
+_get_rid = attrgetter("rid")
 _SAMPLING_FIELDS = tuple(map(attrgetter, ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
                                            "top_logprobs_num")))

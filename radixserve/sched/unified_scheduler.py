@@ -23,21 +23,21 @@ nothing (``Scheduler.process_batch_result``).
 
 KV is planned before anything is allocated (so a victim never holds KV of this step); the slots
 are then taken with ``KVManager.grow``, which evicts unlocked cache leaves as needed. Intake,
-aborts, ``--queue-timeout``, the queue cap, result processing and stats are ``Scheduler``'s.
+aborts, ``--queue-timeout``, the queue cap, result processing and stats are the shared managers'
+(``core.py``); this scheduler has no ``new_token_ratio`` and no chunked request of its own.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from radixserve.sched.priority import abort_timed_out
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
-from radixserve.sched.scheduler import Scheduler
 
 
-class UnifiedScheduler(Scheduler):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # Scheduler's parameters
+class UnifiedScheduler(SchedulerCore):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # SchedulerCore's parameters
         super().__init__(*args, **kwargs)
         a = self.args
         self.max_num_seqs = min(a.max_num_seqs, self.max_running_requests)
@@ -51,13 +51,9 @@ class UnifiedScheduler(Scheduler):
             n = t
         return min(n, budget)
 
-    def _slots(self, req: Req, n: int) -> int:
-        """KV slots ``req`` takes to grow by ``n`` tokens (whole pages)."""
-        return self.kv.allocator.pages_needed(len(req.kv_indices), n) * self.kv.page_size
-
     def _select_preempt_target(self, running: list[Req]) -> Req:
         if self.preempt_by_priority:  # vLLM: max(running, key=(priority, arrival_time))
-            rank = self.prio.rank
+            rank = self.settings.prio.rank
             return max(running, key=lambda r: (rank(r), r.arrival_time))
         return running[-1]
 
@@ -70,14 +66,15 @@ class UnifiedScheduler(Scheduler):
         self.waiting_queue.insert(0, victim)
 
     def _order_waiting(self) -> None:
-        if self.prio.enabled:  # vLLM's priority queue: (priority, arrival_time)
-            rank = self.prio.rank
+        prio = self.settings.prio
+        if prio.enabled:  # vLLM's priority queue: (priority, arrival_time)
+            rank = prio.rank
             self.waiting_queue.sort(key=lambda r: (rank(r), r.arrival_time))
 
     # --- one step ------------------------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        self._apply_aborts()
-        abort_timed_out(self)
+        self.intake.apply_aborts()
+        self.intake.abort_timed_out()
         running = self.running_batch.reqs = [r for r in self.running_batch.reqs if not r.finished()]
         budget = self.args.max_num_batched_tokens
         scheduled: list[Req] = []
@@ -94,7 +91,7 @@ class UnifiedScheduler(Scheduler):
             if n <= 0:
                 i += 1
                 continue
-            s = self._slots(req, n)
+            s = self.kv.slots_for(req, n)
             can_schedule = True
             while needed + s > self.kv.reclaimable_size():
                 victim = self._select_preempt_target(running)
@@ -124,22 +121,15 @@ class UnifiedScheduler(Scheduler):
             self._order_waiting()
             while self.waiting_queue and budget > 0 and len(running) < self.max_num_seqs:
                 req = self.waiting_queue[0]
-                req.init_next_round_input(self.tree_cache)  # prefix-cache match
+                self.kv.match(req)
                 n = self._cap(req.extend_input_len, budget)
-                self.tree_cache.inc_lock_ref(req.last_node)  # the match must survive this step's evictions
-                s = self.kv.allocator.pages_needed(len(req.prefix_indices), n) * self.kv.page_size
+                self.kv.lock_match(req)  # the match must survive this step's evictions
+                s = self.kv.slots_for(req, n, held=len(req.prefix_indices))
                 if needed + s > self.kv.reclaimable_size():
-                    self.tree_cache.dec_lock_ref(req.last_node)
+                    self.kv.unlock_match(req)
                     break
                 self.waiting_queue.pop(0)
-                self.kv.admit(req)
-                if not req.admitted_before:
-                    req.admitted_before = True
-                    req.cached_tokens = len(req.prefix_indices)
-                    req.first_scheduled_time = self.clock()
-                    self.ext.on_first_admission(req, req.first_scheduled_time)  # the starvation counters
-                    self.stats.prompt_tokens += req.prompt_len
-                    self.stats.cached_tokens += req.cached_tokens
+                self.admit(req)
                 running.append(req)
                 scheduled.append(req)
                 num_new[id(req)], slots[id(req)] = n, s
@@ -168,4 +158,4 @@ class UnifiedScheduler(Scheduler):
         return batch
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running_batch.reqs)
+        return bool(self.queues.waiting or self.queues.running.reqs)

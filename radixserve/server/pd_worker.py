@@ -21,10 +21,10 @@ import zmq
 from radixserve.config import ServerArgs
 from radixserve.disagg.decode import DecodeRooms, NoKVRoom
 from radixserve.disagg.prefill import PrefillRooms
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from radixserve.sched.io import ReqOutput
 from radixserve.sched.req import Req
-from radixserve.sched.scheduler import Scheduler
 from radixserve.server.io_struct import GenerateReq
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def _abort(req: Req, message: str, status: int, code: str) -> ReqOutput:
 
 
 class PDWorker:
-    def __init__(self, args: ServerArgs, sched: Scheduler, ctx: zmq.Context, dp_rank: int) -> None:
+    def __init__(self, args: ServerArgs, sched: SchedulerCore, ctx: zmq.Context, dp_rank: int) -> None:
         self.args = args
         self.sched = sched
         self.mode = args.disaggregation_mode
@@ -65,7 +65,7 @@ class PDWorker:
         sched.kv_held_outside = lambda: not self.idle()
 
     @classmethod
-    def create(cls, args: ServerArgs, sched: Scheduler, ctx: zmq.Context, dp_rank: int) -> PDWorker | None:
+    def create(cls, args: ServerArgs, sched: SchedulerCore, ctx: zmq.Context, dp_rank: int) -> PDWorker | None:
         if getattr(args, "disaggregation_mode", "null") == "null":
             return None
         return cls(args, sched, ctx, dp_rank)

@@ -28,11 +28,11 @@ import zmq
 from radixserve.config import ServerArgs
 from radixserve.engine import build_scheduler
 from radixserve.mem.radix_cache import RadixCache
+from radixserve.sched.core import SchedulerCore, calm_garbage_collector
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import ReqOutput
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
-from radixserve.sched.scheduler import Scheduler, calm_garbage_collector
 from radixserve.server.cache_events import CacheEventPublisher, bind_endpoint
 from radixserve.server.io_struct import (
     ENCODER,
@@ -136,7 +136,7 @@ def tp_broken(runner: Any) -> bool:
     return tp is not None and tp.broken is not None
 
 
-def open_cache_events(ctx: zmq.Context, args: ServerArgs, scheduler: Scheduler, dp_rank: int) -> CacheEventPublisher | None:
+def open_cache_events(ctx: zmq.Context, args: ServerArgs, scheduler: SchedulerCore, dp_rank: int) -> CacheEventPublisher | None:
     """Bind this rank's cache events socket and hook it to the radix cache (None when off)."""
     if args.cache_events_port is None:
         return None
@@ -155,7 +155,7 @@ class SchedulerServer:
     def __init__(
         self,
         args: ServerArgs,
-        scheduler: Scheduler,
+        scheduler: SchedulerCore,
         recv_sock: zmq.Socket,
         to_detok: zmq.Socket,
         to_tm: zmq.Socket,
@@ -260,8 +260,7 @@ class SchedulerServer:
             else:
                 self.sched.abort_request(item[1])
         if items:
-            outs = self.sched.outputs  # refusals and aborts of waiting requests, emitted at once
-            self.sched.outputs = []
+            outs = self.sched.take_outputs()  # refusals and aborts of waiting requests, emitted at once
             if outs:
                 self.send(outs)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from radixserve.config import ServerArgs
 from radixserve.router.policy import PolicyConfig
-from radixserve.sched.scheduler import calm_garbage_collector
+from radixserve.sched.core import calm_garbage_collector
 from radixserve.sim.cost_model import H100Llama2CostModel, make_cost_model
 from radixserve.sim.fleet import FleetConfig, run_fleet
 from radixserve.sim.fleet_report import fleet_item, fleet_table, fleet_text, summarize_fleet

@@ -44,9 +44,9 @@ from radixserve.router.policy import (
     Target,
     make_router_policy,
 )
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.req import Req
-from radixserve.sched.scheduler import Scheduler
 from radixserve.sim.cost_model import CostModel
 from radixserve.sim.simulator import (
     ReqRecord,
@@ -111,7 +111,7 @@ def chars_key(ids: Sequence[int]) -> str:
 class Engine:
     """One simulated scheduler (a worker, or one DP rank of it) and what the fleet loop keeps of it."""
 
-    def __init__(self, sched: Scheduler, runner: SimRunner, clock: VirtualClock, worker: int, rank: int,
+    def __init__(self, sched: SchedulerCore, runner: SimRunner, clock: VirtualClock, worker: int, rank: int,
                  target: Target) -> None:
         self.sched, self.runner, self.clock = sched, runner, clock
         self.worker, self.rank = worker, rank
@@ -239,6 +239,7 @@ class Fleet:
         predicted = (d.matched / len(key) if len(key) else 0.0) if self.uses_key else None
         self.routed[req.rid] = Routed(d.target, eng, d.branch, predicted, conversation)
         eng.pending.append(req)
+        eng.runner.expect(spec)
         if not eng.scheduled:
             eng.scheduled = True
             self._push(max(t, eng.clock.now), STEP, eng)
@@ -251,7 +252,7 @@ class Fleet:
             target = engines[0].target
             target.waiting_tokens = sum(int(e.sched.get_load()["num_waiting_tokens"]) for e in engines) + \
                 sum(len(r.origin_input_ids) for e in engines for r in e.pending)
-            target.prefill_tokens_per_s = sum(e.sched.ext.throughput.tokens_per_s for e in engines)
+            target.prefill_tokens_per_s = sum(e.sched.deadlines.throughput.tokens_per_s for e in engines)
             target.sent_tokens = 0
 
     def _step(self, t: float, eng: Engine, trace: FleetTrace) -> None:
@@ -279,6 +280,7 @@ class Fleet:
                 continue
             if o.rid not in eng.live:
                 continue
+            eng.runner.forget(o.rid)
             req = eng.live.pop(o.rid)
             r = self.routed[o.rid]
             trace.records.append(FleetRecord(o.rid, _record(req), eng.worker, eng.rank, r.branch, r.predicted))

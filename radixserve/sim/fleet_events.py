@@ -17,10 +17,10 @@ from typing import Any
 from radixserve.mem.cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
 from radixserve.mem.radix_cache import RadixCache
 from radixserve.router.policy import CacheAware, RouterPolicy
-from radixserve.sched.scheduler import Scheduler
+from radixserve.sched.core import SchedulerCore
 
 
-def subscribe(sched: Scheduler, target_key: str, policy: RouterPolicy,
+def subscribe(sched: SchedulerCore, target_key: str, policy: RouterPolicy,
               to_key: Callable[[Sequence[int]], Sequence[Any]], count: Callable[[], None]) -> None:
     """Apply ``sched``'s cache events to ``policy`` as events of ``target_key`` (the engine's
     router target: its rank with --dp-aware, else its worker, as the router's subscriber does).

@@ -3,7 +3,7 @@
 ``SimRunner`` is a ``Runner``: ``forward(batch)`` advances a ``VirtualClock`` by the cost model's
 step time and returns one next token per request: the request's own token stream until it reaches
 its pre-sampled output length, then EOS. Everything above ``forward`` is the engine's own code:
-``make_scheduler`` (sglang or unified), ``PrefillAdder``, the policies, ``KVManager``,
+``build_scheduler`` (sglang or unified), ``PrefillAdder``, the policies, ``KVManager``,
 ``RadixCache``/``ChunkCache``, ``TokenToKVPoolAllocator`` and ``ReqToTokenPool``.
 """
 
@@ -19,22 +19,17 @@ from typing import Any
 import numpy as np
 
 from radixserve.config import ServerArgs
-from radixserve.mem.allocator import TokenToKVPoolAllocator
-from radixserve.mem.base_cache import BasePrefixCache, ChunkCache
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.mem.kv_pool import ReqToTokenPool
-from radixserve.mem.radix_cache import RadixCache
-from radixserve.sched import make_scheduler
+from radixserve.sched.build import build_kv, build_scheduler
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
-from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
-from radixserve.sched.scheduler import Scheduler
 from radixserve.sim import metrics
 from radixserve.sim.cost_model import CostModel
 from radixserve.sim.workload import EOS_TOKEN_ID, RequestSpec, stream_token
 
-DEFAULT_MAX_RUNNING_REQUESTS = 256
 VOCAB_SIZE = 32000
 
 
@@ -63,30 +58,35 @@ class NoWriteReqToTokenPool(ReqToTokenPool):
 
 
 class SimRunner:
-    """Step time from ``cost``; tokens from each request's stream, EOS at its sampled length."""
+    """The model, simulated: step time from ``cost``; each request's tokens from its stream, EOS at
+    its sampled length. Like the model runner it sees only ``forward(batch)``: a request is known by
+    the id the batch carries, from ``expect`` (called when the request is submitted)."""
 
     def __init__(self, cost: CostModel, clock: VirtualClock) -> None:
         self.cost = cost
         self.clock = clock
-        self.sched: Scheduler | None = None  # set after the scheduler is built (it owns cur_batch)
+        self.expected: dict[str, tuple[int, int, int]] = {}  # rid -> (output length, stream, offset)
         self.wall = 0.0  # wall seconds spent in forward (excluded from the scheduler's overhead)
         self.cpu = 0.0  # process CPU seconds spent in forward (likewise)
         self.busy = 0.0  # virtual seconds of modelled GPU time
 
+    def expect(self, spec: RequestSpec) -> None:
+        self.expected[spec.rid] = (spec.output_len, spec.stream, spec.stream_offset)
+
+    def forget(self, rid: str) -> None:
+        """The request ended (finished, aborted or refused): it will not be forwarded again."""
+        self.expected.pop(rid, None)
+
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         t0, c0 = time.perf_counter(), time.process_time()
-        assert self.sched is not None and self.sched.cur_batch is not None
-        reqs = self.sched.cur_batch.reqs
         dt = self.cost.step_time(batch.extend_prefix_lens, batch.extend_seq_lens)
         self.clock.now += dt
         self.busy += dt
         out = []
-        for req in reqs:
-            k = len(req.output_ids)
-            if k + 1 >= req.sim_output_len:  # type: ignore[attr-defined]
-                out.append(EOS_TOKEN_ID)
-            else:
-                out.append(stream_token(req.sim_stream, req.sim_offset + k))  # type: ignore[attr-defined]
+        expected = self.expected
+        for rid, k in zip(batch.rids, batch.sampling.steps, strict=True):  # k: tokens generated so far
+            output_len, stream, offset = expected[rid]
+            out.append(EOS_TOKEN_ID if k + 1 >= output_len else stream_token(stream, offset + k))
         self.wall += time.perf_counter() - t0
         self.cpu += time.process_time() - c0
         return ForwardOutput(next_token_ids=out)
@@ -95,23 +95,16 @@ class SimRunner:
 def build_sim_scheduler(
     args: ServerArgs, cost: CostModel, context_len: int, clock: VirtualClock | None = None,
     skip_req_to_token_writes: bool = False,
-) -> tuple[Scheduler, SimRunner, VirtualClock]:
+) -> tuple[SchedulerCore, SimRunner, VirtualClock]:
     """The engine's pools, cache and scheduler (as ``engine.build_scheduler``) without a model."""
     clock = clock or VirtualClock()
     if args.max_total_tokens is None:
         raise ValueError("the simulator needs --max-total-tokens (KV pool size in tokens)")
-    max_reqs = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
-    if args.scheduler == "unified":
-        max_reqs = max(max_reqs, args.max_num_seqs) if args.max_running_requests is None else max_reqs
-    r2t = (NoWriteReqToTokenPool if skip_req_to_token_writes else ReqToTokenPool)(max_reqs, context_len)
-    allocator = TokenToKVPoolAllocator(args.max_total_tokens, args.page_size)
-    cache: BasePrefixCache = (
-        ChunkCache(r2t, allocator) if args.disable_radix_cache else RadixCache(r2t, allocator, args.radix_eviction_policy)
-    )
+    kv = build_kv(args, args.max_total_tokens, context_len,
+                  pool_cls=NoWriteReqToTokenPool if skip_req_to_token_writes else ReqToTokenPool)
     runner = SimRunner(cost, clock)
-    sched = make_scheduler(args, runner, KVManager(r2t, allocator, cache), context_len=context_len,
-                           vocab_size=None, eos_token_ids=[EOS_TOKEN_ID], clock=clock)
-    runner.sched = sched
+    sched = build_scheduler(args, runner, kv, context_len=context_len, vocab_size=None,
+                            eos_token_ids=[EOS_TOKEN_ID], clock=clock)
     return sched, runner, clock
 
 
@@ -119,9 +112,6 @@ def make_req(spec: RequestSpec, stream: bool = False) -> Req:
     sp = SamplingParams(max_new_tokens=max(spec.output_len, 1), ignore_eos=False)
     req = Req(spec.rid, spec.prompt_ids(), sp, arrival_time=spec.arrival_time, priority=spec.priority,
               eos_token_ids=(EOS_TOKEN_ID,), stream=stream)
-    req.sim_output_len = spec.output_len  # type: ignore[attr-defined]
-    req.sim_stream = spec.stream  # type: ignore[attr-defined]
-    req.sim_offset = spec.stream_offset  # type: ignore[attr-defined]
     if spec.tenant is not None:
         req.tenant = spec.tenant  # type: ignore[attr-defined]  # read by tenant-aware policies
     if spec.deadline_ms is not None:
@@ -191,7 +181,7 @@ def run(
     progress: bool = False,
     max_timeline: int = 4000,
     check_invariant: bool = True,
-    on_step: Callable[[Scheduler], None] | None = None,
+    on_step: Callable[[SchedulerCore], None] | None = None,
     skip_req_to_token_writes: bool = False,
     max_steps: int | None = None,
     stream: bool = False,
@@ -210,7 +200,7 @@ def run(
         from tqdm import tqdm
 
         bar = tqdm(total=n, desc=f"simulate {trace.label}", unit="req", mininterval=0.5)
-    estimator = getattr(getattr(sched, "ext", None), "throughput", None) if args.deadline_admission else None
+    estimator = sched.deadlines.throughput if args.deadline_admission else None
     wall0, cpu0 = time.perf_counter(), time.process_time()
     stuck = 0
     while i < n or sched.has_work():
@@ -222,6 +212,7 @@ def run(
         while i < n and specs[i].arrival_time <= clock.now:
             req = make_req(specs[i], stream)
             live[req.rid] = req
+            runner.expect(specs[i])
             sched.add_request(req)
             i += 1
         fwd0, fwd_cpu0 = runner.wall, runner.cpu
@@ -250,6 +241,7 @@ def run(
             done_req = live.pop(o.rid, None)
             if done_req is None:
                 continue
+            runner.forget(o.rid)
             trace.records.append(_record(done_req))
             if bar is not None:
                 bar.update(1)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import itertools
 
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import ReqOutput
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
 from radixserve.sched.schedule_batch import ScheduleBatch
-from radixserve.sched.scheduler import Scheduler
 from tests.fakes import expected_tokens
 from tests.sched import sched_helpers
 
@@ -19,7 +19,7 @@ _arrivals = itertools.count()
 
 
 def submit(
-    sched: Scheduler, rid: str, prompt: list[int], max_new: int = 4, *, priority: int | None = None,
+    sched: SchedulerCore, rid: str, prompt: list[int], max_new: int = 4, *, priority: int | None = None,
     arrival: float | None = None,
 ) -> Req:
     """Queue a request; arrival times increase in submission order unless given."""
@@ -43,7 +43,7 @@ def assert_exact(outs: list[ReqOutput], reqs: list[Req]) -> None:
 class BatchLog:
     """Records every batch the scheduler builds: ``steps[i]`` is ``[(rid, prefix_len, extend_len)]``."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: SchedulerCore) -> None:
         self.steps: list[list[tuple[str, int, int]]] = []
         self.modes: list[str] = []
         inner = sched.get_next_batch_to_run

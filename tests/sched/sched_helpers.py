@@ -5,15 +5,15 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_LENGTH
 from radixserve.sched.io import ReqOutput
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
-from radixserve.sched.scheduler import Scheduler
 from tests.fakes import expected_tokens
 
 
-def submit(sched: Scheduler, rid: str, prompt: list[int], max_new: int = 8, **sp: Any) -> Req:
+def submit(sched: SchedulerCore, rid: str, prompt: list[int], max_new: int = 8, **sp: Any) -> Req:
     eos = sp.pop("eos", ())
     req = Req(rid, prompt, SamplingParams(max_new_tokens=max_new, **sp), eos_token_ids=eos)
     sched.add_request(req)

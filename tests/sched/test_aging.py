@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.req import Req
-from radixserve.sched.scheduler import Scheduler
 from tests.fakes import drain, expected_tokens, make_scheduler
 from tests.sched.policy_helpers import prompt, submit
 
@@ -22,7 +22,7 @@ class Clock:
 HOT = prompt(1, 64)
 
 
-def _stream(policy: str, steps: int = 20, **kw: object) -> tuple[Scheduler, Req, list[Req]]:
+def _stream(policy: str, steps: int = 20, **kw: object) -> tuple[SchedulerCore, Req, list[Req]]:
     """Each second two cache hits (64 cached tokens + 8 new) arrive and one prefill round admits
     two requests; the cold request (40 uncached tokens) arrives first."""
     sched, _, kv = make_scheduler(pool_tokens=1024, schedule_policy=policy, prefill_max_requests=2,
@@ -41,7 +41,7 @@ def _stream(policy: str, steps: int = 20, **kw: object) -> tuple[Scheduler, Req,
     return sched, cold, reqs
 
 
-def _finish(sched: Scheduler, reqs: list[Req]) -> None:
+def _finish(sched: SchedulerCore, reqs: list[Req]) -> None:
     drain(sched)
     for r in reqs:
         assert r.output_ids == expected_tokens(r.origin_input_ids, 1), r.rid
@@ -117,7 +117,7 @@ def test_sjf_orders_by_uncached_prompt_plus_output() -> None:
     drain(sched)
 
 
-def _aged_victim_setup(**kw: object) -> tuple[Scheduler, Clock, Req]:
+def _aged_victim_setup(**kw: object) -> tuple[SchedulerCore, Clock, Req]:
     sched, _, _ = make_scheduler(enable_priority_scheduling=True, max_running_requests=1, **kw)
     clock = Clock()
     sched.clock = clock  # type: ignore[method-assign]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from radixserve.sched.class_stats import ClassCounters
 from radixserve.sched.req import Req
+from radixserve.sched.stats import ClassCounters
 from tests.fakes import make_scheduler
 from tests.sched.policy_helpers import prompt, submit
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
-from radixserve.sched.scheduler import Scheduler
 from tests.fakes import drain, expected_tokens, make_scheduler
 from tests.sched.policy_helpers import prompt
 
@@ -18,7 +18,7 @@ class Clock:
         return self.t
 
 
-def add(sched: Scheduler, rid: str, n: int, deadline: float | None, max_new: int = 2, arrival: float = 0.0) -> Req:
+def add(sched: SchedulerCore, rid: str, n: int, deadline: float | None, max_new: int = 2, arrival: float = 0.0) -> Req:
     req = Req(rid, prompt(hash(rid) % 10000, n), SamplingParams(max_new_tokens=max_new), arrival_time=arrival)
     req.deadline = deadline  # as the server and the simulator set it
     sched.add_request(req)
@@ -105,7 +105,7 @@ def test_prefill_throughput_ema_follows_measurements() -> None:
     sched, _, _ = make_scheduler(pool_tokens=512, schedule_policy="edf", deadline_prefill_tokens_per_s=1.0)
     add(sched, "a", 100, None)
     drain(sched)
-    assert sched.ext.throughput.tokens_per_s > 1.0  # one 100-token prefill measured (alpha 0.2)
+    assert sched.deadlines.throughput.tokens_per_s > 1.0  # one 100-token prefill measured (alpha 0.2)
 
 
 def test_slot_wait_counts_the_running_requests_that_must_finish_first() -> None:
@@ -117,31 +117,23 @@ def test_slot_wait_counts_the_running_requests_that_must_finish_first() -> None:
         return SimpleNamespace(sampling_params=SimpleNamespace(max_new_tokens=max_new), output_ids=[0] * done)
 
     batch = [running(10, 5), running(20, 11), running(8, 8)]  # 5, 9 and 0 tokens to go
-    sched = SimpleNamespace(running_batch=SimpleNamespace(reqs=batch), max_running_requests=4)
-    assert slot_wait(sched, 1, 0.01) == 0.0  # a slot is free
-    assert slot_wait(sched, 2, 0.01) == 0.0  # the one finishing now frees the second
-    assert abs(slot_wait(sched, 3, 0.01) - 0.05) < 1e-12
-    assert abs(slot_wait(sched, 4, 0.01) - 0.09) < 1e-12
+    assert slot_wait(batch, 4, 1, 0.01) == 0.0  # a slot is free
+    assert slot_wait(batch, 4, 2, 0.01) == 0.0  # the one finishing now frees the second
+    assert abs(slot_wait(batch, 4, 3, 0.01) - 0.05) < 1e-12
+    assert abs(slot_wait(batch, 4, 4, 0.01) - 0.09) < 1e-12
     # past the batch: whole turnovers of it (each as long as its longest), then the rest
-    assert abs(slot_wait(sched, 6, 0.01) - (0.09 + 0.05)) < 1e-12
-    assert abs(slot_wait(sched, 7, 0.01) - 0.18) < 1e-12
-    assert slot_wait(sched, 4, 0.0) == 0.0  # no decode step measured yet
+    assert abs(slot_wait(batch, 4, 6, 0.01) - (0.09 + 0.05)) < 1e-12
+    assert abs(slot_wait(batch, 4, 7, 0.01) - 0.18) < 1e-12
+    assert slot_wait(batch, 4, 4, 0.0) == 0.0  # no decode step measured yet
 
 
 def test_backlog_rate_counts_the_decode_steps_between_prefills() -> None:
-    from collections import deque
-    from types import SimpleNamespace
-
     from radixserve.sched.deadline import BACKLOG_WINDOW, PrefillThroughput
-    from radixserve.sched.schedule_batch import ForwardMode
 
     est = PrefillThroughput(1000.0)
-    log: deque[tuple[str, int, int, float]] = deque()
-    sched = SimpleNamespace(stats=SimpleNamespace(step_log=log), waiting_queue=["someone"])
     for i in range(BACKLOG_WINDOW):
         extend = i % 4 == 0  # one 400-token prefill (0.1 s) every three decode steps (0.05 s each)
-        log.append(("EXTEND" if extend else "DECODE", 8, 400 if extend else 8, 0.1 if extend else 0.05))
-        est.observe(SimpleNamespace(forward_mode=ForwardMode.EXTEND if extend else ForwardMode.DECODE), sched)
+        est.observe(extend, 400 if extend else 8, 0.1 if extend else 0.05, backlogged=True)
     assert 3900.0 < est.tokens_per_s < 4000.0  # the EMA nears the 4,000 tokens/s of prefill steps alone
     assert abs(est.decode_step_s - 0.05) < 1e-9
     assert est.backlog_tokens_per_s is not None and abs(est.backlog_tokens_per_s - 1600.0) < 1e-6  # 400 / 0.25 s

@@ -11,8 +11,8 @@ from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import RadixKey
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
-from radixserve.sched.lpm_order import IncrementalLPM
-from radixserve.sched.prefix_match import _BACK, _SHIFT, PrefixLengthCache, _deprioritized
+from radixserve.sched.policies.lpm_order import IncrementalLPM
+from radixserve.sched.policies.prefix_match import _BACK, _SHIFT, PrefixLengthCache, _deprioritized
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""The policy plugin interface and live switching (sched/plugins.py, examples/policies/)."""
+"""The policy plugin interface and live switching (sched/policies/registry.py, sched/settings.py, examples/policies/)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-import radixserve.sched.policy as policy_mod
+import radixserve.sched.policies.registry as policy_mod
 from radixserve.config import ServerArgs
-from radixserve.sched import plugins
-from radixserve.sched.policy import PolicyContext, SchedulePolicy, policy_names
+from radixserve.sched.policies import PolicyContext, SchedulePolicy, policy_names
+from radixserve.sched.policies import registry as plugins
 from radixserve.sched.req import Req
 from tests.fakes import drain, expected_tokens, make_scheduler
 from tests.sched.policy_helpers import prompt, submit

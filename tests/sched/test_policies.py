@@ -14,8 +14,8 @@ from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import RadixKey
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
-from radixserve.sched.policy import PolicyContext, get_policy, policy_names
-from radixserve.sched.prefix_match import PrefixLengthCache, in_batch_deprioritized
+from radixserve.sched.policies import PolicyContext, get_policy, policy_names
+from radixserve.sched.policies.prefix_match import PrefixLengthCache, in_batch_deprioritized
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
 from tests.fakes import drain, make_scheduler

@@ -11,8 +11,9 @@ import pytest
 from radixserve.config import ServerArgs
 from radixserve.mem.evict_policy import LFUStrategy, LRUStrategy, QueueAwareStrategy
 from radixserve.mem.radix_cache import RadixCache
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.req import Req
-from radixserve.sched.scheduler import Scheduler
+from radixserve.sim.simulator import SimRunner
 from tests.fakes import VOCAB, EchoRunner, drain, expected_tokens, make_scheduler
 from tests.sched.policy_helpers import prompt, submit
 
@@ -49,33 +50,34 @@ def _args(policy: str) -> ServerArgs:
                       radix_eviction_policy=policy)
 
 
-def build_fakes(policy: str) -> Scheduler:
+def build_fakes(policy: str) -> SchedulerCore:
     return make_scheduler(pool_tokens=100, prefill_max_requests=1, radix_eviction_policy=policy)[0]
 
 
-def build_engine(policy: str) -> Scheduler:
+def build_engine(policy: str) -> SchedulerCore:
     from radixserve.engine import build_scheduler  # the engine's own construction path
 
     return build_scheduler(_args(policy), StubModelRunner(), CTX)  # type: ignore[arg-type]
 
 
-def build_sim(policy: str) -> Scheduler:
+def build_sim(policy: str) -> SchedulerCore:
     from radixserve.sim.cost_model import make_cost_model
     from radixserve.sim.simulator import build_sim_scheduler
 
     return build_sim_scheduler(_args(policy), make_cost_model("linear"), CTX)[0]
 
 
-BUILDERS: dict[str, Callable[[str], Scheduler]] = {"fakes": build_fakes, "engine": build_engine, "sim": build_sim}
+BUILDERS: dict[str, Callable[[str], SchedulerCore]] = {"fakes": build_fakes, "engine": build_engine, "sim": build_sim}
 
 
-def _submit(sched: Scheduler, rid: str, ids: list[int]) -> Req:
-    req = submit(sched, rid, ids, 1)
-    req.sim_output_len, req.sim_stream, req.sim_offset = 1, 0, 0  # type: ignore[attr-defined]  # SimRunner
-    return req
+def _submit(sched: SchedulerCore, rid: str, ids: list[int]) -> Req:
+    runner = sched.runner
+    if isinstance(runner, SimRunner):  # the simulated model must know what the request will produce
+        runner.expected[rid] = (1, 0, 0)
+    return submit(sched, rid, ids, 1)
 
 
-def _run(sched: Scheduler) -> int:
+def _run(sched: SchedulerCore) -> int:
     kv = sched.kv
     p, q = prompt(1, 30), prompt(2, 30)
     _submit(sched, "warm-p", p)

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ForwardMode
-from radixserve.sched.scheduler import Scheduler
 from tests.fakes import EchoRunner, drain, expected_tokens, make_scheduler
 from tests.sched.sched_helpers import assert_exact, finals, prompt, submit, tokens
 
@@ -32,7 +32,7 @@ def test_small_pool_retracts_paged_chunked() -> None:
     assert_exact(outs, reqs)
 
 
-def _three_running(steps: int, decay_steps: int = 100) -> tuple[Scheduler, EchoRunner, Any, list[Req], list[int]]:
+def _three_running(steps: int, decay_steps: int = 100) -> tuple[SchedulerCore, EchoRunner, Any, list[Req], list[int]]:
     """r1 (prompt 9, 2 outputs), r2 (prompt 5, 1 output), r3 (prompt 7, 1 output), all running,
     and every other KV slot taken (returned as the hog)."""
     sched, runner, kv = make_scheduler(pool_tokens=128, retract_decode_steps=steps,

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import ReqOutput
-from radixserve.sched.scheduler import Scheduler
 from tests.fakes import EchoRunner, drain, expected_tokens, make_scheduler
 from tests.sched.sched_helpers import assert_exact, finals, prompt, submit
 
@@ -31,7 +31,7 @@ class FlakyRunner(EchoRunner):
         return super().forward(batch)
 
 
-def flaky(fail_on: set[int], **kw: Any) -> tuple[Scheduler, FlakyRunner, Any]:
+def flaky(fail_on: set[int], **kw: Any) -> tuple[SchedulerCore, FlakyRunner, Any]:
     sched, _, kv = make_scheduler(**kw)
     runner = FlakyRunner(kv.req_to_token_pool, fail_on)
     sched.runner = runner

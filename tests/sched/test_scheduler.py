@@ -230,7 +230,7 @@ def test_eos_stop() -> None:
     assert tokens(outs)["r"] == exp[:3]
     assert finals(outs)["r"].finished_reason == FINISH_STOP(exp[2])
     # The scheduler's EOS ids apply to requests that bring none.
-    sched.eos_token_ids = (exp[1],)
+    sched.intake.eos_token_ids = frozenset((exp[1],))
     r2 = submit(sched, "r2", p, 10)
     drain(sched)
     assert r2.output_ids == exp[:2] and r2.finished_reason == FINISH_STOP(exp[1])
@@ -259,7 +259,7 @@ def test_stop_strings_via_detokenize() -> None:
     no_detok = submit(sched, "nd", p, 10, stop=[stop])
     drain(sched)
     assert no_detok.output_ids == exp  # without a detokenizer stop strings cannot match here
-    sched.detokenize = lambda ids: "".join(f"<{t}>" for t in ids)
+    sched.outputs.detokenize = lambda ids: "".join(f"<{t}>" for t in ids)
     submit(sched, "r", p, 10, stop=["never", stop])
     outs = drain(sched)
     assert tokens(outs)["r"] == exp[:4]

@@ -63,7 +63,7 @@ def _exact(*reqs: Req) -> None:
 
 def test_min_recompute_victim_vs_sglang() -> None:
     sched, kv, (r1, r1b, r2), hog = _running_trio("min-recompute")
-    assert [recompute_cost(sched, r) for r in (r1, r1b, r2)] == [3, 4, 30]
+    assert [recompute_cost(r, kv) for r in (r1, r1b, r2)] == [3, 4, 30]
     sched.step()
     assert sched.waiting_queue == [r1]  # the cheapest to recompute
     kv.allocator.free(hog)
@@ -81,8 +81,8 @@ def test_min_recompute_victim_vs_sglang() -> None:
 def test_retraction_cap_orders_capped_last() -> None:
     sched, kv, (r1, r1b, r2), hog = _running_trio("min-recompute")
     r1.num_retractions = 3  # at the default cap of 3: retracted only if nothing else is left
-    assert retract_order(sched, [r1, r1b, r2])[-1] is r1b
-    assert retract_order(sched, [r1, r1b, r2])[0] is r1
+    assert retract_order([r1, r1b, r2], kv, "min-recompute", 3)[-1] is r1b
+    assert retract_order([r1, r1b, r2], kv, "min-recompute", 3)[0] is r1
     sched.step()
     assert sched.waiting_queue == [r1b]
     kv.allocator.free(hog)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from radixserve.config import ServerArgs
-from radixserve.sched import make_scheduler as factory
+from radixserve.sched import build_scheduler as factory
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.unified_scheduler import UnifiedScheduler
 from tests.fakes import EchoRunner, drain, make_scheduler
@@ -65,7 +66,7 @@ def test_prefix_cache_on_admission_and_max_num_seqs() -> None:
     assert_exact(outs, [first, *reqs])
 
 
-def _run_until_preemption(sched: Scheduler, log: BatchLog) -> list:  # type: ignore[type-arg]
+def _run_until_preemption(sched: SchedulerCore, log: BatchLog) -> list:  # type: ignore[type-arg]
     outs = []
     for _ in range(200):
         outs += sched.step()

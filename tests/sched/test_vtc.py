@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.sched.fairness import VirtualTokenCounter
+from radixserve.sched.core import SchedulerCore
+from radixserve.sched.policies.vtc import VirtualTokenCounter
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
-from radixserve.sched.scheduler import Scheduler
 from tests.fakes import drain, expected_tokens, make_scheduler
 from tests.sched.policy_helpers import prompt
 
 
-def add(sched: Scheduler, rid: str, tenant: str, n: int, max_new: int, arrival: float) -> Req:
+def add(sched: SchedulerCore, rid: str, tenant: str, n: int, max_new: int, arrival: float) -> Req:
     req = Req(rid, prompt(hash(rid) % 100000, n), SamplingParams(max_new_tokens=max_new), arrival_time=arrival)
     req.tenant = tenant
     sched.add_request(req)

@@ -10,7 +10,7 @@ import pytest
 
 from radixserve.cli import main as cli_main
 from radixserve.config import ServerArgs
-from radixserve.sched.scheduler import Scheduler
+from radixserve.sched.core import SchedulerCore
 from radixserve.sim.cost_model import (
     BUNDLED_TABLE,
     H100Llama2CostModel,
@@ -63,14 +63,14 @@ def test_streaming_requests_change_the_outputs_sent_not_the_schedule(monkeypatch
     args = ServerArgs(max_total_tokens=20000, max_running_requests=32, schedule_policy="lpm")
     specs = generate(cfg)
     sent = [0]  # outputs of unfinished requests
-    step = Scheduler.step
+    step = SchedulerCore.step
 
-    def counting_step(self: Scheduler) -> list:
+    def counting_step(self: SchedulerCore) -> list:
         outs = step(self)
         sent[0] += sum(1 for o in outs if o.finished_reason is None)
         return outs
 
-    monkeypatch.setattr(Scheduler, "step", counting_step)
+    monkeypatch.setattr(SchedulerCore, "step", counting_step)
     results, emitted = {}, {}
     for stream in (False, True):
         sent[0] = 0

@@ -12,11 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.mem.radix_cache import RadixCache
-from radixserve.sched.policy import PolicyContext, SchedulePolicy, register_policy
+from radixserve.sched.policies.base import PolicyContext, SchedulePolicy
 from radixserve.sched.req import Req
 
 
-@register_policy
 class ShortestJobFirst(SchedulePolicy):
     name = "sjf"
 

@@ -35,7 +35,7 @@ from operator import attrgetter
 from typing import Any
 
 from radixserve.mem.radix_cache import RadixCache
-from radixserve.sched.prefix_match import _BACK, _SHIFT, PrefixLengthCache, lpm_sort_keys
+from radixserve.sched.policies.prefix_match import _BACK, _SHIFT, PrefixLengthCache, lpm_sort_keys
 from radixserve.sched.req import LPM_STALE, Req
 
 _INF = float("inf")

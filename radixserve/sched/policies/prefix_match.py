@@ -122,7 +122,7 @@ class PrefixLengthCache:
             req.lpm_group = _group(req, self._group_t)
         ps = tree.page_size
         end = limit - limit % ps
-        tree.watch(node, END if pos >= end else tree._child_key(node, ids[pos : pos + ps], req.extra_key), m)
+        tree.watch(node, END if pos >= end else tree.child_key(node, ids[pos : pos + ps], req.extra_key), m)
         return key
 
 

@@ -24,19 +24,17 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from radixserve.config import parse_tenant_weights
-from radixserve.sched.policy import PolicyContext, SchedulePolicy, register_policy
+from radixserve.sched.policies.base import PolicyContext, SchedulePolicy
 from radixserve.sched.req import Req
 
 if TYPE_CHECKING:
     from radixserve.sched.schedule_batch import ScheduleBatch
-    from radixserve.sched.scheduler import Scheduler
 
 
 def tenant_of(req: Req) -> str:
     return getattr(req, "tenant", None) or ""
 
 
-@register_policy
 class VirtualTokenCounter(SchedulePolicy):
     name = "vtc"
 
@@ -86,7 +84,7 @@ class VirtualTokenCounter(SchedulePolicy):
             out.sort(key=ctx.priority_key)  # stable: vtc order within a priority class
         return out
 
-    def on_batch(self, batch: ScheduleBatch, sched: Scheduler) -> None:
+    def on_batch(self, batch: ScheduleBatch) -> None:
         extend = batch.forward_mode.is_extend()
         for i, r in enumerate(batch.reqs):
             prefix, n = batch.prefix_lens[i], batch.extend_lens[i]

@@ -1,0 +1,57 @@
+"""One function builds a scheduler and its KV memory from the options: the request-slot pool, the
+KV slot allocator, the prefix cache, the ``KVManager`` and the scheduler class ``--scheduler``
+names. The engine, the simulator and the test doubles all build through it, so they cannot drift
+apart (the KV tensors themselves are the model runner's: the engine attaches them afterwards)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from radixserve.config import ServerArgs
+from radixserve.mem.allocator import TokenToKVPoolAllocator
+from radixserve.mem.base_cache import BasePrefixCache, ChunkCache
+from radixserve.mem.forward_batch import Runner
+from radixserve.mem.kv_pool import ReqToTokenPool
+from radixserve.mem.radix_cache import RadixCache
+from radixserve.sched.core import SchedulerCore
+from radixserve.sched.kv_manager import KVManager
+from radixserve.sched.scheduler import Scheduler
+from radixserve.sched.unified_scheduler import UnifiedScheduler
+
+DEFAULT_MAX_RUNNING_REQUESTS = 256  # request slots without --max-running-requests (SGLang's CPU default)
+
+
+def request_slots(args: ServerArgs) -> int:
+    """Request slots in the pool: ``--max-running-requests``, else 256; under ``--scheduler
+    unified`` without it, at least ``--max-num-seqs`` (which would otherwise be capped silently)."""
+    if args.max_running_requests is not None:
+        return args.max_running_requests
+    if args.scheduler == "unified":
+        return max(DEFAULT_MAX_RUNNING_REQUESTS, args.max_num_seqs)
+    return DEFAULT_MAX_RUNNING_REQUESTS
+
+
+def build_kv(
+    args: ServerArgs, total_tokens: int, context_len: int, *,
+    pool_cls: Callable[[int, int], ReqToTokenPool] = ReqToTokenPool, max_reqs: int | None = None,
+) -> KVManager:
+    """The request-slot pool (``pool_cls``), the allocator over ``total_tokens`` KV slots and the
+    prefix cache ``--disable-radix-cache`` / ``--radix-eviction-policy`` ask for."""
+    r2t = pool_cls(max_reqs if max_reqs is not None else request_slots(args), context_len)
+    allocator = TokenToKVPoolAllocator(total_tokens, args.page_size)
+    cache: BasePrefixCache = (
+        ChunkCache(r2t, allocator) if args.disable_radix_cache else RadixCache(r2t, allocator, args.radix_eviction_policy)
+    )
+    return KVManager(r2t, allocator, cache)
+
+
+def build_scheduler(
+    args: ServerArgs, runner: Runner, kv: KVManager, *, context_len: int, vocab_size: int | None = None,
+    eos_token_ids: Sequence[int] = (), detokenize: Callable[[list[int]], str] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> SchedulerCore:
+    """The scheduler ``--scheduler`` names (sglang: ``Scheduler``, unified: ``UnifiedScheduler``)."""
+    cls = UnifiedScheduler if args.scheduler == "unified" else Scheduler
+    return cls(args, runner, kv, context_len=context_len, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
+               detokenize=detokenize, clock=clock)

@@ -1,0 +1,177 @@
+"""``Outputs``: a step's results become tokens on requests and ``ReqOutput`` records.
+
+It owns the end of a request's life: the stop checks (``check_finished``), finishing
+(``finish``: the finish reason, the counters, unregistering), and the records it emits: one per
+request per step that produced a token of a streaming request, the first token, and the finish
+(``Req.stream``). ``process_decode_result`` is the fast path for decode steps without logprobs
+(it runs for every running request every step).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from itertools import compress
+from operator import attrgetter, ge, or_
+
+from radixserve.mem.forward_batch import ForwardOutput
+from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, BaseFinishReason
+from radixserve.sched.io import ReqOutput
+from radixserve.sched.kv_manager import KVManager
+from radixserve.sched.req import Req
+from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
+from radixserve.sched.stats import SchedStats
+
+
+class Outputs:
+    def __init__(
+        self, kv: KVManager, stats: SchedStats, by_rid: dict[str, Req], clock: Callable[[], float], context_len: int,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.kv = kv
+        self.stats = stats
+        self.by_rid = by_rid
+        self.clock = clock
+        self.context_len = context_len
+        self.detokenize = detokenize
+        self.records: list[ReqOutput] = []
+
+    def take(self) -> list[ReqOutput]:
+        """The records emitted since the last call."""
+        out, self.records = self.records, []
+        return out
+
+    # --- a step's results ----------------------------------------------------------------------
+    def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
+        now = self.clock()
+        is_extend = batch.forward_mode.is_extend()
+        if not is_extend and out.logprobs is None and out.top_logprobs is None and self.process_decode_result(batch, out):
+            return
+        for i, req in enumerate(batch.reqs):
+            if req.num_computed_tokens < req.num_tokens:  # a prompt chunk: no token yet
+                self.kv.cache_unfinished(req)
+                continue
+            if req.finished():
+                continue
+            req.output_ids.append(out.next_token_ids[i])
+            if out.logprobs is not None:
+                req.output_logprobs.append(out.logprobs[i])
+            if out.top_logprobs is not None:
+                req.output_top_logprobs.append(out.top_logprobs[i])
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self.stats.generated_tokens += 1
+            reason = self.check_finished(req)
+            if reason is not None:
+                self.end(req, reason)
+            else:
+                # (in a MIXED step only the requests whose prompt ended in it: not every decode)
+                if is_extend and (batch.forward_mode is ForwardMode.EXTEND or batch.prefix_lens[i] < req.prompt_len):
+                    self.kv.cache_unfinished(req)  # make the prompt shareable now
+                if req.stream or len(req.output_ids) == 1:  # one that does not stream: first token only
+                    self.emit(req)
+
+    def process_decode_result(self, batch: ScheduleBatch, out: ForwardOutput) -> bool:
+        """``process_batch_result`` of a decode step without logprobs. It runs for every running request
+        every step, so the common work is done in C passes (``map`` over the batch) and Python code runs
+        only for the requests that may stop and the ones that stream:
+
+        - a decode batch holds no prompt chunk and no request without a first token, so the general
+          path's chunk check and ``first_token_time`` are left out;
+        - a request may stop when its token is in ``finish_token_ids`` (EOS unless ``ignore_eos``, and
+          ``stop_token_ids``), it reached ``max_new_tokens``, or it has stop strings; only those run
+          ``check_finished``, in batch order, for the reason. The context needs no test of its own:
+          ``add_request`` clipped ``max_new_tokens`` to the room it leaves;
+        - a request that does not stream (``Req.stream`` False) sends nothing until it finishes.
+
+        Returns False, having done nothing, when the batch holds a request that already ended (none
+        does in practice): the general path skips those.
+        """
+        reqs, toks = batch.reqs, out.next_token_ids
+        if len(toks) < len(reqs):
+            raise IndexError("the runner returned fewer tokens than the batch has requests")
+        if any(map(_get_finished_reason, reqs)):
+            return False
+        outs = list(map(_get_output_ids, reqs))
+        deque(map(list.append, outs, toks), maxlen=0)  # each request's new token, in C
+        self.stats.generated_tokens += len(reqs)
+        maybe = map(or_, map(ge, map(len, outs), map(_get_max_new, reqs)),
+                    map(frozenset.__contains__, map(_get_finish_ids, reqs), toks))
+        if self.detokenize is not None:
+            maybe = map(or_, maybe, map(bool, map(_get_stop, reqs)))
+        for req in list(compress(reqs, maybe)):
+            reason = self.check_finished(req)
+            if reason is not None:
+                self.end(req, reason)
+        emit = self.emit
+        for req in filter(_get_stream, reqs):
+            if req.finished_reason is None:
+                emit(req)
+        return True
+
+    def check_finished(self, req: Req) -> BaseFinishReason | None:
+        """Whether ``req`` stops after its last output token: EOS (unless ``ignore_eos``), a stop token
+        id, ``max_new_tokens``, the context full, or a stop string in the detokenized tail."""
+        sp = req.sampling_params
+        tok = req.output_ids[-1]
+        if not sp.ignore_eos and tok in req.eos_token_ids:
+            return FINISH_STOP(tok)
+        if tok in sp.stop_token_ids:
+            return FINISH_STOP(tok)
+        if len(req.output_ids) >= sp.max_new_tokens:
+            return FINISH_LENGTH(sp.max_new_tokens)
+        if req.num_tokens >= self.context_len:
+            return FINISH_LENGTH(len(req.output_ids))
+        if sp.stop and self.detokenize is not None:
+            window = max(len(s) for s in sp.stop) + 2
+            tail = self.detokenize(req.output_ids[-window:])
+            for s in sp.stop:
+                if s in tail:
+                    return FINISH_STOP(s)
+        return None
+
+    # --- the end of a request ------------------------------------------------------------------
+    def end(self, req: Req, reason: BaseFinishReason) -> None:
+        """``req`` leaves: its KV goes to the cache (or is freed), then ``finish``."""
+        self.kv.release(req)
+        self.finish(req, reason)
+
+    def finish(self, req: Req, reason: BaseFinishReason) -> None:
+        """Record the finish reason, count it, unregister the request and emit its last record.
+        The caller has dealt with its KV (``end`` does both)."""
+        req.finished_reason = reason
+        req.finished_time = self.clock()
+        if self.by_rid.get(req.rid) is req:  # a rejected duplicate must not unregister the original
+            del self.by_rid[req.rid]
+        if isinstance(reason, FINISH_ABORT):
+            self.stats.num_aborted += 1
+        else:
+            self.stats.num_finished += 1
+        self.emit(req)
+
+    def emit(self, req: Req) -> None:
+        out_ids = req.output_ids
+        n = len(out_ids)
+        start = req.sent_len
+        req.sent_len = n
+        fst = req.first_scheduled_time
+        self.records.append(ReqOutput(  # positional: the fields' order (this runs per request per step)
+            req.rid,
+            out_ids[start:n],
+            req.finished_reason,
+            len(req.origin_input_ids),
+            n,
+            req.cached_tokens,
+            req.output_logprobs[start:n] if req.output_logprobs else [],
+            req.output_top_logprobs[start:n] if req.output_top_logprobs else [],
+            (fst - req.arrival_time) if fst else 0.0,
+            req.num_retractions,
+        ))
+
+
+_get_finished_reason = attrgetter("finished_reason")
+_get_output_ids = attrgetter("output_ids")
+_get_max_new = attrgetter("sampling_params.max_new_tokens")
+_get_finish_ids = attrgetter("finish_token_ids")
+_get_stop = attrgetter("sampling_params.stop")
+_get_stream = attrgetter("stream")
