@@ -139,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size.")
     bo.add_argument("--decode-batch", type=int, default=0,
                     help="Also time the decode step at this batch size next to the model's matmuls alone.")
+    bo.add_argument("--compare-loops", type=int, default=0, metavar="ROUNDS",
+                    help="With --decode-batch: time the whole decode step under the overlap loop and the normal "
+                         "loop (--disable-overlap-schedule), alternated this many rounds each, and print the ratio.")
+    bo.add_argument("--disable-overlap-schedule", action="store_true",
+                    help="Run the engine's normal loop instead of the overlap loop (see radixserve serve --help).")
     bo.add_argument("--output", default=None, help="Write the results as JSON here.")
     bo.set_defaults(func=_bench_offline)
     bs = bsub.add_parser("serve", help="Load-test any OpenAI-compatible server (TTFT, TPOT, ITL, throughput).",

@@ -56,6 +56,15 @@ class ServerArgs:
     chunked_prefill_size: int = option(
         2048, "Most prompt tokens of one request per prefill step (rem_chunk_tokens); -1 disables chunking."
     )
+    enable_mixed_chunk: bool = option(
+        False, "Run a prefill step's chunk and the running requests' decode in one forward (ForwardMode MIXED), "
+        "so decodes do not wait out long prefills; the decodes take their tokens from the chunk budget.")
+    enable_dynamic_chunking: bool = option(
+        False, "Size each prefill chunk so the step stays near --dynamic-chunk-target-ms while requests decode: "
+        "the measured prefill speed times the time left (the whole target, less a decode step when mixed), "
+        "at most --chunked-prefill-size. Without running requests the chunk is --chunked-prefill-size.")
+    dynamic_chunk_target_ms: float = option(
+        100.0, "With --enable-dynamic-chunking: the step time a prefill chunk should stay under while requests decode.")
     schedule_conservativeness: float = option(1.0, "Scales the reserve held for running requests' future tokens.")
     init_new_token_ratio: float = option(0.7, "Initial fraction of max_new_tokens reserved per running request.")
     min_new_token_ratio_factor: float = option(0.14, "new_token_ratio floor = init_new_token_ratio * this.")
@@ -63,6 +72,10 @@ class ServerArgs:
     retract_decode_steps: int = option(20, "Decode steps of headroom the survivors of a retraction must have.")
     clip_max_new_tokens: int = option(4096, "Cap on one request's max_new_tokens when reserving budget.")
     idle_self_check: bool = option(True, "Assert the KV memory invariant every time the engine goes idle.")
+    disable_overlap_schedule: bool = option(
+        False, "Run the normal event loop: schedule the next step only after this step's results are processed. "
+        "By default the scheduler builds step N+1 while step N's forward runs (overlap), then processes step N's "
+        "results; outputs are the same. Tensor parallelism and disaggregation always run the normal loop.")
 
     # --- scheduling policies, priority, the unified scheduler (docs/scheduling.md) ---------------
     # SGLang's option names for the default scheduler, vLLM's for --scheduler unified.

@@ -265,6 +265,8 @@ class Engine:
             else:
                 sched.add_request(req)
         outs = sched.take_outputs()
+        overlap = sched.overlap_enabled()
+        step = sched.step_overlapped if overlap else sched.step
         while True:
             for o in outs:
                 t = tracked.get(o.rid)
@@ -285,7 +287,9 @@ class Engine:
                     yield o.rid, t, delta, None
             if not pending:
                 break
-            outs = sched.step()
+            outs = step()
+        if overlap:
+            sched.drain_in_flight()  # a step scheduled ahead holds only requests that ended
         if not sched.has_work():
             sched.step()  # the idle step runs the memory self-check
 

@@ -82,8 +82,11 @@ def test_one_at_a_time(runner: ModelRunner, prompts: list[list[int]], reference:
     eng.check_memory_invariant()
 
 
-def test_all_at_once(runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]]) -> None:
-    eng = _engine(runner)
+@pytest.mark.parametrize("loop", ["overlap", "normal"])
+def test_all_at_once(runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]], loop: str) -> None:
+    """Both event loops (the overlap loop is the default; --disable-overlap-schedule the normal one)."""
+    eng = _engine(runner, disable_overlap_schedule=loop == "normal")
+    assert eng.scheduler.overlap_enabled() is (loop == "overlap")
     _check(eng.generate(input_ids=prompts, sampling_params=GREEDY), reference)
     eng.check_memory_invariant()
 
@@ -120,8 +123,19 @@ def test_chunked_prefill(runner: ModelRunner, prompts: list[list[int]], referenc
     eng.check_memory_invariant()
 
 
-def test_retraction_under_tiny_pool(runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]]) -> None:
-    eng = _engine(runner, max_total_tokens=2000)  # fits the largest request, not all at once
+def test_mixed_chunk(runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]]) -> None:
+    """--enable-mixed-chunk: prompt chunks and running decodes share forwards (MIXED), same tokens."""
+    eng = _engine(runner, chunked_prefill_size=96, enable_mixed_chunk=True)
+    _check(eng.generate(input_ids=prompts, sampling_params=GREEDY), reference)
+    assert any(mode == "MIXED" for mode, *_ in eng.scheduler.stats.step_log)
+    eng.check_memory_invariant()
+
+
+@pytest.mark.parametrize("loop", ["overlap", "normal"])
+def test_retraction_under_tiny_pool(
+    runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]], loop: str,
+) -> None:
+    eng = _engine(runner, max_total_tokens=2000, disable_overlap_schedule=loop == "normal")  # fits the largest, not all
     _check(eng.generate(input_ids=prompts, sampling_params=GREEDY), reference)
     assert eng.scheduler.stats.num_retractions > 0
     eng.check_memory_invariant()

@@ -142,7 +142,10 @@ def decode_step_ms(engine: Engine, batch: int, input_len: int = 256, steps: int 
     sched = engine.scheduler
     log = sched.stats.step_log  # a bounded deque: compare entries, not lengths
     starts: list[tuple[float, Any]] = []  # (start time, the step_log entry this step appended or None)
-    inner = sched.step
+    # the engine steps with step_overlapped under the overlap loop (it logs each step one step late:
+    # the time between two calls is still one step of the pipeline)
+    name = "step_overlapped" if sched.overlap_enabled() else "step"
+    inner = getattr(sched, name)
 
     def timed_step() -> list[Any]:
         t0 = time.perf_counter()
@@ -152,16 +155,36 @@ def decode_step_ms(engine: Engine, batch: int, input_len: int = 256, steps: int 
         starts.append((t0, after if after is not before else None))
         return out
 
-    sched.step = timed_step  # type: ignore[method-assign]
+    setattr(sched, name, timed_step)
     try:
         run_engine(engine, reqs, "decode-probe")
     finally:
-        del sched.step  # back to the class's method
+        delattr(sched, name)  # back to the class's method
     pairs = [  # (whole step, its forward) for every step that decoded exactly ``batch`` requests
         (t1 - t0, e[3]) for (t0, e), (t1, _) in zip(starts, starts[1:], strict=False)
         if e is not None and e[0] == "DECODE" and e[1] == batch
     ]
     return _median_ms([w for w, _ in pairs]), _median_ms([f for _, f in pairs])
+
+
+def compare_loops(engine: Engine, batch: int, rounds: int) -> dict[str, float]:
+    """The whole decode step at ``batch`` under the overlap loop and the normal loop, alternated
+    ``rounds`` times each (the machine drifts); prints the medians and their ratio."""
+    settings = engine.scheduler.settings
+    base = settings.args
+    got: dict[str, list[float]] = {"overlap": [], "normal": []}
+    try:
+        for _ in range(rounds):
+            for loop in ("overlap", "normal"):
+                settings.args = base.replace(disable_overlap_schedule=loop == "normal")
+                engine.flush_cache()
+                got[loop].append(decode_step_ms(engine, batch)[0])
+    finally:
+        settings.args = base
+    med = {k: statistics.median(v) for k, v in got.items()}
+    print(f"whole decode step at batch {batch}, {rounds} alternated rounds: overlap {med['overlap']:.1f} ms, "
+          f"normal {med['normal']:.1f} ms (overlap / normal {med['overlap'] / med['normal']:.2f}x)")
+    return {"step_ms_overlap": med["overlap"], "step_ms_normal": med["normal"]}
 
 
 def _median_ms(xs: list[float]) -> float:
@@ -176,6 +199,8 @@ def main(args: Any) -> int:
         kw["max_running_requests"] = args.max_running_requests
     if args.scheduler != "sglang":
         kw["scheduler"] = args.scheduler
+    if args.disable_overlap_schedule:
+        kw["disable_overlap_schedule"] = True
     engine = Engine(args.model_path, dtype=args.dtype, schedule_policy=args.schedule_policy, **kw)
     wl_kw: dict[str, int] = {"seed": args.seed}
     if args.num_prompts:
@@ -203,8 +228,11 @@ def main(args: Any) -> int:
         step, fwd = decode_step_ms(engine, args.decode_batch)
         mm = matmul_only_ms(engine, args.decode_batch)
         extra = {"decode_step_ms": step, "decode_forward_ms": fwd, "matmul_only_ms": mm}
-        print(f"decode step at batch {args.decode_batch}: {step:.1f} ms (runner forward {fwd:.1f} ms); "
+        loop = "overlap" if engine.scheduler.overlap_enabled() else "normal"
+        print(f"decode step at batch {args.decode_batch} ({loop} loop): {step:.1f} ms (runner forward {fwd:.1f} ms); "
               f"model matmuls alone: {mm:.1f} ms (step / matmuls {step / mm:.2f}x)")
+    if args.decode_batch and args.compare_loops:
+        extra.update(compare_loops(engine, args.decode_batch, args.compare_loops))
     print(f"dtype: {engine.runner.dtype}")
     if args.output:
         with open(args.output, "w") as f:

@@ -22,10 +22,14 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from radixserve.config import ServerArgs
-from radixserve.mem.forward_batch import ForwardOutput, Runner
+from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, Runner
 from radixserve.sched.deadline import DeadlineAdmission
 from radixserve.sched.finish import FINISH_ABORT, BaseFinishReason
 from radixserve.sched.intake import Intake
@@ -36,7 +40,7 @@ from radixserve.sched.output import Outputs
 from radixserve.sched.policies.base import PolicyContext, SchedulePolicy
 from radixserve.sched.preemption import Preemption
 from radixserve.sched.req import Req
-from radixserve.sched.schedule_batch import ScheduleBatch
+from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
 from radixserve.sched.settings import SchedSettings
 from radixserve.sched.state import Queues
 from radixserve.sched.stats import SchedStats
@@ -44,6 +48,17 @@ from radixserve.sched.stats import SchedStats
 logger = logging.getLogger(__name__)
 
 Command = tuple[str, str]  # ("abort", rid)
+
+
+@dataclass
+class InFlight:
+    """A step whose forward runs on the forward thread (the overlap loop)."""
+
+    batch: ScheduleBatch  # a snapshot: the running batch is rebuilt for the next step meanwhile
+    fb: ForwardBatch
+    future: Future[ForwardOutput]
+    t0: float
+    ids: frozenset[int]  # id() of its requests
 
 
 class SchedulerCore:
@@ -79,6 +94,12 @@ class SchedulerCore:
         self.cur_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
         self._idle_checked = True
+        # the overlap loop (step_overlapped): the step whose forward runs, the thread running it, and
+        # the sampled tokens of the forward before (what the placeholders of a pending token stand for)
+        self.in_flight: InFlight | None = None
+        self._forward_thread: ThreadPoolExecutor | None = None
+        self._last_tokens: torch.Tensor | None = None
+        self.outputs.in_flight = self._in_flight
         # KV held outside the scheduler's requests for a while (a disaggregated transfer's reservation):
         # True while there is any, so the idle self-check does not count it as leaked
         self.kv_held_outside: Callable[[], bool] = lambda: False
@@ -170,6 +191,131 @@ class SchedulerCore:
         self.last_batch = batch
         return self.outputs.take()
 
+    # --- the overlap loop ---------------------------------------------------------------------------
+    def overlap_enabled(self) -> bool:
+        """``--disable-overlap-schedule`` off, and nothing that needs the normal loop: tensor
+        parallelism (its ranks replay the request table's writes, which must not change while a
+        forward ships them) and disaggregation (its transfers follow each step's results)."""
+        a = self.args
+        return not a.disable_overlap_schedule and a.tp_size == 1 and a.disaggregation_mode == "null"
+
+    def can_build_ahead(self, running: InFlight) -> bool:
+        """Whether the next step may be scheduled before ``running``'s results are processed.
+        Only after a decode step (a prefill's results feed the prefix cache and the chunked
+        request), never with priority preemption (a victim could be a request in flight), and as
+        the scheduler allows (``Scheduler``: not when the next decode would have to retract)."""
+        return running.batch.forward_mode is ForwardMode.DECODE and not self.settings.prio.enabled
+
+    def step_overlapped(self) -> list[ReqOutput]:
+        """One iteration of SGLang's overlap loop: schedule step N+1 while step N's forward runs,
+        launch it, then process step N's results (one step late). A request that step N finishes
+        is in step N+1 too; the token it gets there is dropped, so outputs equal the normal loop's.
+        Falls back to the normal order for a step that ``can_build_ahead`` refuses."""
+        prev = self.in_flight
+        if prev is not None and not self.can_build_ahead(prev):
+            self.in_flight = None
+            self._collect(prev)
+            prev = None
+        batch = self.get_next_batch_to_run()
+        self.cur_batch = batch
+        if batch is not None:
+            self._launch(batch, prev)  # the new step is in flight now (or none, if it could not start)
+        else:
+            self.in_flight = None
+        if prev is not None:
+            self._collect(prev)
+        self.outputs.release_held()  # those only the collected step included
+        if self.in_flight is None and batch is None and not self._idle_checked and not self.has_work():
+            self.on_idle()
+        self.last_batch = batch
+        return self.outputs.take()
+
+    def drain_in_flight(self) -> list[ReqOutput]:
+        """Wait for the running forward and process its results (stopping, or switching loops)."""
+        running, self.in_flight = self.in_flight, None
+        if running is not None:
+            self._collect(running)
+            self.outputs.release_held()
+        return self.outputs.take()
+
+    def _in_flight(self, req: Req) -> bool:
+        running = self.in_flight
+        return running is not None and id(req) in running.ids
+
+    def _launch(self, batch: ScheduleBatch, prev: InFlight | None) -> None:
+        pending = {id(r): j for j, r in enumerate(prev.batch.reqs)} if prev is not None else None
+        t0 = self.clock()
+        try:
+            fb = batch.to_forward_batch(pending=pending)
+        except Exception as e:
+            if prev is not None:
+                prev.future.exception()  # its forward may read the rows the abort frees: let it end first
+            self.in_flight = None
+            self._abort_batch(batch, e)
+            return
+        if self._forward_thread is None:
+            self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        future = self._forward_thread.submit(self._forward, fb, pending is not None)
+        self.in_flight = InFlight(batch.snapshot(), fb, future, t0, frozenset(map(id, batch.reqs)))
+
+    def _forward(self, fb: ForwardBatch, resolve: bool) -> ForwardOutput:
+        """On the forward thread, one forward after the other: replace the placeholders of pending
+        tokens with the previous forward's samples, run, keep this forward's samples."""
+        if resolve:
+            ids = fb.input_ids
+            mask = ids < 0
+            if bool(mask.any()):
+                last = self._last_tokens
+                if last is None:
+                    raise RuntimeError("the step this one continues failed")
+                ids[mask] = last[-ids[mask] - 1]
+        self._last_tokens = None
+        out = self.runner.forward(fb)
+        self._last_tokens = torch.tensor(out.next_token_ids, dtype=torch.int64)
+        return out
+
+    def _collect(self, running: InFlight) -> None:
+        try:
+            out = running.future.result()
+        except Exception as e:
+            self._abort_batch(running.batch, e)
+            return
+        self._count_step(running.batch, running.fb, running.t0)
+        self.process_batch_result(running.batch, out)
+
+    def event_loop_overlap(
+        self,
+        recv: Callable[[bool], list[Req | Command]],
+        send: Callable[[list[ReqOutput]], None],
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """``event_loop_normal`` with ``step_overlapped``: while a forward runs, the scheduler
+        receives requests, schedules the next step and processes the previous step's results."""
+        try:
+            while not should_stop():
+                for item in recv(not self.has_work()):
+                    if isinstance(item, Req):
+                        self.add_request(item)
+                    else:
+                        self.abort_request(item[1])
+                outs = self.step_overlapped()
+                if outs:
+                    send(outs)
+        finally:
+            outs = self.drain_in_flight()
+            if outs:
+                send(outs)
+
+    def event_loop(
+        self,
+        recv: Callable[[bool], list[Req | Command]],
+        send: Callable[[list[ReqOutput]], None],
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """The loop the options ask for: overlap unless ``overlap_enabled`` says otherwise."""
+        loop = self.event_loop_overlap if self.overlap_enabled() else self.event_loop_normal
+        loop(recv, send, should_stop)
+
     def event_loop_normal(
         self,
         recv: Callable[[bool], list[Req | Command]],
@@ -206,15 +352,12 @@ class SchedulerCore:
             fb = batch.to_forward_batch()
             out = self.runner.forward(fb)
         except Exception as e:  # one bad step must not take the engine down
-            logger.exception("forward failed; aborting the %d requests of this batch", len(batch.reqs))
-            for req in list(batch.reqs):
-                if req is self.queues.chunked:
-                    self.queues.chunked = None
-                self.kv.discard(req)  # this step's KV was never written: cache none of it
-                self.outputs.finish(req, FINISH_ABORT(f"internal error: {e}", status_code=500,
-                                                      err_type="server_error", code="internal_error"))
-            batch.reqs = []
+            self._abort_batch(batch, e)
             return None
+        self._count_step(batch, fb, t0)
+        return out
+
+    def _count_step(self, batch: ScheduleBatch, fb: ForwardBatch, t0: float) -> None:
         s = self.stats
         s.forward_steps += 1
         s.step_log.append((batch.forward_mode.name, len(batch.reqs), fb.num_tokens, self.clock() - t0))
@@ -222,7 +365,19 @@ class SchedulerCore:
             s.prefill_steps += 1
         else:
             s.decode_steps += 1
-        return out
+
+    def _abort_batch(self, batch: ScheduleBatch, e: Exception) -> None:
+        """A forward failed: abort its requests (the ones not already ended), caching none of its KV."""
+        logger.error("forward failed; aborting the %d requests of this batch", len(batch.reqs), exc_info=e)
+        for req in list(batch.reqs):
+            if req.finished_reason is not None:
+                continue
+            if req is self.queues.chunked:
+                self.queues.chunked = None
+            self.kv.discard(req)  # this step's KV was never written: cache none of it
+            self.outputs.finish(req, FINISH_ABORT(f"internal error: {e}", status_code=500,
+                                                  err_type="server_error", code="internal_error"))
+        batch.reqs = []
 
     def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
         self.outputs.process_batch_result(batch, out)

@@ -35,6 +35,10 @@ class Outputs:
         self.context_len = context_len
         self.detokenize = detokenize
         self.records: list[ReqOutput] = []
+        # the overlap loop: a request that ends while a forward that includes it is still running
+        # keeps its KV (and request slot, whose row that forward reads) until the forward is done
+        self.in_flight: Callable[[Req], bool] | None = None
+        self.held: list[Req] = []
 
     def take(self) -> list[ReqOutput]:
         """The records emitted since the last call."""
@@ -132,9 +136,23 @@ class Outputs:
 
     # --- the end of a request ------------------------------------------------------------------
     def end(self, req: Req, reason: BaseFinishReason) -> None:
-        """``req`` leaves: its KV goes to the cache (or is freed), then ``finish``."""
-        self.kv.release(req)
+        """``req`` leaves: its KV goes to the cache (or is freed; later, while a running forward
+        still includes it), then ``finish``."""
+        if self.in_flight is not None and self.in_flight(req):
+            self.held.append(req)
+        else:
+            self.kv.release(req)
         self.finish(req, reason)
+
+    def release_held(self) -> None:
+        """Release the KV of the held requests that no running forward includes any more."""
+        held, self.held = self.held, []
+        busy = self.in_flight
+        for req in held:
+            if busy is not None and busy(req):
+                self.held.append(req)
+            else:
+                self.kv.release(req)
 
     def finish(self, req: Req, reason: BaseFinishReason) -> None:
         """Record the finish reason, count it, unregister the request and emit its last record.

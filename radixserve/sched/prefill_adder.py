@@ -7,6 +7,8 @@ Budgets (all in tokens):
 - ``rem_input_tokens``: new prompt tokens left in this batch (``--max-prefill-tokens``).
 - ``rem_chunk_tokens``: tokens left for chunking (``--chunked-prefill-size``); a prompt longer
   than that is cut and finishes over later steps as the ``chunked_req``.
+- ``mixed_with_decode_tokens`` (``--enable-mixed-chunk``): the running requests' decode tokens that
+  share the forward; they come off the input and chunk budgets first.
 
 Each ``add_*`` answers with an ``AddReqResult``: CONTINUE (try the next request), NO_TOKEN (KV
 memory is the limit: stop), OTHER (another budget is the limit: stop).
@@ -43,12 +45,14 @@ class PrefillAdder:
         chunked_prefill_size: int | None,
         page_size: int = 1,
         clip_max_new_tokens: int = 4096,
+        mixed_with_decode_tokens: int = 0,
     ) -> None:
         self.tree_cache = tree_cache
         self.available_tokens = available_tokens
         self.new_token_ratio = new_token_ratio
-        self.rem_input_tokens = max_prefill_tokens
-        self.rem_chunk_tokens = chunked_prefill_size
+        self.rem_input_tokens = max_prefill_tokens - mixed_with_decode_tokens
+        self.rem_chunk_tokens = (None if chunked_prefill_size is None
+                                 else chunked_prefill_size - mixed_with_decode_tokens)
         self.page_size = page_size
         self.clip = clip_max_new_tokens
         # sum(min(r.remaining_new_tokens, clip) * ratio for r in running): the same floats added in

@@ -41,9 +41,20 @@ class ScheduleBatch:
     def is_empty(self) -> bool:
         return not self.reqs
 
-    def to_forward_batch(self, capture_logits: bool = False) -> ForwardBatch:
+    def snapshot(self) -> ScheduleBatch:
+        """A copy of the step's lists: what the overlap loop processes once the forward is done,
+        while the running batch it came from is already being rebuilt for the next step."""
+        b = ScheduleBatch(self.reqs, self.forward_mode)
+        b.extend_lens, b.prefix_lens = list(self.extend_lens), list(self.prefix_lens)
+        return b
+
+    def to_forward_batch(self, capture_logits: bool = False, pending: dict[int, int] | None = None) -> ForwardBatch:
+        """``pending`` (the overlap loop): ``id(req) -> i`` for requests whose last token is the
+        ``i``-th output of the forward still running; their input id is the placeholder ``-(i + 1)``,
+        which the forward thread replaces with that token (``core.SchedulerCore._forward``)."""
         if self.forward_mode is ForwardMode.DECODE:
-            return self._decode_forward_batch(capture_logits)
+            return self._decode_forward_batch(capture_logits, pending)
+        assert not pending or not any(id(r) in pending for r in self.reqs), "an extend never waits for a token"
         ids: list[int] = []
         positions: list[int] = []
         for req, start, n in zip(self.reqs, self.prefix_lens, self.extend_lens, strict=True):
@@ -60,12 +71,24 @@ class ScheduleBatch:
         return self._make(ids, int64_tensor(positions), int64_tensor(seq_lens), capture_logits,
                           [len(r.output_ids) for r in self.reqs])
 
-    def _decode_forward_batch(self, capture_logits: bool) -> ForwardBatch:
+    def _decode_forward_batch(self, capture_logits: bool, pending: dict[int, int] | None = None) -> ForwardBatch:
         """One token per request at position ``prefix_len``: the same batch as the general path.
-        A decoding request's position is ``prompt + outputs - 1``: its input is its last output."""
+        A decoding request's position is ``prompt + outputs - 1``: its input is its last output
+        (or, pending, the placeholder of the token the running forward is producing)."""
         outs = list(map(_get_output_ids, self.reqs))
         positions = int64_tensor(self.prefix_lens)
-        return self._make(list(map(_last, outs)), positions, positions + 1, capture_logits, list(map(len, outs)))
+        steps = list(map(len, outs))
+        if not pending:
+            return self._make(list(map(_last, outs)), positions, positions + 1, capture_logits, steps)
+        ids = []
+        for k, (req, out) in enumerate(zip(self.reqs, outs, strict=True)):
+            j = pending.get(id(req))
+            if j is None:
+                ids.append(out[-1])
+            else:
+                ids.append(-(j + 1))
+                steps[k] += 1  # the pending token counts as generated (seeded sampling's step)
+        return self._make(ids, positions, positions + 1, capture_logits, steps)
 
     def _per_request(self) -> tuple[list, ...]:
         """Pool rows and sampling lists (temperature, top_p, top_k, min_p, seed, logprobs,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.sched.core import SchedulerCore, calm_garbage_collector
+from radixserve.sched.core import InFlight, SchedulerCore, calm_garbage_collector
 from radixserve.sched.prefill_adder import AddReqResult, PrefillAdder
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
@@ -38,7 +38,15 @@ class Scheduler(SchedulerCore):
     def has_work(self) -> bool:
         q, last = self.queues, self.last_batch
         unmerged = last is not None and last.forward_mode.is_extend() and any(not r.finished() for r in last.reqs)
-        return bool(q.waiting or q.running.reqs or q.chunked or unmerged)
+        return bool(q.waiting or q.running.reqs or q.chunked or unmerged or self.in_flight or self.outputs.held)
+
+    def can_build_ahead(self, running: InFlight) -> bool:
+        """Also not while a prompt is being chunked (its next chunk starts from the cache entry its
+        last chunk's results make), nor when the next decode step would have to retract (a victim
+        could be a request in flight)."""
+        kv, q = self.kv, self.queues
+        return (super().can_build_ahead(running) and q.chunked is None
+                and kv.decode_tokens_needed(q.running.reqs) <= kv.reclaimable_size())
 
     def on_idle(self) -> None:
         self.new_token_ratio = self.init_new_token_ratio
@@ -65,13 +73,17 @@ class Scheduler(SchedulerCore):
         prio_on = self.settings.prio.enabled
         if not q.waiting and q.chunked is None:
             return None
-        running_bs = len(q.running.reqs)
+        held = len(self.outputs.held)  # ended, but their slots are free only once the forward in flight is done
+        running_bs = len(q.running.reqs) + held
         if running_bs >= q.max_running_requests and q.chunked is None and not prio_on:
             return None
 
+        running = q.running.reqs
+        mixed = a.enable_mixed_chunk and bool(running)
         adder = PrefillAdder(
-            kv.tree_cache, kv.available_size(), q.running.reqs, self.new_token_ratio,
-            a.max_prefill_tokens, a.chunk_size, kv.page_size, a.clip_max_new_tokens,
+            kv.tree_cache, kv.available_size(), running, self.new_token_ratio,
+            a.max_prefill_tokens, self.chunk_budget(), kv.page_size, a.clip_max_new_tokens,
+            mixed_with_decode_tokens=len(running) if mixed else 0,
         )
         chunked = q.chunked
         if chunked is not None:
@@ -94,7 +106,7 @@ class Scheduler(SchedulerCore):
                 kv.match(req)
                 if not self.preemption.preempt_for(req, adder, victims, need_slot=True):
                     break
-                running_bs = len(q.running.reqs)
+                running_bs = len(q.running.reqs) + held
             kv.match(req)
             if self.preemption.add_or_preempt(req, adder, victims) is not AddReqResult.CONTINUE:
                 break
@@ -115,7 +127,39 @@ class Scheduler(SchedulerCore):
             batch.extend_lens.append(req.extend_input_len)
             batch.out_slots.extend(kv.grow(req, req.extend_input_len))
         self.stats.prefill_tokens += sum(batch.extend_lens)
+        if mixed and q.running.reqs and kv.decode_tokens_needed(q.running.reqs) <= kv.reclaimable_size():
+            self.mix_with_running(batch)
         return batch
+
+    def mix_with_running(self, batch: ScheduleBatch) -> None:
+        """``--enable-mixed-chunk``: the running requests decode in this prefill's forward (MIXED).
+        They leave the running batch for the step and come back with the prefilled requests when
+        the next step merges the last batch."""
+        running = self.queues.running
+        positions, slots = self.kv.grow_decode(running.reqs)
+        batch.reqs.extend(running.reqs)
+        batch.prefix_lens.extend(positions)
+        batch.extend_lens.extend([1] * len(positions))
+        batch.out_slots.extend(slots)
+        batch.forward_mode = ForwardMode.MIXED
+        running.reqs = []
+        self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+
+    def chunk_budget(self) -> int | None:
+        """``--chunked-prefill-size``, or with ``--enable-dynamic-chunking`` while requests decode,
+        the tokens the measured prefill speed fits into ``--dynamic-chunk-target-ms`` (less one
+        decode step when the decodes share the forward), in whole pages, at least one page or 32
+        tokens."""
+        a = self.args
+        size = a.chunk_size
+        if not a.enable_dynamic_chunking or not self.queues.running.reqs:
+            return size
+        est = self.deadlines.throughput
+        budget_s = a.dynamic_chunk_target_ms / 1e3 - (est.decode_step_s if a.enable_mixed_chunk else 0.0)
+        ps = self.kv.page_size
+        floor = max(ps, -(-32 // ps) * ps)
+        n = max(int(budget_s * est.tokens_per_s) // ps * ps, floor)
+        return n if size is None else min(n, size)
 
     # --- decode & retraction -------------------------------------------------------------------
     def update_running_batch(self) -> ScheduleBatch | None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.sched.core import SchedulerCore
+from radixserve.sched.core import InFlight, SchedulerCore
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
 
@@ -119,7 +119,8 @@ class UnifiedScheduler(SchedulerCore):
         # 2. waiting requests (not in a step that preempted)
         if not preempted and self.waiting_queue:
             self._order_waiting()
-            while self.waiting_queue and budget > 0 and len(running) < self.max_num_seqs:
+            held = len(self.outputs.held)  # ended, their slots free once the forward in flight is done
+            while self.waiting_queue and budget > 0 and len(running) + held < self.max_num_seqs:
                 req = self.waiting_queue[0]
                 self.kv.match(req)
                 n = self._cap(req.extend_input_len, budget)
@@ -158,4 +159,9 @@ class UnifiedScheduler(SchedulerCore):
         return batch
 
     def has_work(self) -> bool:
-        return bool(self.queues.waiting or self.queues.running.reqs)
+        return bool(self.queues.waiting or self.queues.running.reqs or self.in_flight or self.outputs.held)
+
+    def can_build_ahead(self, running: InFlight) -> bool:
+        """Never: every step may preempt, and a victim could be a request in flight. The overlap
+        loop still runs each forward on the forward thread while results go out and requests come in."""
+        return False

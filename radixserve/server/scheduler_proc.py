@@ -1,4 +1,4 @@
-"""The scheduler process: owns the model and the KV memory, runs ``Scheduler.event_loop_normal``.
+"""The scheduler process: owns the model and the KV memory, runs the scheduler's event loop (overlap by default).
 
 Each loop iteration (seed 001's ``recv_requests``): drain every message that arrived without
 blocking, or, with nothing to do, wait up to ``IDLE_POLL_S`` for one; then run one step and send
@@ -119,7 +119,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_r
                              publisher)
     calm_garbage_collector()
     try:
-        scheduler.event_loop_normal(server.recv, server.send, server.should_stop)
+        scheduler.event_loop(server.recv, server.send, server.should_stop)
     finally:
         ctx.destroy(linger=0)
     if tp_broken(runner):
@@ -286,6 +286,12 @@ class SchedulerServer:
     def _control(self, op: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         if op == "set_schedule_policy":  # between steps: the queue and running batch stay
             return self.sched.set_schedule_policy(dict(params or {}))
+        if op in ("flush_cache", "memory"):
+            # a step scheduled ahead (overlap) may still hold requests that already ended: let it
+            # finish, so a flush or a memory check right after the last response sees the engine idle
+            outs = self.sched.drain_in_flight()
+            if outs:
+                self.send(outs)
         if op == "flush_cache":
             return {"success": self.sched.flush_cache()}
         if op == "get_load":

@@ -48,5 +48,10 @@ def run_tp_worker_process(args: ServerArgs, ipc: IpcNames | None, parent_pid: in
         if not peer_gone(e):
             raise
         logger.info("rank 0 or another rank went away; exiting")
+        ctx.destroy(linger=0)
+        logging.shutdown()
+        # NOTE: not a normal exit: the gloo group's threads still wait on the peer that left, and its
+        # destructor then aborts the process ("terminate called without an active exception", -6)
+        os._exit(0)
     finally:
         ctx.destroy(linger=0)

@@ -98,7 +98,7 @@ def main(ns: argparse.Namespace) -> int:
             label = label or (args.scheduler if args.scheduler == "unified" else args.schedule_policy)
             trace = run(args, specs, cost, ns.context_length, label=label, progress=not ns.no_progress,
                         skip_req_to_token_writes=ns.skip_req_to_token_writes, max_steps=ns.max_steps,
-                        stream=ns.stream_output)
+                        stream=ns.stream_output, charge_scheduler_time=ns.charge_scheduler_time)
             traces.append(trace)
             results.append(summarize(trace, args))
     for res in results:

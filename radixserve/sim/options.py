@@ -137,6 +137,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Every request streams: each decode step emits every running request's new token, as "
                         "for streaming API clients. Without it the requests are non-streaming calls, whose tokens "
                         "are emitted with the first one and at the finish (the scheduler's cheaper path).")
+    r.add_argument("--charge-scheduler-time", action="store_true",
+                   help="Advance the virtual clock by the scheduler's measured wall time per step too: all of it "
+                        "with --disable-overlap-schedule, only what the forward does not cover with the overlap "
+                        "loop (the default). Without it the virtual timeline is the cost model's forward alone.")
     r.add_argument("--skip-req-to-token-writes", action="store_true",
                    help="Use a ReqToTokenPool without its table (only a model reads it): faster at 1,000+ running, "
                         "but the scheduler overhead then leaves out the per-request table writes.")

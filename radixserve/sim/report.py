@@ -128,6 +128,12 @@ def summary_text(r: dict[str, Any]) -> str:
                      f"{al['sched_ms_mean']:.3f} ms, p50 {al['sched_ms_p50']:.3f}, p99 {al['sched_ms_p99']:.3f} "
                      f"({al['steps']} steps)")
         lines.append(line)
+        if "whole_step" in w:
+            ws = w["whole_step"]
+            how = ("overlap: the scheduler runs under the forward, max of the two" if ws["overlap"]
+                   else "normal loop: forward + scheduler")
+            lines.append(f"whole step ({how}): mean {ws['step_ms_mean']:.3f} ms, p99 {ws['step_ms_p99']:.3f}; "
+                         f"forward alone (cost model) mean {ws['forward_ms_mean']:.3f} ms")
         if "sched_cpu_ms_mean" in w:
             line = (f"scheduler CPU (process time per step, forward excluded): mean {w['sched_cpu_ms_mean']:.3f} ms, "
                     f"p50 {w['sched_cpu_ms_p50']:.3f}, p99 {w['sched_cpu_ms_p99']:.3f}, "

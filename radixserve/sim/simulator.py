@@ -147,6 +147,8 @@ class SimTrace:
     timeline: list[tuple[float, float, int, int]] = field(default_factory=list)  # (t, kv usage, running, waiting)
     step_sched_s: list[float] = field(default_factory=list)  # scheduler wall seconds per step (forward excluded)
     step_sched_cpu_s: list[float] = field(default_factory=list)  # scheduler process CPU seconds per step (likewise)
+    step_forward_s: list[float] = field(default_factory=list)  # the cost model's forward seconds per step
+    overlap: bool = False  # the scheduler's loop overlaps scheduling with the forward (the engine's default)
     step_running: list[int] = field(default_factory=list)
     step_waiting: list[int] = field(default_factory=list)
     duration: float = 0.0
@@ -185,14 +187,18 @@ def run(
     skip_req_to_token_writes: bool = False,
     max_steps: int | None = None,
     stream: bool = False,
+    charge_scheduler_time: bool = False,
 ) -> SimTrace:
     """Feed ``specs`` to a fresh scheduler at their arrival times and step it until all finish
     (or until ``max_steps`` forward steps: then unfinished requests are left out of the results).
     ``stream``: the requests stream (the scheduler emits every token of every request every step);
-    otherwise they are non-streaming calls, whose tokens go out with the first and the last."""
+    otherwise they are non-streaming calls, whose tokens go out with the first and the last.
+    ``charge_scheduler_time``: the scheduler's measured wall time per step advances the virtual clock
+    too: all of it under the normal loop, only what the forward does not cover under the overlap
+    loop (which schedules the next step while the forward runs)."""
     sched, runner, clock = build_sim_scheduler(args, cost, context_len,
                                                skip_req_to_token_writes=skip_req_to_token_writes)
-    trace = SimTrace(label or args.schedule_policy)
+    trace = SimTrace(label or args.schedule_policy, overlap=sched.overlap_enabled())
     live: dict[str, Req] = {}
     n, i = len(specs), 0
     bar = None
@@ -215,15 +221,19 @@ def run(
             runner.expect(specs[i])
             sched.add_request(req)
             i += 1
-        fwd0, fwd_cpu0 = runner.wall, runner.cpu
+        fwd0, fwd_cpu0, busy0 = runner.wall, runner.cpu, runner.busy
         t0, c0 = time.perf_counter(), time.process_time()
         outs = sched.step()
         spent = time.perf_counter() - t0 - (runner.wall - fwd0)
         spent_cpu = time.process_time() - c0 - (runner.cpu - fwd_cpu0)
         if sched.cur_batch is not None:
             stuck = 0
+            fwd = runner.busy - busy0
+            if charge_scheduler_time:
+                clock.now += max(spent - fwd, 0.0) if trace.overlap else spent
             trace.step_sched_s.append(spent)
             trace.step_sched_cpu_s.append(spent_cpu)
+            trace.step_forward_s.append(fwd)
             if estimator is not None:
                 trace.prefill_estimate.append(estimator.tokens_per_s)
             trace.step_running.append(len(sched.running_batch.reqs))
@@ -387,6 +397,12 @@ def wall_summary(trace: SimTrace, at_running: int = 1024, at_waiting: int = 8192
     s = np.asarray(trace.step_sched_s, dtype=float) * 1e3
     c = np.asarray(trace.step_sched_cpu_s, dtype=float) * 1e3
     d: dict[str, Any] = {"sim_wall_s": round(trace.wall_s, 3), "sim_cpu_s": round(trace.cpu_s, 3), "steps": int(s.size)}
+    f = np.asarray(trace.step_forward_s, dtype=float) * 1e3
+    if s.size and f.size == s.size:  # the whole step: forward and scheduler, or the longer of the two
+        whole = np.maximum(f, s) if trace.overlap else f + s
+        d["whole_step"] = {"overlap": trace.overlap, "forward_ms_mean": round(float(f.mean()), 4),
+                           "step_ms_mean": round(float(whole.mean()), 4),
+                           "step_ms_p99": round(float(np.percentile(whole, 99)), 4)}
     if s.size:
         for name, v in (("sched_ms", s), ("sched_cpu_ms", c)):
             if v.size == s.size:
