@@ -128,6 +128,10 @@ class ServerArgs:
     deadline_prefill_tokens_per_s: float = option(
         4000.0, "Initial prefill throughput estimate (tokens/s) for --deadline-admission; then an EMA of "
         "measured prefill steps.")
+    tpot_headroom: float = option(
+        0.9, "TPOT deadlines: the running batch is capped so the modelled decode step stays under this fraction "
+        "of the tightest TPOT deadline among running requests (the rest is left to interleaved prefill steps); "
+        "with --deadline-admission a request whose TPOT cannot be met even alone is refused.")
     tenant_weights: str | None = option(
         None, "vtc: tenant weights, 'a=2,b=1' (unlisted tenants: 1).")
     vtc_input_weight: float = option(1.0, "vtc: counter charge per input token (w_p).")
@@ -294,6 +298,10 @@ class ServerArgs:
             errors.append(f"priority_aging_horizon must be > 0 seconds, got {self.priority_aging_horizon!r}")
         if not self.deadline_prefill_tokens_per_s > 0:
             errors.append("deadline_prefill_tokens_per_s must be > 0")
+        if not 0 < self.tpot_headroom <= 1:
+            errors.append("tpot_headroom must be in (0, 1]")
+        if not self.dynamic_chunk_target_ms > 0:
+            errors.append("dynamic_chunk_target_ms must be > 0")
         if not isinstance(self.max_preemptions_per_request, int) or self.max_preemptions_per_request < 0:
             errors.append("max_preemptions_per_request must be an integer >= 0")
         if not self.starvation_threshold > 0:

@@ -21,6 +21,20 @@
 
 The prediction is kept on the request (``Req.predicted_ttft``, seconds from arrival) so the
 simulator can report its error.
+
+TPOT deadlines (``Req.tpot_slo``, seconds per output token; ``x-slo-tpot-ms`` / ``tpot_slo_ms``):
+the decode step's time is modelled from the measured decode steps as ``a + c * batch`` (least
+squares over the last 64, ``DecodeStepModel``). With ``T`` the tightest TPOT deadline among the
+running requests times ``--tpot-headroom``:
+- the running batch is capped at the largest batch whose modelled step fits ``T`` (``batch_cap``;
+  the one being admitted counts with its own deadline);
+- prefill steps, which stall every running request, are paced (``may_prefill``): each one's time
+  is a debt that the decode steps after it pay off by ``T`` minus their own time, and the next
+  prefill waits until the debt is paid. So the time a running request spends per output token,
+  decode and interleaved prefills together, stays near ``T``;
+- a request whose own TPOT cannot be met even alone is refused at arrival (429,
+  ``tpot_unmeetable``), and the TTFT estimate's ``slot_wait`` uses the capped batch (the pacing
+  shows in the measured backlog rate).
 """
 
 from __future__ import annotations
@@ -83,6 +97,49 @@ class PrefillThroughput:
             self._window_s += wall
 
 
+def tpot_of(req: Req) -> float | None:
+    return req.tpot_slo
+
+
+class DecodeStepModel:
+    """``step_s = a + c * batch`` fitted by least squares to the last ``BACKLOG_WINDOW`` decode steps;
+    a constant (the mean) until two batch sizes were seen."""
+
+    def __init__(self) -> None:
+        self._steps: deque[tuple[int, float]] = deque(maxlen=BACKLOG_WINDOW)
+
+    def observe(self, batch_size: int, step_s: float) -> None:
+        if batch_size > 0 and step_s > 0:
+            self._steps.append((batch_size, step_s))
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """``(a, c)``, or None before any decode step."""
+        pts = self._steps
+        if not pts:
+            return None
+        n = len(pts)
+        mx = sum(b for b, _ in pts) / n
+        my = sum(t for _, t in pts) / n
+        var = sum((b - mx) ** 2 for b, _ in pts)
+        if var <= 0:
+            return my, 0.0
+        c = max(sum((b - mx) * (t - my) for b, t in pts) / var, 0.0)
+        return max(my - c * mx, 0.0), c
+
+    def max_batch(self, step_budget_s: float) -> int | None:
+        """The largest batch whose modelled step fits ``step_budget_s`` (0: not even one request);
+        None while nothing is measured or the step does not grow with the batch."""
+        ac = self.coefficients()
+        if ac is None:
+            return None
+        a, c = ac
+        if a > step_budget_s:
+            return 0
+        if c <= 0:
+            return None
+        return int((step_budget_s - a) / c + 1e-9)  # (a budget that fits exactly, despite rounding)
+
+
 class DeadlineAdmission:
     def __init__(
         self, settings: SchedSettings, queues: Queues, kv: KVManager, stats: SchedStats, clock: Callable[[], float],
@@ -93,17 +150,65 @@ class DeadlineAdmission:
         self.stats = stats
         self.clock = clock
         self.throughput = PrefillThroughput(settings.args.deadline_prefill_tokens_per_s)
+        self.decode_model = DecodeStepModel()
+        self.tpot_tight: float | None = None  # the running requests' tightest TPOT deadline (s), set each round
+        self.prefill_debt_s = 0.0
 
     def observe(self, batch: ScheduleBatch) -> None:
         """After a forward: feed its measured time (the last ``step_log`` entry) to the estimates."""
         if self.stats.step_log:
-            _, _, tokens, wall = self.stats.step_log[-1]
-            self.throughput.observe(batch.forward_mode.is_extend(), tokens, wall, bool(self.queues.waiting))
+            _, bs, tokens, wall = self.stats.step_log[-1]
+            extend = batch.forward_mode.is_extend()
+            self.throughput.observe(extend, tokens, wall, bool(self.queues.waiting))
+            if not extend:
+                self.decode_model.observe(bs, wall)
+            tight = self.tpot_tight
+            if tight is None:
+                self.prefill_debt_s = 0.0
+            elif extend:
+                self.prefill_debt_s += wall
+            else:
+                self.prefill_debt_s = max(self.prefill_debt_s - max(tight * self.settings.args.tpot_headroom - wall, 0.0),
+                                          0.0)
+
+    def may_prefill(self, tight: float | None) -> bool:
+        """Whether a prefill step may stall the running requests now (their tightest TPOT deadline
+        ``tight``): always without one, else once the earlier prefills' debt is paid."""
+        self.tpot_tight = tight
+        return tight is None or self.prefill_debt_s <= 0.0
+
+    @staticmethod
+    def tightest(reqs: list[Req], tight: float | None = None) -> float | None:
+        """The smallest TPOT deadline among ``reqs`` (and ``tight``), None if none has one."""
+        for t in map(tpot_of, reqs):
+            if t is not None and (tight is None or t < tight):
+                tight = t
+        return tight
+
+    def batch_cap(self, tight: float | None) -> int | None:
+        """The most requests that may run so a TPOT deadline of ``tight`` seconds holds; None when
+        there is no deadline or nothing is measured yet."""
+        if tight is None:
+            return None
+        return self.decode_model.max_batch(tight * self.settings.args.tpot_headroom)
 
     def check(self, req: Req) -> FINISH_ABORT | None:
-        """At arrival: refuse ``req`` when its predicted time to first token misses its deadline."""
+        """At arrival: refuse ``req`` when its TPOT deadline cannot be met even alone, or its
+        predicted time to first token misses its TTFT deadline."""
+        if not self.settings.args.deadline_admission:
+            return None
+        tpot = tpot_of(req)
+        if tpot is not None and self.decode_model.max_batch(tpot * self.settings.args.tpot_headroom) == 0:
+            self.stats.num_deadline_rejected += 1
+            a, _ = self.decode_model.coefficients() or (0.0, 0.0)
+            return FINISH_ABORT(
+                f"the TPOT deadline cannot be met: a decode step takes at least {a * 1000:.0f} ms here, over "
+                f"{self.settings.args.tpot_headroom:g} x the {tpot * 1000:.0f} ms asked for; retry with a longer "
+                "tpot_slo_ms", status_code=429, err_type="rate_limit_error", code="tpot_unmeetable",
+                param="tpot_slo_ms",
+            )
         d = deadline_of(req)
-        if not self.settings.args.deadline_admission or d is None:
+        if d is None:
             return None
         q = self.queues
         now = self.clock()
@@ -119,7 +224,9 @@ class DeadlineAdmission:
         est = self.throughput
         backlog = est.backlog_tokens_per_s if q.waiting else None
         tps = min(est.tokens_per_s, backlog) if backlog is not None else est.tokens_per_s
-        wait = slot_wait(q.running.reqs, q.max_running_requests, queued_ahead + 1, est.decode_step_s)
+        cap = self.batch_cap(self.tightest(q.running.reqs, tpot_of(req)))
+        slots = q.max_running_requests if cap is None else max(min(cap, q.max_running_requests), 1)
+        wait = slot_wait(q.running.reqs, slots, queued_ahead + 1, est.decode_step_s)
         eta = now + wait + ahead / tps
         req.predicted_ttft = eta - now  # type: ignore[attr-defined]  # for the simulator's error report
         if eta <= d:

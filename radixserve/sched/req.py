@@ -84,6 +84,7 @@ class Req:
         # scheduling extensions (docs/scheduling.md); plain attributes the server and the simulator set
         self.tenant: str | None = None  # vtc fairness: the OpenAI `user` field or an x-tenant header
         self.deadline: float | None = None  # TTFT deadline, absolute, on the scheduler clock (edf)
+        self.tpot_slo: float | None = None  # TPOT deadline, seconds per output token after the first
 
     # --- derived counters --------------------------------------------------------------------
     @cached_property

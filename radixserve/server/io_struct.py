@@ -70,6 +70,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     tenant: str | None = None  # vtc fairness
     deadline_ms: float | None = None  # TTFT deadline relative to arrival at the scheduler (edf)
     data_parallel_rank: int | None = None  # --dp-size: pins the request to this scheduler rank
+    tpot_slo_ms: float | None = None  # TPOT deadline: mean ms per output token after the first
     stream: bool = True  # False: the scheduler sends the first token and the finish only
     bootstrap: Bootstrap | None = None  # prefill/decode disaggregation: the transfer this request is part of
 

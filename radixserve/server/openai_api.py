@@ -32,7 +32,7 @@ from radixserve.server.common import (
 from radixserve.server.io_struct import GenerateReq, StrOut
 from radixserve.server.pd_fields import bootstrap_fields
 from radixserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
-from radixserve.server.sched_fields import sched_fields
+from radixserve.server.sched_fields import SchedFields, sched_fields
 from radixserve.server.tokenizer_manager import ClientGone, ReqState, TokenizerManager
 
 
@@ -51,7 +51,7 @@ class OpenAIServing:
     def _make_reqs(
         self, prompts: list[list[int]], body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
         logprobs: bool, top_logprobs: int, prompt_param: str,
-        fields: tuple[str | None, float | None, int | None] = (None, None, None),  # sched_fields.py
+        fields: SchedFields = (None, None, None, None),
     ) -> list[GenerateReq]:
         base = uuid.uuid4().hex
         reqs = []

@@ -4,6 +4,9 @@
 - TTFT deadline in ms: the ``x-ttft-slo-ms`` header, else the OpenAI ``ttft_slo_ms`` body field /
   the native ``deadline_ms`` field. The scheduler process turns it into ``Req.deadline`` =
   arrival (its clock) + ms / 1000.
+- TPOT deadline in ms (mean time per output token after the first): the ``x-slo-tpot-ms`` header
+  (llm-d's name), else the ``tpot_slo_ms`` body field (OpenAI and native). The scheduler process
+  sets ``Req.tpot_slo`` (seconds); the scheduler keeps its batch small enough for it.
 - ``data_parallel_rank`` (what a DP-aware router sends): validated against the server's data-parallel
   ranks, so a router that believes in a rank the server lacks gets a 400, not a silent reroute.
 """
@@ -30,9 +33,12 @@ def _ms(value: Any, param: str) -> float | None:
     return ms
 
 
-def sched_fields(request: Request, body: Any, openai: bool,
-                 dp_size: int = 1) -> tuple[str | None, float | None, int | None]:
-    """(tenant, deadline_ms, data_parallel_rank) of one HTTP request."""
+SchedFields = tuple[str | None, float | None, int | None, float | None]
+
+
+def sched_fields(request: Request, body: Any, openai: bool, dp_size: int = 1) -> SchedFields:
+    """(tenant, deadline_ms, data_parallel_rank, tpot_slo_ms) of one HTTP request: ``GenerateReq``'s
+    fields in its order."""
     extra = getattr(body, "model_extra", None) or {}
     # a decode worker under prefill/decode disaggregation: data_parallel_rank names the prefill rank
     rank = extra.get("data_parallel_rank_decode", extra.get("data_parallel_rank"))
@@ -42,9 +48,12 @@ def sched_fields(request: Request, body: Any, openai: bool,
     tenant = request.headers.get("x-tenant") or (getattr(body, "user", None) if openai else extra.get("tenant"))
     if tenant is not None and not isinstance(tenant, str):
         raise APIError("tenant must be a string", param="tenant")
+    tpot_header = request.headers.get("x-slo-tpot-ms")
+    tpot = (_ms(tpot_header, "x-slo-tpot-ms") if tpot_header is not None
+            else _ms(extra.get("tpot_slo_ms"), "tpot_slo_ms"))
     header = request.headers.get("x-ttft-slo-ms")
     if header is not None:
-        return tenant, _ms(header, "x-ttft-slo-ms"), rank
+        return tenant, _ms(header, "x-ttft-slo-ms"), rank, tpot
     if openai:
-        return tenant, _ms(extra.get("ttft_slo_ms"), "ttft_slo_ms"), rank
-    return tenant, _ms(extra.get("deadline_ms"), "deadline_ms"), rank
+        return tenant, _ms(extra.get("ttft_slo_ms"), "ttft_slo_ms"), rank, tpot
+    return tenant, _ms(extra.get("deadline_ms"), "deadline_ms"), rank, tpot

@@ -249,6 +249,8 @@ class SchedulerServer:
         req.tenant = msg.tenant
         if msg.deadline_ms is not None:
             req.deadline = now + msg.deadline_ms / 1000.0
+        if msg.tpot_slo_ms is not None:
+            req.tpot_slo = msg.tpot_slo_ms / 1000.0
         if self.pd is not None and msg.bootstrap is not None:
             return self.pd.on_request(msg, req, self.send)
         return req

@@ -36,6 +36,7 @@ def workload_config(ns: argparse.Namespace) -> WorkloadConfig:
         range_ratio=ns.range_ratio, num_prefix_groups=ns.num_prefix_groups, prefix_len=ns.prefix_len,
         num_turns=ns.num_turns, turn_len=ns.turn_len, think_time=ns.think_time, priority_classes=ns.priority_classes,
         tenants=ns.tenants, ttft_slo_ms=ns.ttft_slo_ms, ttft_slo_classes=ns.ttft_slo_classes,
+        tpot_slo_ms=ns.tpot_slo_ms,
         context_len=ns.context_length, seed=ns.seed,
     )
 

@@ -59,13 +59,24 @@ def tenant_fairness(records: Sequence[Any], args: Any = None) -> dict[str, Any] 
             "share": {t: round(v / total, 4) if total > 0 else 0.0 for t, v in zip(tenants, norm, strict=True)}}
 
 
+def tpot_met(r: Any) -> bool:
+    """A one-token output has no time per output token: it meets any TPOT deadline."""
+    return r.tpot_deadline is None or math.isnan(r.tpot) or r.tpot <= r.tpot_deadline
+
+
+def slo_met(r: Any) -> bool:
+    """Not aborted, the first token by its TTFT deadline and its tokens within its TPOT deadline."""
+    ttft_ok = r.deadline is None or (not math.isnan(r.ttft) and r.ttft <= r.deadline)
+    return not r.aborted and ttft_ok and tpot_met(r)
+
+
 def goodput(records: Sequence[Any], duration: float) -> dict[str, Any] | None:
-    """Requests whose first token met their TTFT deadline, per second and as a fraction of *all*
-    requests with a deadline (refused and aborted ones count as missed)."""
-    with_dl = [r for r in records if r.deadline is not None]
+    """Requests that met their deadlines (TTFT, and TPOT where they have one), per second and as a
+    fraction of *all* requests with a deadline (refused and aborted ones count as missed)."""
+    with_dl = [r for r in records if r.deadline is not None or getattr(r, "tpot_deadline", None) is not None]
     if not with_dl:
         return None
-    met = sum(1 for r in with_dl if not r.aborted and not math.isnan(r.ttft) and r.ttft <= r.deadline)
+    met = sum(map(slo_met, with_dl))
     return {"met": met, "req_s": round(met / duration, 4) if duration > 0 else 0.0,
             "fraction": round(met / len(with_dl), 4)}
 

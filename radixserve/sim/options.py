@@ -67,6 +67,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--ttft-slo-classes", default=None, metavar="MS:FRACTION,...",
                    help="Mixed TTFT deadlines, e.g. 300:0.5,3000:0.5 (deadline ms:fraction of requests); "
                         "excludes --ttft-slo-ms.")
+    w.add_argument("--tpot-slo-ms", type=float, default=None,
+                   help="TPOT deadline for every request (mean ms per output token after the first): the scheduler "
+                        "caps its running batch to hold it; reports TPOT and both-deadline attainment.")
     w.add_argument("--trace", default=None, metavar="FILE.jsonl",
                    help="Replay a JSONL trace (fields: arrival_time, prompt_len or input_ids, output_len, priority, "
                         "tenant, deadline_ms, prefix_group, prefix_len) instead of generating a workload.")

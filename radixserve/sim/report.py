@@ -97,9 +97,13 @@ def summary_text(r: dict[str, Any]) -> str:
                      f"{v['requests_hit']} requests hit")
     if "ttft_slo_attainment" in r:
         lines.append(f"TTFT SLO attainment {r['ttft_slo_attainment']:.3f} (of completed requests)")
+    if "tpot_slo_attainment" in r:
+        lines.append(f"TPOT SLO attainment {r['tpot_slo_attainment']:.3f}, both deadlines met "
+                     f"{r['slo_attainment']:.3f} (of completed requests)")
     if "goodput" in r:
         g = r["goodput"]
-        lines.append(f"goodput {g['req_s']:.2f} req/s met their TTFT deadline ({g['met']} requests, "
+        what = "their deadlines" if "tpot_slo_attainment" in r else "their TTFT deadline"
+        lines.append(f"goodput {g['req_s']:.2f} req/s met {what} ({g['met']} requests, "
                      f"{g['fraction']:.3f} of all with a deadline, refused ones included)")
     if "tenant_fairness" in r:
         tf = r["tenant_fairness"]

@@ -116,6 +116,8 @@ def make_req(spec: RequestSpec, stream: bool = False) -> Req:
         req.tenant = spec.tenant  # type: ignore[attr-defined]  # read by tenant-aware policies
     if spec.deadline_ms is not None:
         req.deadline = spec.arrival_time + spec.deadline_ms / 1e3  # type: ignore[attr-defined]
+    if spec.tpot_slo_ms is not None:
+        req.tpot_slo = spec.tpot_slo_ms / 1e3
     return req
 
 
@@ -136,6 +138,7 @@ class ReqRecord:
     deadline: float | None  # TTFT deadline in seconds after arrival
     arrival: float = 0.0  # virtual seconds
     predicted_ttft: float | None = None  # --deadline-admission's prediction at arrival (seconds)
+    tpot_deadline: float | None = None  # TPOT deadline in seconds per output token
 
 
 @dataclass
@@ -171,7 +174,7 @@ def _record(req: Req) -> ReqRecord:
     return ReqRecord(req.priority, getattr(req, "tenant", None), req.prompt_len, n, req.cached_tokens, ttft,
                      fin - arr, tpot, queue, req.num_retractions, req.num_preemptions,
                      isinstance(req.finished_reason, FINISH_ABORT), None if dl is None else dl - arr, arr,
-                     getattr(req, "predicted_ttft", None))
+                     getattr(req, "predicted_ttft", None), req.tpot_slo)
 
 
 def run(
@@ -313,6 +316,11 @@ def _latency(records: Sequence[ReqRecord], duration: float) -> dict[str, Any]:
     if with_dl:
         met = sum(1 for r in with_dl if r.deadline is not None and not math.isnan(r.ttft) and r.ttft <= r.deadline)
         d["ttft_slo_attainment"] = round(met / len(with_dl), 4)
+    with_tpot = [r for r in done if r.tpot_deadline is not None]
+    if with_tpot:
+        d["tpot_slo_attainment"] = round(sum(map(metrics.tpot_met, with_tpot)) / len(with_tpot), 4)
+        both = [r for r in done if r.deadline is not None or r.tpot_deadline is not None]
+        d["slo_attainment"] = round(sum(map(metrics.slo_met, both)) / len(both), 4)
     return d
 
 
@@ -350,7 +358,7 @@ def summarize(trace: SimTrace, args: ServerArgs | None = None) -> dict[str, Any]
     }
     if trace.truncated:
         res["truncated_at_steps"] = len(trace.step_sched_s)
-    res.update({k: v for k, v in _latency(recs, dur).items() if k.endswith("_ms") or k == "ttft_slo_attainment"})
+    res.update({k: v for k, v in _latency(recs, dur).items() if k.endswith("_ms") or k.endswith("slo_attainment")})
     usage = [u for _, u, _, _ in trace.timeline]
     res["kv_usage"] = {"mean": round(float(np.mean(usage)), 6) if usage else 0.0,
                        "max": round(float(np.max(usage)), 6) if usage else 0.0}

@@ -54,6 +54,7 @@ class RequestSpec:
     priority: int | None = None
     tenant: str | None = None
     deadline_ms: float | None = None  # TTFT deadline relative to arrival
+    tpot_slo_ms: float | None = None  # TPOT deadline: mean ms per output token after the first
     prefix_group: int | None = None
     prefix_len: int = 0  # tokens of the group's shared prefix at the start of the prompt
     stream: int = 0  # key of this request's own token stream (a conversation's turns share one)
@@ -95,6 +96,7 @@ class WorkloadConfig:
     tenants: str | None = None  # "a:10,b:1"
     ttft_slo_ms: float | None = None
     ttft_slo_classes: str | None = None  # "300:0.5,3000:0.5": TTFT deadline ms:fraction
+    tpot_slo_ms: float | None = None
     context_len: int = 4096
     seed: int = 0
 
@@ -170,6 +172,7 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
         spec.tenant = pick(tenants)
         slo = pick(slos)
         spec.deadline_ms = float(slo) if slo is not None else cfg.ttft_slo_ms
+        spec.tpot_slo_ms = cfg.tpot_slo_ms
 
     if cfg.workload in ("random", "shared-prefix"):
         prefix_len = 1024 if cfg.prefix_len is None else cfg.prefix_len
@@ -218,7 +221,7 @@ def generate(cfg: WorkloadConfig) -> list[RequestSpec]:
 
 # --- JSONL traces ---------------------------------------------------------------------------------
 TRACE_FIELDS = ("arrival_time", "prompt_len", "input_ids", "output_len", "priority", "tenant", "deadline_ms",
-                "prefix_group", "prefix_len", "conversation", "turn", "rid", "stream")
+                "tpot_slo_ms", "prefix_group", "prefix_len", "conversation", "turn", "rid", "stream")
 
 
 def write_trace(specs: Iterable[RequestSpec], path: str | Path) -> None:
@@ -231,7 +234,7 @@ def write_trace(specs: Iterable[RequestSpec], path: str | Path) -> None:
 
 def read_trace(path: str | Path, context_len: int | None = None) -> list[RequestSpec]:
     """Fields: arrival_time (s), prompt_len or input_ids, output_len; optional priority, tenant,
-    deadline_ms, prefix_group (+ prefix_len), conversation, turn, rid, stream. Sorted by arrival."""
+    deadline_ms, tpot_slo_ms, prefix_group (+ prefix_len), conversation, turn, rid, stream. Sorted by arrival."""
     known = {f.name for f in fields(RequestSpec)}
     specs = []
     with open(path) as f:

@@ -1,5 +1,5 @@
 """Scheduling over HTTP: live policy switching, TTFT deadlines (x-ttft-slo-ms, ttft_slo_ms,
-deadline_ms), tenants (x-tenant, user) and the per-class metrics."""
+deadline_ms), TPOT deadlines (x-slo-tpot-ms, tpot_slo_ms), tenants (x-tenant, user) and the per-class metrics."""
 
 from __future__ import annotations
 
@@ -62,6 +62,17 @@ def test_deadlines_and_tenants(c: httpx.Client) -> None:
         assert r.json()["error"]["code"] == "deadline_unmeetable"
     for r in (_chat(c, {"x-ttft-slo-ms": "soon"}), _chat(c, ttft_slo_ms=-5)):
         assert r.status_code == 400
+    # TPOT deadlines: header or body field; a microsecond per token cannot be met once the server
+    # has measured a decode step (the chats above decoded)
+    assert _chat(c, {"x-slo-tpot-ms": "60000"}).status_code == 200
+    assert c.post("/generate", json={"text": "Hi", "tpot_slo_ms": 60000,
+                                     "sampling_params": {"max_new_tokens": 3}}).status_code == 200
+    for r in (_chat(c, {"x-slo-tpot-ms": "0.001"}), _chat(c, tpot_slo_ms=0.001)):
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "tpot_unmeetable"
+    for r in (_chat(c, {"x-slo-tpot-ms": "fast"}), _chat(c, tpot_slo_ms=0)):
+        assert r.status_code == 400
+        assert "tpot" in r.json()["error"]["param"]
     metrics = c.get("/metrics").text
     assert 'radixserve:time_to_first_token_by_class_seconds_bucket' in metrics
     assert 'tenant="t1"' in metrics and 'tenant="t2"' in metrics
