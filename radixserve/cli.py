@@ -61,6 +61,12 @@ def _bench_router(ns: argparse.Namespace) -> int:
     return main(ns)
 
 
+def _bench_chunking(ns: argparse.Namespace) -> int:
+    from radixserve.bench.chunking import main
+
+    return main(ns)
+
+
 def _bench_offline(ns: argparse.Namespace) -> int:
     from radixserve.bench.offline import main
 
@@ -146,6 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Run the engine's normal loop instead of the overlap loop (see radixserve serve --help).")
     bo.add_argument("--output", default=None, help="Write the results as JSON here.")
     bo.set_defaults(func=_bench_offline)
+    bc = bsub.add_parser("chunking", help="TPOT of decoding requests while long prompts are prefilled "
+                         "(chunked, --enable-mixed-chunk, --enable-dynamic-chunking).",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bc.add_argument("--model-path", default=None, help="Model (default: the bundled SmolLM2).")
+    bc.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="Model dtype.")
+    bc.add_argument("--num-short", type=int, default=8, help="Requests decoding when the long prompts arrive.")
+    bc.add_argument("--num-long", type=int, default=2, help="Long prompts arriving.")
+    bc.add_argument("--long-len", type=int, default=2048, help="Tokens of each long prompt.")
+    bc.add_argument("--chunked-prefill-size", type=int, default=512, help="The engine's chunk size.")
+    bc.add_argument("--dynamic-chunk-target-ms", type=float, default=150.0,
+                    help="The step-time target of --enable-dynamic-chunking.")
+    bc.add_argument("--configs", default="chunked,mixed,dynamic,mixed+dynamic",
+                    help="Comma-separated configurations: chunked (plain chunked prefill), mixed "
+                         "(--enable-mixed-chunk), dynamic (--enable-dynamic-chunking), mixed+dynamic.")
+    bc.add_argument("--rounds", type=int, default=2, help="Alternated rounds per configuration.")
+    bc.set_defaults(func=_bench_chunking)
     bs = bsub.add_parser("serve", help="Load-test any OpenAI-compatible server (TTFT, TPOT, ITL, throughput).",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from radixserve.bench.serving import add_args as _bench_serve_args

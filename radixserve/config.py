@@ -62,7 +62,8 @@ class ServerArgs:
     enable_dynamic_chunking: bool = option(
         False, "Size each prefill chunk so the step stays near --dynamic-chunk-target-ms while requests decode: "
         "the measured prefill speed times the time left (the whole target, less a decode step when mixed), "
-        "at most --chunked-prefill-size. Without running requests the chunk is --chunked-prefill-size.")
+        "at most --chunked-prefill-size; without mixed chunks the running requests decode once after each "
+        "prefill step. Without running requests the chunk is --chunked-prefill-size.")
     dynamic_chunk_target_ms: float = option(
         100.0, "With --enable-dynamic-chunking: the step time a prefill chunk should stay under while requests decode.")
     schedule_conservativeness: float = option(1.0, "Scales the reserve held for running requests' future tokens.")

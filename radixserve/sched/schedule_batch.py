@@ -54,12 +54,17 @@ class ScheduleBatch:
         which the forward thread replaces with that token (``core.SchedulerCore._forward``)."""
         if self.forward_mode is ForwardMode.DECODE:
             return self._decode_forward_batch(capture_logits, pending)
-        assert not pending or not any(id(r) in pending for r in self.reqs), "an extend never waits for a token"
         ids: list[int] = []
         positions: list[int] = []
-        for req, start, n in zip(self.reqs, self.prefix_lens, self.extend_lens, strict=True):
+        steps = [len(r.output_ids) for r in self.reqs]
+        for i, (req, start, n) in enumerate(zip(self.reqs, self.prefix_lens, self.extend_lens, strict=True)):
             k = req.prompt_len
-            if start >= k:  # decode, or recompute within the outputs
+            j = pending.get(id(req)) if pending else None
+            if j is not None:  # a decode row of a MIXED step whose input is still being sampled
+                assert n == 1 and start >= k, "only a decode waits for a token"
+                ids.append(-(j + 1))
+                steps[i] += 1
+            elif start >= k:  # decode, or recompute within the outputs
                 ids.extend(req.output_ids[start - k : start - k + n])
             elif start + n <= k:
                 ids.extend(req.origin_input_ids[start : start + n])
@@ -68,8 +73,7 @@ class ScheduleBatch:
                 ids.extend(req.output_ids[: start + n - k])
             positions.extend(range(start, start + n))
         seq_lens = [s + n for s, n in zip(self.prefix_lens, self.extend_lens, strict=True)]
-        return self._make(ids, int64_tensor(positions), int64_tensor(seq_lens), capture_logits,
-                          [len(r.output_ids) for r in self.reqs])
+        return self._make(ids, int64_tensor(positions), int64_tensor(seq_lens), capture_logits, steps)
 
     def _decode_forward_batch(self, capture_logits: bool, pending: dict[int, int] | None = None) -> ForwardBatch:
         """One token per request at position ``prefix_len``: the same batch as the general path.

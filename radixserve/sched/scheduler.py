@@ -62,10 +62,20 @@ class Scheduler(SchedulerCore):
         if ended != self._ended_at_filter:  # a request ended since the last pass: drop the ended ones
             self._ended_at_filter = ended
             q.running.reqs = [r for r in q.running.reqs if r.finished_reason is None]
+        if self.decode_turn(last):
+            return self.update_running_batch()
         batch = self.get_new_batch_prefill()
         if batch is not None:
             return batch
         return self.update_running_batch()
+
+    def decode_turn(self, last: ScheduleBatch | None) -> bool:
+        """``--enable-dynamic-chunking`` without mixed chunks: after a prefill step the running
+        requests decode once before the next prefill (otherwise a chunked prompt's chunks run back
+        to back and the decodes wait for all of them, however small the chunks)."""
+        a = self.args
+        return (a.enable_dynamic_chunking and not a.enable_mixed_chunk and last is not None
+                and last.forward_mode is ForwardMode.EXTEND and bool(self.queues.running.reqs))
 
     # --- prefill -------------------------------------------------------------------------------
     def get_new_batch_prefill(self) -> ScheduleBatch | None:

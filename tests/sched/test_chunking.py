@@ -65,3 +65,17 @@ def test_dynamic_chunks_in_a_run() -> None:
     extends = [e[2] for e in sched.stats.step_log if e[0] == "EXTEND"][1:]
     assert extends[0] <= 40 < 150  # chunked to the target while "s" decodes (the EMA moves after)
     assert tokens(outs)["long"] == expected_tokens(prompt(6, 150), 3)
+
+
+def test_dynamic_chunking_lets_the_running_requests_decode_between_chunks() -> None:
+    sched, _, _ = make_scheduler(pool_tokens=1024, chunked_prefill_size=32, enable_dynamic_chunking=True)
+    submit(sched, "s", prompt(7, 8), 40)
+    sched.step()
+    sched.step()
+    submit(sched, "long", prompt(8, 100), 3)
+    drain(sched)
+    modes = [e[0] for e in sched.stats.step_log][2:]
+    last = max(i for i, m in enumerate(modes) if m == "EXTEND")
+    chunks = modes[: last + 1]  # the steps until the last chunk
+    assert chunks.count("EXTEND") == 4  # 100 tokens in chunks of 32 (the fake's steps measure ~0 s)
+    assert all(a != b for a, b in zip(chunks, chunks[1:], strict=False))  # a decode after every chunk

@@ -192,3 +192,21 @@ def test_full_request_pool() -> None:
         return [_req(f"s{i}", p[i], 2 + i % 3) for i in range(6)]
 
     _both(lambda: make_scheduler(pool_tokens=512, max_reqs=2, max_running_requests=2)[0], first, list)
+
+
+def test_mixed_chunk_built_ahead() -> None:
+    """A MIXED step scheduled while a decode step runs: its decode rows wait for that step's tokens."""
+    p = [prompt(140 + i, 20 + 37 * i) for i in range(4)]
+
+    def first() -> list[Req]:
+        return [_req("m0", p[0], 12), _req("m1", p[1], 9)]
+
+    def events() -> list[Event]:
+        return [("m0", 3, lambda s: s.add_request(_req("m2", p[2], 4))),
+                ("m1", 5, lambda s: s.add_request(_req("m3", p[3], 6)))]
+
+    build = lambda: make_scheduler(pool_tokens=1024, chunked_prefill_size=24, enable_mixed_chunk=True)[0]  # noqa: E731
+    _both(build, first, events)
+    sched = build()
+    _run(sched, first(), events(), overlap=True)
+    assert any(e[0] == "MIXED" for e in sched.stats.step_log)
