@@ -25,10 +25,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.kv_pool import ReqToTokenPool
+
+if TYPE_CHECKING:
+    from radixserve.mem.radix_cache import TreeNode
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class RadixKey:
 @dataclass
 class MatchResult:
     device_indices: list[int]  # KV slots of the matched prefix
-    last_node: Any  # node whose path ends where the match ends (the root for no match)
+    last_node: TreeNode | None  # node whose path ends where the match ends (the root; None without a tree)
 
 
 class CacheableReq(Protocol):
@@ -55,7 +58,7 @@ class CacheableReq(Protocol):
     req_pool_idx: int | None
     kv_indices: list[int]  # KV slot of each computed token, in order
     cache_protected_len: int  # leading kv_indices owned by the cache (pinned by last_node)
-    last_node: Any
+    last_node: TreeNode | None
     extra_key: str | None
 
     @property
@@ -78,10 +81,10 @@ class BasePrefixCache(ABC):
     def insert(self, key: RadixKey, value: list[int]) -> int: ...
 
     @abstractmethod
-    def inc_lock_ref(self, node: Any) -> int: ...
+    def inc_lock_ref(self, node: TreeNode | None) -> int: ...
 
     @abstractmethod
-    def dec_lock_ref(self, node: Any) -> int: ...
+    def dec_lock_ref(self, node: TreeNode | None) -> int: ...
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int: ...
@@ -122,7 +125,7 @@ class ChunkCache(BasePrefixCache):
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator) -> None:
         super().__init__(req_to_token_pool, allocator)
-        self._root = object()
+        self._root = None  # no tree
 
     @property
     def root(self) -> Any:
@@ -132,15 +135,15 @@ class ChunkCache(BasePrefixCache):
         pass
 
     def match_prefix(self, key: RadixKey) -> MatchResult:
-        return MatchResult([], self._root)
+        return MatchResult([], None)  # no tree: no node to pin
 
     def insert(self, key: RadixKey, value: list[int]) -> int:
         return 0
 
-    def inc_lock_ref(self, node: Any) -> int:
+    def inc_lock_ref(self, node: TreeNode | None) -> int:
         return 0
 
-    def dec_lock_ref(self, node: Any) -> int:
+    def dec_lock_ref(self, node: TreeNode | None) -> int:
         return 0
 
     def evict(self, num_tokens: int) -> int:

@@ -28,7 +28,7 @@ what it evicted as ``cache_events`` records (a new path on ``insert``, each evic
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache, CacheableReq, MatchResult, RadixKey
@@ -37,6 +37,7 @@ from radixserve.mem.evict_policy import EvictionStrategy, QueueAwareStrategy, ge
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.leaf_heap import LeafHeap
 
+T = TypeVar("T")
 END = object()  # watch key of a match that covered its whole key: only an eviction can change it
 
 
@@ -319,9 +320,9 @@ class RadixCache(BasePrefixCache):
         return node, pos, pos
 
     # --- locks ---------------------------------------------------------------------------------
-    def inc_lock_ref(self, node: TreeNode) -> int:
+    def inc_lock_ref(self, node: TreeNode | None) -> int:
         delta = 0
-        while node is not self._root:
+        while node is not None and node is not self._root:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
@@ -332,9 +333,9 @@ class RadixCache(BasePrefixCache):
             node = node.parent
         return delta
 
-    def dec_lock_ref(self, node: TreeNode) -> int:
+    def dec_lock_ref(self, node: TreeNode | None) -> int:
         delta = 0
-        while node is not self._root:
+        while node is not None and node is not self._root:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"dec_lock_ref on unlocked {node}")
             node.lock_ref -= 1
@@ -444,6 +445,42 @@ class RadixCache(BasePrefixCache):
             n += len(node.key)
             node = node.parent
         return n
+
+    @staticmethod
+    def live_ancestor(node: TreeNode, pos: int) -> tuple[TreeNode, int]:
+        """A match that ended at ``node`` after ``pos`` tokens, moved back to the nearest node still
+        in the tree (evicted nodes have ``gen`` -1), with the tokens up to it."""
+        while node.gen < 0:
+            pos -= len(node.key)
+            assert node.parent is not None
+            node = node.parent
+        return node, pos
+
+    def weighted_dfs(self, at: dict[TreeNode, list[T]]) -> list[T]:
+        """The items ``at`` hangs on nodes, depth first from the root, heavier subtrees first (a
+        subtree weighs the items hung in it; ties keep the tree's child order), a node's own items
+        after its subtree's: ``dfs-weight``'s order."""
+        root = self._root
+        weight: dict[TreeNode, int] = {}
+        for start, items in at.items():  # each node's count goes to it and every ancestor
+            node: TreeNode | None = start
+            while node is not None:
+                weight[node] = weight.get(node, 0) + len(items)
+                if node is root:
+                    break
+                node = node.parent
+        out: list[T] = []
+        stack: list[tuple[TreeNode, bool]] = [(root, False)]
+        while stack:
+            node_, expanded = stack.pop()
+            if expanded:
+                out.extend(at.get(node_, ()))
+                continue
+            stack.append((node_, True))
+            kids = [c for c in node_.children.values() if c in weight]  # weight-0 subtrees hold no item
+            kids.sort(key=lambda c: -weight[c])  # stable: equal weights keep the tree's order
+            stack.extend((c, False) for c in reversed(kids))
+        return out
 
     def mark_wanted(self, prefixes: Iterable[tuple[list[int], str | None]]) -> None:
         """Under the queue-aware eviction strategy: the nodes on the cached paths of ``prefixes``

@@ -19,6 +19,7 @@ from functools import cached_property
 from typing import Any
 
 from radixserve.mem.base_cache import BasePrefixCache, RadixKey
+from radixserve.mem.radix_cache import TreeNode
 from radixserve.sched.finish import FINISH_ABORT, BaseFinishReason
 from radixserve.sched.sampling_params import SamplingParams
 
@@ -55,7 +56,7 @@ class Req:
         self.req_pool_idx: int | None = None
         self.kv_indices: list[int] = []
         self.cache_protected_len = 0
-        self.last_node: Any = None
+        self.last_node: TreeNode | None = None  # where its cached prefix ends in the radix tree
 
         # this round's plan (set by init_next_round_input / the adder)
         self.prefix_indices: list[int] = []

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import ReqOutput
@@ -210,3 +212,19 @@ def test_mixed_chunk_built_ahead() -> None:
     sched = build()
     _run(sched, first(), events(), overlap=True)
     assert any(e[0] == "MIXED" for e in sched.stats.step_log)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "dfs-weight", "lof", "random", "sjf", "edf", "vtc"])
+def test_every_policy_gives_the_same_outputs_under_both_loops(policy: str) -> None:
+    shared = prompt(160, 24)
+    p = [shared + prompt(170 + i, 5 + 3 * i) for i in range(5)] + [prompt(180 + i, 14) for i in range(3)]
+
+    def first() -> list[Req]:
+        return [_req(f"p{i}", ids, 6 + i % 4) for i, ids in enumerate(p[:5])]
+
+    def events() -> list[Event]:
+        return [("p0", 2, lambda s: [s.add_request(_req(f"q{i}", ids, 5)) for i, ids in enumerate(p[5:])])]
+
+    res = _both(lambda: make_scheduler(pool_tokens=512, schedule_policy=policy, max_running_requests=4)[0],
+                first, events)
+    assert res["tokens"]["p4"] == expected_tokens(p[4], 6)

@@ -30,7 +30,6 @@ from itertools import compress
 from operator import attrgetter
 from typing import Any
 
-from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.mem.radix_cache import END, RadixCache, TreeNode
 from radixserve.sched.req import LPM_STALE, Req
 
@@ -106,11 +105,7 @@ class PrefixLengthCache:
         pos = 0
         c = req.prefix_match_cache
         if c is not None and c.root is tree.root:
-            node, pos = c.node, c.pos
-            while node.gen < 0:  # evicted: back to the nearest live ancestor
-                pos -= len(node.key)
-                node = node.parent
-                assert node is not None
+            node, pos = tree.live_ancestor(c.node, c.pos)  # (evicted since: back to a live node)
         ids = req.origin_input_ids if not req.output_ids else req.fill_ids
         limit = len(ids) - 1
         node, pos, length = tree.peek_prefix(ids, req.extra_key, node, pos, limit=limit)
@@ -191,7 +186,7 @@ def _deprioritized(reqs: Sequence[Req], candidates: list[int], t: int) -> set[in
     return out
 
 
-def dfs_weight_order(reqs: Sequence[Req], tree: BasePrefixCache) -> list[Req]:
+def dfs_weight_order(reqs: Sequence[Req], tree: RadixCache) -> list[Req]:
     """SGLang's ``dfs-weight``: match every waiting request (its ``last_node``), weigh every tree
     node by the waiting requests whose match ends in its subtree, then walk the tree depth first,
     heavier children first (ties: the tree's child order), emitting a node's own requests after its
@@ -200,24 +195,4 @@ def dfs_weight_order(reqs: Sequence[Req], tree: BasePrefixCache) -> list[Req]:
     for req in reqs:
         req.init_next_round_input(tree)  # match_prefix: may split, so last_node ends the match exactly
         at.setdefault(req.last_node, []).append(req)
-    root = tree.root
-    weight: dict[Any, int] = {}
-    for node, rs in at.items():  # each node's count goes to it and every ancestor
-        while node is not None:
-            weight[node] = weight.get(node, 0) + len(rs)
-            if node is root:
-                break
-            node = getattr(node, "parent", None)
-    out: list[Req] = []
-    stack: list[tuple[Any, bool]] = [(root, False)]
-    while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            out.extend(at.get(node, ()))
-            continue
-        stack.append((node, True))
-        children = getattr(node, "children", None) or {}
-        kids = [c for c in children.values() if c in weight]  # weight-0 subtrees hold no request
-        kids.sort(key=lambda c: -weight[c])  # stable: equal weights keep the tree's order
-        stack.extend((c, False) for c in reversed(kids))
-    return out
+    return tree.weighted_dfs(at)
