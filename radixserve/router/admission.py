@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+NO_PRIORITY_RANK = 1 << 40  # the queue rank of a request that gives no priority (the least important)
 
 
 @dataclass
@@ -38,74 +43,120 @@ class TenantCounters:
 
 
 @dataclass(eq=False)
-class _Waiter:
-    fut: asyncio.Future[None]
+class _Entry(Generic[T]):
+    item: T
     rank: int
     tenant: str
     cost: float
     seq: int
 
 
-class Admission:
-    def __init__(self, limit: int, queue_size: int, timeout_s: float, tenants: TenantCounters | None = None) -> None:
+class AdmissionQueue(Generic[T]):
+    """The limits and the order, without the waiting: the router's ``Admission`` waits on it with
+    asyncio futures, the simulator's router with its virtual clock. ``T`` is whatever stands for a
+    waiter."""
+
+    def __init__(self, limit: int, queue_size: int, tenants: TenantCounters | None = None) -> None:
         self.limit = limit  # -1: no limit
         self.queue_size = queue_size
-        self.timeout_s = timeout_s
         self.tenants = tenants
         self.in_flight = 0
-        self._waiters: list[_Waiter] = []
-        self._seq = itertools.count()
         self.rejected = 0
-        self.timed_out = 0
+        self._waiters: list[_Entry[T]] = []
+        self._seq = itertools.count()
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self, rank: int = 0, tenant: str = "", cost: float = 0.0) -> bool:
-        """Take a slot, waiting in the queue if need be; False means answer 429. ``cost`` is what
-        the request is charged to its tenant's counter once it gets a slot."""
+    def admit(self, item: T, rank: int = 0, tenant: str = "", cost: float = 0.0) -> str:
+        """``"now"`` (a slot is free and nobody waits: taken, charged), ``"queued"`` (``item``
+        waits for ``release``) or ``"rejected"`` (the queue is full: answer 429)."""
         if self.limit < 0 or (self.in_flight < self.limit and not self._waiters):
             self.in_flight += 1
             self._charge(tenant, cost)
-            return True
+            return "now"
         if len(self._waiters) >= self.queue_size:
             self.rejected += 1
-            return False
+            return "rejected"
         if self.tenants is not None and self._waiters:
             self.tenants.lift(tenant, min(self.tenants.get(w.tenant) for w in self._waiters))
-        w = _Waiter(asyncio.get_running_loop().create_future(), rank, tenant, cost, next(self._seq))
-        self._waiters.append(w)
-        try:
-            await asyncio.wait_for(asyncio.shield(w.fut), self.timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            if w.fut.done():  # the slot arrived as the timer fired: keep it
-                return True
-            self.timed_out += 1
-            return False
-        except asyncio.CancelledError:
-            if w.fut.done() and not w.fut.cancelled():  # got a slot but the client left: pass it on
-                self.release()
-            raise
-        finally:
-            if not w.fut.done():
-                w.fut.cancel()
-                self._waiters.remove(w)
+        self._waiters.append(_Entry(item, rank, tenant, cost, next(self._seq)))
+        return "queued"
 
-    def release(self) -> None:
+    def cancel(self, item: T) -> bool:
+        """Stop waiting (a timeout, a client gone); False if ``item`` was not waiting."""
+        for i, w in enumerate(self._waiters):
+            if w.item is item:
+                del self._waiters[i]
+                return True
+        return False
+
+    def release(self, alive: Callable[[T], bool] = lambda _: True) -> T | None:
+        """A slot is free: hand it to the first waiter in order that is still ``alive`` (charged;
+        returned: it now holds the slot), or free it (None)."""
         while self._waiters:
             w = min(self._waiters, key=self._order)
             self._waiters.remove(w)
-            if not w.fut.done():
+            if alive(w.item):
                 self._charge(w.tenant, w.cost)
-                w.fut.set_result(None)  # the slot moves to the waiter; in_flight is unchanged
-                return
+                return w.item  # the slot moves to the waiter; in_flight is unchanged
         self.in_flight -= 1
+        return None
 
-    def _order(self, w: _Waiter) -> tuple[int, float, int]:
+    def _order(self, w: _Entry[T]) -> tuple[int, float, int]:
         return (w.rank, self.tenants.get(w.tenant) if self.tenants is not None else 0.0, w.seq)
 
     def _charge(self, tenant: str, cost: float) -> None:
         if self.tenants is not None:
             self.tenants.charge(tenant, cost)
+
+
+class Admission:
+    """``AdmissionQueue`` for asyncio: ``acquire`` waits for a slot (at most ``timeout_s``)."""
+
+    def __init__(self, limit: int, queue_size: int, timeout_s: float, tenants: TenantCounters | None = None) -> None:
+        self.queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(limit, queue_size, tenants)
+        self.timeout_s = timeout_s
+        self.timed_out = 0
+
+    @property
+    def waiting(self) -> int:
+        return self.queue.waiting
+
+    @property
+    def in_flight(self) -> int:
+        return self.queue.in_flight
+
+    @property
+    def rejected(self) -> int:
+        return self.queue.rejected
+
+    async def acquire(self, rank: int = 0, tenant: str = "", cost: float = 0.0) -> bool:
+        """Take a slot, waiting in the queue if need be; False means answer 429. ``cost`` is what
+        the request is charged to its tenant's counter once it gets a slot."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        verdict = self.queue.admit(fut, rank, tenant, cost)
+        if verdict != "queued":
+            return verdict == "now"
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            if fut.done():  # the slot arrived as the timer fired: keep it
+                return True
+            self.timed_out += 1
+            return False
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # got a slot but the client left: pass it on
+                self.release()
+            raise
+        finally:
+            if not fut.done():
+                fut.cancel()
+                self.queue.cancel(fut)
+
+    def release(self) -> None:
+        nxt = self.queue.release(alive=lambda f: not f.done())
+        if nxt is not None:
+            nxt.set_result(None)

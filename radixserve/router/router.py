@@ -29,7 +29,7 @@ import aiohttp
 from aiohttp import web
 
 from radixserve.config import parse_tenant_weights
-from radixserve.router.admission import Admission, TenantCounters
+from radixserve.router.admission import NO_PRIORITY_RANK, Admission, TenantCounters
 from radixserve.router.config import RouterArgs
 from radixserve.router.fleet import Fleet
 from radixserve.router.metrics import RouterMetrics
@@ -49,7 +49,6 @@ logger = logging.getLogger("radixserve.router")
 _DROP_REQ = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "authorization",
                        "x-api-key", "accept-encoding", "te", "upgrade", "proxy-authorization"})
 STREAMED = web.RequestKey("radixserve_streamed", bool)  # the client has been sent the response head
-NO_PRIORITY_RANK = 1 << 40  # the queue rank of a request that gives no priority
 DEFAULT_OUTPUT_TOKENS = 128  # a request's output estimate for --tenant-fairness when it gives none
 _KEEP_RESP = ("content-type", "retry-after", "x-request-id", "cache-control")
 

@@ -120,7 +120,7 @@ def main(ns: argparse.Namespace) -> int:
 # --- the fleet (--num-workers, --router-policy, --dp-size, --concurrency) ----------------------------
 def is_fleet(ns: argparse.Namespace) -> bool:
     return bool(ns.router_policy or ns.num_workers > 1 or ns.dp_size > 1 or ns.dp_aware or ns.router_cache_events
-                or ns.concurrency)
+                or ns.concurrency or ns.router_max_concurrent_requests >= 0)
 
 
 def fleet_config(ns: argparse.Namespace) -> FleetConfig:
@@ -129,7 +129,9 @@ def fleet_config(ns: argparse.Namespace) -> FleetConfig:
                       seed=ns.seed)
     return FleetConfig(num_workers=ns.num_workers, dp_size=ns.dp_size, dp_aware=ns.dp_aware, policy_config=pc,
                        match=ns.router_match, cache_events=ns.router_cache_events,
-                       concurrency=ns.concurrency)
+                       concurrency=ns.concurrency, router_max_concurrent=ns.router_max_concurrent_requests,
+                       router_queue_size=ns.router_queue_size, router_priority=ns.router_priority,
+                       router_tenant_fairness=ns.router_tenant_fairness)
 
 
 def fleet_main(ns: argparse.Namespace, runs: list[tuple[str, ServerArgs]], specs: list[RequestSpec],

@@ -14,6 +14,12 @@ scheduler + radix cache with a ``VirtualClock`` of its own: the time its next st
 - ``STEP``: the engine whose next step starts earliest runs it (``sched.step()``; its clock moves
   by the cost model's step time). An idle engine steps when a request reaches it.
 
+The router's own queue (``router_max_concurrent`` > 0): at most that many requests in flight
+fleet-wide, the rest wait in the router's ``AdmissionQueue`` (the HTTP router's own code), in
+priority order (``router_priority``) and VTC order over tenants (``router_tenant_fairness``), and
+are routed when a request finishes; past ``router_queue_size`` waiting, a request is refused
+(branch ``router_queue_full``). Time spent in the router's queue counts in TTFT.
+
 ``deadline_aware`` reads each target's waiting prompt tokens and measured prefill speed straight
 from its engines at every decision (the HTTP router reads ``/get_load`` once a second); a request
 it refuses never reaches an engine and is recorded as aborted (branch ``deadline_refused``).
@@ -35,7 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.config import ServerArgs
+from radixserve.config import ServerArgs, parse_tenant_weights
+from radixserve.router.admission import NO_PRIORITY_RANK, AdmissionQueue, TenantCounters
 from radixserve.router.policy import (
     NoTargetMeetsDeadline,
     PolicyConfig,
@@ -72,6 +79,10 @@ class FleetConfig:
     match: str = "tokens"  # the routing key: token ids, or a text stand-in (sgl-router matches characters)
     cache_events: bool = False  # the engines' radix cache inserts and evictions also drive the router's tree
     concurrency: int | None = None  # closed loop: this many clients, each sends its next request on an answer
+    router_max_concurrent: int = -1  # the router's --max-concurrent-requests (-1: no limit, no queue)
+    router_queue_size: int = 1_000_000  # the router's --queue-size
+    router_priority: bool = False  # the router's --enable-priority-scheduling: its queue by priority
+    router_tenant_fairness: bool = False  # the router's --tenant-fairness: its queue by VTC counters
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.dp_size < 1:
@@ -192,7 +203,11 @@ class Fleet:
         self.seq = 0
         self.events = 0
         self.reports = cfg.policy == "deadline_aware"
-        self.refused: list[FleetRecord] = []  # refused at the router (deadline_aware)
+        self.refused: list[FleetRecord] = []  # refused at the router (deadline_aware, its queue full)
+        tenants = TenantCounters(dict(parse_tenant_weights(args.tenant_weights))) if cfg.router_tenant_fairness else None
+        self.queue: AdmissionQueue[tuple[Req, RequestSpec, int]] = AdmissionQueue(
+            cfg.router_max_concurrent, cfg.router_queue_size, tenants)
+        self.low_first = args.schedule_low_priority_values_first
         if cfg.cache_events:
             self._subscribe()
 
@@ -215,6 +230,49 @@ class Fleet:
     # --- events ------------------------------------------------------------------------------------
     def _arrive(self, t: float, spec: RequestSpec, conversation: int) -> None:
         req = make_req(spec, self.stream)
+        verdict = self.queue.admit((req, spec, conversation), *self._queue_order(spec))
+        if verdict == "queued":
+            return  # routed when a slot frees (_finish)
+        if verdict == "rejected":
+            self._refuse(t, req, conversation, "router_queue_full", "the router's queue is full")
+            return
+        if not self._dispatch(t, req, spec, conversation):
+            self._release(t)
+
+    def _queue_order(self, spec: RequestSpec) -> tuple[int, str, float]:
+        """As the HTTP router's ``queue_order``: (priority rank, tenant, cost in tokens)."""
+        cfg = self.cfg
+        rank = 0
+        if cfg.router_priority:
+            p = spec.priority
+            rank = NO_PRIORITY_RANK if p is None else (p if self.low_first else -p)
+        tenant = (spec.tenant or "") if cfg.router_tenant_fairness else ""
+        return rank, tenant, float(spec.prompt_len + spec.output_len)
+
+    def _refuse(self, t: float, req: Req, conversation: int, branch: str, why: str) -> None:
+        req.finished_reason = FINISH_ABORT(why, status_code=429, code=branch)
+        req.finished_time = t
+        self.refused.append(FleetRecord(req.rid, _record(req), -1, -1, branch, None))
+        if conversation >= 0:
+            self._client_next(t, conversation)
+
+    def _finish(self, t: float, rid: str) -> None:
+        """A request ended: its target's load drops, its router slot goes to the next waiter."""
+        r = self.routed.pop(rid)
+        r.target.load -= 1
+        if r.conversation >= 0:
+            self._client_next(t, r.conversation)
+        self._release(t)
+
+    def _release(self, t: float) -> None:
+        """A router slot is free: the next waiter in the queue's order takes it and is routed."""
+        nxt = self.queue.release()
+        while nxt is not None and not self._dispatch(t, *nxt):
+            nxt = self.queue.release()
+
+    def _dispatch(self, t: float, req: Req, spec: RequestSpec, conversation: int) -> bool:
+        """Route ``req`` (it holds a router slot); False if the policy refused it (slot released
+        by the caller)."""
         ids = req.origin_input_ids
         chars = self.uses_key and self.cfg.match == "chars"  # the text is only built for a policy that reads it
         route = RouteRequest(text=chars_key(ids)) if chars else RouteRequest(tokens=ids)
@@ -224,12 +282,8 @@ class Fleet:
         try:
             d = self.policy.select(self.targets, route)
         except NoTargetMeetsDeadline as e:  # refused at the router: it never reaches an engine
-            req.finished_reason = FINISH_ABORT(str(e), status_code=429, code="deadline_unmeetable")
-            req.finished_time = t
-            self.refused.append(FleetRecord(req.rid, _record(req), -1, -1, "deadline_refused", None))
-            if conversation >= 0:
-                self._client_next(t, conversation)
-            return
+            self._refuse(t, req, conversation, "deadline_refused", str(e))
+            return False
         d.target.load += 1
         ranks = self.by_target[d.target.key]
         i = self.next_rank[d.target.key]
@@ -243,6 +297,7 @@ class Fleet:
         if not eng.scheduled:
             eng.scheduled = True
             self._push(max(t, eng.clock.now), STEP, eng)
+        return True
 
     def _report_loads(self) -> None:
         """What the workers' /get_load says (deadline_aware): each target's waiting prompt tokens and
@@ -318,12 +373,9 @@ class Fleet:
             elif kind == ARRIVAL:
                 self._arrive(t, item[0], item[1])
             else:
-                r = self.routed.pop(item)
-                r.target.load -= 1
+                self._finish(t, item)
                 if bar is not None:
                     bar.update(1)
-                if r.conversation >= 0:
-                    self._client_next(t, r.conversation)
         if bar is not None:
             bar.close()
         self._drain_check(trace)
@@ -358,6 +410,8 @@ class Fleet:
             eng.sched.step()  # the idle step (the scheduler's own self-check with --idle-self-check)
             eng.sched.kv.check_invariant()
         leaked = {t.key: t.load for t in self.targets if t.load}
+        if self.queue.waiting or self.queue.in_flight:
+            raise RuntimeError(f"router queue left over: {self.queue.waiting} waiting, {self.queue.in_flight} slots held")
         if leaked or self.routed:
             raise RuntimeError(f"router loads left over: {leaked}, {len(self.routed)} requests unfinished")
 

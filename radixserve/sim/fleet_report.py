@@ -12,7 +12,7 @@ import numpy as np
 from radixserve.config import ServerArgs
 from radixserve.router.policy import PolicyConfig, router_policy_names
 from radixserve.sim.fleet import FleetConfig, FleetRecord, FleetTrace, branch_counts
-from radixserve.sim.report import _f, table
+from radixserve.sim.report import _f, class_table, table
 from radixserve.sim.simulator import SimTrace, summarize
 
 _STAT_KEYS = ("forward_steps", "prefill_steps", "decode_steps", "prompt_tokens", "cached_tokens", "prefill_tokens",
@@ -84,6 +84,9 @@ def summarize_fleet(trace: FleetTrace, args: ServerArgs | None = None) -> dict[s
         "policy_config": dataclasses.asdict(cfg.policy_config), "match": cfg.match,
         "cache_events": cfg.cache_events, "cache_events_received": trace.cache_events,
         "concurrency": cfg.concurrency,
+        "router_queue": None if cfg.router_max_concurrent < 0 else {
+            "max_concurrent": cfg.router_max_concurrent, "queue_size": cfg.router_queue_size,
+            "priority": cfg.router_priority, "tenant_fairness": cfg.router_tenant_fairness},
     }
     res["router"] = router_figures(trace.records, cfg.num_workers)
     if cfg.dp_size > 1:
@@ -146,6 +149,24 @@ def fleet_text(r: dict[str, Any], max_workers: int = 16) -> str:
         f"router: branches {ro['branches']}; imbalance (max/mean requests per worker) {_f(ro['imbalance'], 3)}"
         + (f", per rank {_f(ro['rank_imbalance'], 3)}" if "rank_imbalance" in ro else ""),
     ]
+    q = f.get("router_queue")
+    if q:
+        lines.append(f"router queue: at most {q['max_concurrent']} in flight, "
+                     f"{'priority, ' if q['priority'] else ''}{'tenant fairness (VTC), ' if q['tenant_fairness'] else ''}"
+                     f"{ro['branches'].get('router_queue_full', 0)} refused with a full queue")
+    if r.get("tenant_fairness"):
+        tf = r["tenant_fairness"]
+        shares = ", ".join(f"{t} {v:.3f}" for t, v in tf["share"].items())
+        lines.append(f"tenant fairness up to the last arrival ({tf['window_end_s']:.1f} s): Jain {_f(tf['jain'], 4)}; "
+                     f"weighted service shares {shares}")
+    if "goodput" in r:
+        g = r["goodput"]
+        lines.append(f"goodput {g['req_s']:.2f} req/s met their deadlines ({g['met']} requests, {g['fraction']:.3f} "
+                     f"of all with a deadline); of the completed: TTFT met {_f(r.get('ttft_slo_attainment'), 3)}"
+                     + (f", both met {_f(r.get('slo_attainment'), 3)}" if "slo_attainment" in r else ""))
+    ct = class_table(r)
+    if ct and len(r.get("per_class", {})) > 1:
+        lines.append(ct)
     if "hit_rate_error" in ro:
         lines.append(f"router's predicted hit rate {ro['predicted_hit_rate']:.3f} vs actual {ro['actual_hit_rate']:.3f}; "
                      f"hit-rate error (mean |predicted - actual| per request) {ro['hit_rate_error']:.3f}")

@@ -118,6 +118,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--balance-affinity", action="store_true",
                    help="cache_aware: when imbalanced, the best prefix match among the targets within the balance "
                         "window of the least loaded one, instead of the least loaded one.")
+    f.add_argument("--router-max-concurrent-requests", type=int, default=-1,
+                   help="The router's --max-concurrent-requests: requests in flight fleet-wide; the rest wait in "
+                        "the router's queue (-1: no limit, no queue).")
+    f.add_argument("--router-queue-size", type=int, default=1_000_000,
+                   help="The router's --queue-size: past this many waiting, a request is refused (429).")
+    f.add_argument("--router-priority", action="store_true",
+                   help="The router's --enable-priority-scheduling: its queue serves the most important first.")
+    f.add_argument("--router-tenant-fairness", action="store_true",
+                   help="The router's --tenant-fairness: its queue serves tenants in VTC order, fleet-wide "
+                        "(weights from --tenant-weights).")
     f.add_argument("--concurrency", type=int, default=None,
                    help="Closed loop: this many clients; each sends its conversation's next turn (or the next "
                         "conversation) as soon as its request finishes, with no think time. Default: open loop "
