@@ -9,7 +9,7 @@
 - ``tokens_ahead``: its own uncached prompt plus the tokens still to prefill of every waiting
   request at or before it in deadline order (and of the request being chunked);
 - ``prefill_tokens_per_s``: starts at ``--deadline-prefill-tokens-per-s``, then an EMA (alpha 0.2)
-  of the measured prefill steps (``SchedulerStats.step_log``, steps of at least 32 tokens); while
+  of the measured prefill steps (``SchedStats.step_log``, steps of at least 32 tokens); while
   requests wait, the slower *backlog* rate (prompt tokens prefilled per second over the last 64
   steps taken with a queue, decode steps included: the engine interleaves them to free KV and
   slots, so that is how fast a queue really drains);

@@ -71,8 +71,8 @@ class Req:
         self.num_preemptions = 0
         # scheduling policies
         self.queue_entry_time: float | None = None  # when queued (scheduler clock); --queue-timeout
-        self.prefix_match_cache: Any = None  # lpm's incremental match state (sched.prefix_match)
-        self.lpm_key = LPM_STALE  # lpm's sort key (sched.prefix_match); LPM_STALE: match again
+        self.prefix_match_cache: Any = None  # lpm's incremental match state (sched.policies.prefix_match)
+        self.lpm_key = LPM_STALE  # lpm's sort key (sched.policies.prefix_match); LPM_STALE: match again
         self.lpm_group: Any = None  # lpm's in-batch check group (its first T tokens), set with lpm_key
         self.lpm_order: Any = None  # lpm's total order key while in its kept queue (sched.lpm_order)
         self.admitted_before = False

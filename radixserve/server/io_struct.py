@@ -164,7 +164,7 @@ class SchedulerStats(msgspec.Struct, tag=True):
     num_preemptions: int = 0  # priority preemptions, starved requests, deadline refusals
     num_starved: int = 0
     num_deadline_rejected: int = 0
-    # cumulative (priority, tenant, preemptions, retractions, starved) per class (sched/class_stats.py)
+    # cumulative (priority, tenant, preemptions, retractions, starved) per class (sched/stats.py)
     by_class: list[tuple[str, str, int, int, int]] = []
     dp_rank: int = 0
 

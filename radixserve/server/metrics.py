@@ -74,7 +74,7 @@ class ServerMetrics:
             "num_starved_reqs", "Requests first scheduled after more than --starvation-threshold s of queueing.")
         self.num_deadline_rejected = counter(
             "num_deadline_rejected_reqs", "Requests refused by --deadline-admission (deadline_unmeetable).")
-        # the same counters by class, from the scheduler's per-class totals (sched/class_stats.py)
+        # the same counters by class, from the scheduler's per-class totals (sched/stats.py)
         self.num_preemptions_by_class = Counter(
             PREFIX + "num_preempted_reqs_by_class", "Running requests preempted, by priority and tenant.",
             cls_names, registry=r)

@@ -4,7 +4,7 @@
 
 Uncached prompt tokens come from a read-only radix match (``RadixCache.peek_prefix``; the whole
 prompt without a radix cache). Short-first starves long requests under a steady stream of short
-ones; pair it with ``--priority-aging-horizon`` / ``--priority-aging-rate`` (``aging.py``).
+ones; pair it with ``--priority-aging-horizon`` / ``--priority-aging-rate`` (``ordering.py``).
 """
 
 from __future__ import annotations
