@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -54,7 +55,11 @@ class _Entry(Generic[T]):
 class AdmissionQueue(Generic[T]):
     """The limits and the order, without the waiting: the router's ``Admission`` waits on it with
     asyncio futures, the simulator's router with its virtual clock. ``T`` is whatever stands for a
-    waiter."""
+    waiter.
+
+    Waiters are kept in one FIFO per (rank, tenant): within one the order is arrival, so the next
+    waiter is the head with the smallest ``(rank, tenant counter, arrival)``, found among the
+    heads (one per class) rather than among every waiter."""
 
     def __init__(self, limit: int, queue_size: int, tenants: TenantCounters | None = None) -> None:
         self.limit = limit  # -1: no limit
@@ -62,50 +67,62 @@ class AdmissionQueue(Generic[T]):
         self.tenants = tenants
         self.in_flight = 0
         self.rejected = 0
-        self._waiters: list[_Entry[T]] = []
+        self._groups: dict[tuple[int, str], deque[_Entry[T]]] = {}
+        self._n = 0
         self._seq = itertools.count()
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return self._n
 
     def admit(self, item: T, rank: int = 0, tenant: str = "", cost: float = 0.0) -> str:
         """``"now"`` (a slot is free and nobody waits: taken, charged), ``"queued"`` (``item``
         waits for ``release``) or ``"rejected"`` (the queue is full: answer 429)."""
-        if self.limit < 0 or (self.in_flight < self.limit and not self._waiters):
+        if self.limit < 0 or (self.in_flight < self.limit and not self._n):
             self.in_flight += 1
             self._charge(tenant, cost)
             return "now"
-        if len(self._waiters) >= self.queue_size:
+        if self._n >= self.queue_size:
             self.rejected += 1
             return "rejected"
-        if self.tenants is not None and self._waiters:
-            self.tenants.lift(tenant, min(self.tenants.get(w.tenant) for w in self._waiters))
-        self._waiters.append(_Entry(item, rank, tenant, cost, next(self._seq)))
+        if self.tenants is not None and self._n:
+            self.tenants.lift(tenant, min(self.tenants.get(t) for _, t in self._groups))
+        self._groups.setdefault((rank, tenant), deque()).append(_Entry(item, rank, tenant, cost, next(self._seq)))
+        self._n += 1
         return "queued"
 
     def cancel(self, item: T) -> bool:
         """Stop waiting (a timeout, a client gone); False if ``item`` was not waiting."""
-        for i, w in enumerate(self._waiters):
-            if w.item is item:
-                del self._waiters[i]
-                return True
+        for key, group in self._groups.items():
+            for w in group:
+                if w.item is item:
+                    group.remove(w)
+                    self._n -= 1
+                    if not group:
+                        del self._groups[key]
+                    return True
         return False
 
     def release(self, alive: Callable[[T], bool] = lambda _: True) -> T | None:
         """A slot is free: hand it to the first waiter in order that is still ``alive`` (charged;
         returned: it now holds the slot), or free it (None)."""
-        while self._waiters:
-            w = min(self._waiters, key=self._order)
-            self._waiters.remove(w)
+        while self._groups:
+            key = min(self._groups, key=self._order)
+            group = self._groups[key]
+            w = group.popleft()
+            self._n -= 1
+            if not group:
+                del self._groups[key]
             if alive(w.item):
                 self._charge(w.tenant, w.cost)
                 return w.item  # the slot moves to the waiter; in_flight is unchanged
         self.in_flight -= 1
         return None
 
-    def _order(self, w: _Entry[T]) -> tuple[int, float, int]:
-        return (w.rank, self.tenants.get(w.tenant) if self.tenants is not None else 0.0, w.seq)
+    def _order(self, key: tuple[int, str]) -> tuple[int, float, int]:
+        rank, tenant = key
+        head = self._groups[key][0]
+        return (rank, self.tenants.get(tenant) if self.tenants is not None else 0.0, head.seq)
 
     def _charge(self, tenant: str, cost: float) -> None:
         if self.tenants is not None:

@@ -56,8 +56,7 @@ class InFlight:
 
     batch: ScheduleBatch  # a snapshot: the running batch is rebuilt for the next step meanwhile
     fb: ForwardBatch
-    future: Future[ForwardOutput]
-    t0: float
+    future: Future[tuple[ForwardOutput, float]]  # the output, and the forward's own seconds
     ids: frozenset[int]  # id() of its requests
 
 
@@ -244,7 +243,6 @@ class SchedulerCore:
 
     def _launch(self, batch: ScheduleBatch, prev: InFlight | None) -> None:
         pending = {id(r): j for j, r in enumerate(prev.batch.reqs)} if prev is not None else None
-        t0 = self.clock()
         try:
             fb = batch.to_forward_batch(pending=pending)
         except Exception as e:
@@ -256,11 +254,12 @@ class SchedulerCore:
         if self._forward_thread is None:
             self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         future = self._forward_thread.submit(self._forward, fb, pending is not None)
-        self.in_flight = InFlight(batch.snapshot(), fb, future, t0, frozenset(map(id, batch.reqs)))
+        self.in_flight = InFlight(batch.snapshot(), fb, future, frozenset(map(id, batch.reqs)))
 
-    def _forward(self, fb: ForwardBatch, resolve: bool) -> ForwardOutput:
+    def _forward(self, fb: ForwardBatch, resolve: bool) -> tuple[ForwardOutput, float]:
         """On the forward thread, one forward after the other: replace the placeholders of pending
-        tokens with the previous forward's samples, run, keep this forward's samples."""
+        tokens with the previous forward's samples, run, keep this forward's samples. Returns the
+        output and the forward's own duration on the scheduler's clock (what the step log keeps)."""
         if resolve:
             ids = fb.input_ids
             mask = ids < 0
@@ -270,17 +269,19 @@ class SchedulerCore:
                     raise RuntimeError("the step this one continues failed")
                 ids[mask] = last[-ids[mask] - 1]
         self._last_tokens = None
+        t0 = self.clock()
         out = self.runner.forward(fb)
+        dt = self.clock() - t0
         self._last_tokens = torch.tensor(out.next_token_ids, dtype=torch.int64)
-        return out
+        return out, dt
 
     def _collect(self, running: InFlight) -> None:
         try:
-            out = running.future.result()
+            out, dt = running.future.result()
         except Exception as e:
             self._abort_batch(running.batch, e)
             return
-        self._count_step(running.batch, running.fb, running.t0)
+        self._count_step(running.batch, running.fb, dt)
         self.process_batch_result(running.batch, out)
 
     def event_loop_overlap(
@@ -354,13 +355,13 @@ class SchedulerCore:
         except Exception as e:  # one bad step must not take the engine down
             self._abort_batch(batch, e)
             return None
-        self._count_step(batch, fb, t0)
+        self._count_step(batch, fb, self.clock() - t0)
         return out
 
-    def _count_step(self, batch: ScheduleBatch, fb: ForwardBatch, t0: float) -> None:
+    def _count_step(self, batch: ScheduleBatch, fb: ForwardBatch, seconds: float) -> None:
         s = self.stats
         s.forward_steps += 1
-        s.step_log.append((batch.forward_mode.name, len(batch.reqs), fb.num_tokens, self.clock() - t0))
+        s.step_log.append((batch.forward_mode.name, len(batch.reqs), fb.num_tokens, seconds))
         if batch.forward_mode.is_extend():
             s.prefill_steps += 1
         else:
