@@ -284,6 +284,27 @@ class SchedulerCore:
         self._count_step(running.batch, running.fb, dt)
         self.process_batch_result(running.batch, out)
 
+    def event_loop(
+        self,
+        recv: Callable[[bool], list[Req | Command]],
+        send: Callable[[list[ReqOutput]], None],
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """The loop the options ask for: overlap unless ``overlap_enabled`` says otherwise."""
+        if self.overlap_enabled():
+            self.event_loop_overlap(recv, send, should_stop)
+        else:
+            self.event_loop_normal(recv, send, should_stop)
+
+    def event_loop_normal(
+        self,
+        recv: Callable[[bool], list[Req | Command]],
+        send: Callable[[list[ReqOutput]], None],
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """recv(block) returns new requests (or ("abort", rid) commands); block when idle."""
+        self._loop(self.step, recv, send, should_stop)
+
     def event_loop_overlap(
         self,
         recv: Callable[[bool], list[Req | Command]],
@@ -293,44 +314,23 @@ class SchedulerCore:
         """``event_loop_normal`` with ``step_overlapped``: while a forward runs, the scheduler
         receives requests, schedules the next step and processes the previous step's results."""
         try:
-            while not should_stop():
-                for item in recv(not self.has_work()):
-                    if isinstance(item, Req):
-                        self.add_request(item)
-                    else:
-                        self.abort_request(item[1])
-                outs = self.step_overlapped()
-                if outs:
-                    send(outs)
+            self._loop(self.step_overlapped, recv, send, should_stop)
         finally:
             outs = self.drain_in_flight()
             if outs:
                 send(outs)
 
-    def event_loop(
-        self,
-        recv: Callable[[bool], list[Req | Command]],
-        send: Callable[[list[ReqOutput]], None],
-        should_stop: Callable[[], bool] = lambda: False,
+    def _loop(
+        self, step: Callable[[], list[ReqOutput]], recv: Callable[[bool], list[Req | Command]],
+        send: Callable[[list[ReqOutput]], None], should_stop: Callable[[], bool],
     ) -> None:
-        """The loop the options ask for: overlap unless ``overlap_enabled`` says otherwise."""
-        loop = self.event_loop_overlap if self.overlap_enabled() else self.event_loop_normal
-        loop(recv, send, should_stop)
-
-    def event_loop_normal(
-        self,
-        recv: Callable[[bool], list[Req | Command]],
-        send: Callable[[list[ReqOutput]], None],
-        should_stop: Callable[[], bool] = lambda: False,
-    ) -> None:
-        """recv(block) returns new requests (or ("abort", rid) commands); block when idle."""
         while not should_stop():
             for item in recv(not self.has_work()):
                 if isinstance(item, Req):
                     self.add_request(item)
                 else:
                     self.abort_request(item[1])
-            outs = self.step()
+            outs = step()
             if outs:
                 send(outs)
 

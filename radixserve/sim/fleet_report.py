@@ -12,7 +12,7 @@ import numpy as np
 from radixserve.config import ServerArgs
 from radixserve.router.policy import PolicyConfig, router_policy_names
 from radixserve.sim.fleet import FleetConfig, FleetRecord, FleetTrace, branch_counts
-from radixserve.sim.report import _f, class_table, table
+from radixserve.sim.report import _f, class_table, fairness_line, table
 from radixserve.sim.simulator import SimTrace, summarize
 
 _STAT_KEYS = ("forward_steps", "prefill_steps", "decode_steps", "prompt_tokens", "cached_tokens", "prefill_tokens",
@@ -155,10 +155,7 @@ def fleet_text(r: dict[str, Any], max_workers: int = 16) -> str:
                      f"{'priority, ' if q['priority'] else ''}{'tenant fairness (VTC), ' if q['tenant_fairness'] else ''}"
                      f"{ro['branches'].get('router_queue_full', 0)} refused with a full queue")
     if r.get("tenant_fairness"):
-        tf = r["tenant_fairness"]
-        shares = ", ".join(f"{t} {v:.3f}" for t, v in tf["share"].items())
-        lines.append(f"tenant fairness up to the last arrival ({tf['window_end_s']:.1f} s): Jain {_f(tf['jain'], 4)}; "
-                     f"weighted service shares {shares}")
+        lines.append(fairness_line(r["tenant_fairness"]))
     if "goodput" in r:
         g = r["goodput"]
         lines.append(f"goodput {g['req_s']:.2f} req/s met their deadlines ({g['met']} requests, {g['fraction']:.3f} "

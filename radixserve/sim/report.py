@@ -60,6 +60,12 @@ def compare_table(results: Sequence[dict[str, Any]]) -> str:
     return table([[f(r) for _, f in cols] for r in results], [h for h, _ in cols])
 
 
+def fairness_line(tf: dict[str, Any]) -> str:
+    shares = ", ".join(f"{t} {v:.3f}" for t, v in tf["share"].items())
+    return (f"tenant fairness up to the last arrival ({tf['window_end_s']:.1f} s): Jain {_f(tf['jain'], 4)}; "
+            f"weighted service shares {shares}")
+
+
 def class_table(result: dict[str, Any]) -> str:
     rows = []
     for name, c in result.get("per_class", {}).items():
@@ -105,11 +111,8 @@ def summary_text(r: dict[str, Any]) -> str:
         what = "their deadlines" if "tpot_slo_attainment" in r else "their TTFT deadline"
         lines.append(f"goodput {g['req_s']:.2f} req/s met {what} ({g['met']} requests, "
                      f"{g['fraction']:.3f} of all with a deadline, refused ones included)")
-    if "tenant_fairness" in r:
-        tf = r["tenant_fairness"]
-        shares = ", ".join(f"{t} {s:.3f}" for t, s in tf["share"].items())
-        lines.append(f"tenant fairness up to the last arrival ({tf['window_end_s']:.1f} s): Jain {_f(tf['jain'], 4)}; "
-                     f"weighted service shares {shares}")
+    if r.get("tenant_fairness"):
+        lines.append(fairness_line(r["tenant_fairness"]))
     if "deadline_admission" in r:
         da = r["deadline_admission"]
         e = da["estimate_tok_s"]
