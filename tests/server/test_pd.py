@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -169,6 +170,67 @@ def test_through_the_router(pd: PD) -> None:
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+LONG = {"input_ids": [100 + i % 1000 for i in range(1500)], "sampling_params": {"max_new_tokens": 4}}
+
+
+def _poll(pred: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_decode_worker_killed_mid_transfer(pd: PD) -> None:
+    """The decode worker dies while the prefill worker prefills for it: the prefill worker's room
+    is never registered or never acknowledged, expires, drops its KV copy, and it keeps serving."""
+    dead = ServerProcess("--dtype", "float32", "--disaggregation-mode", "decode",
+                         "--disaggregation-timeout-secs", str(TIMEOUT_S))
+    try:
+        dead.wait_ready()
+        before = disagg(pd.prefill)["rooms_expired"]
+        b = {**LONG, "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bport, "bootstrap_room": random.getrandbits(63)}
+        fp = pd.pool.submit(httpx.post, pd.prefill.url + "/generate", json=b, timeout=60)
+        fd = pd.pool.submit(httpx.post, dead.url + "/generate", json=b, timeout=60)
+        time.sleep(0.3)  # both have the request; the prefill of 1,500 tokens is under way
+        dead.kill()
+        assert fp.result().status_code == 200
+        assert fd.exception() is not None or fd.result().status_code >= 500
+        assert _poll(lambda: disagg(pd.prefill)["rooms_expired"] > before, TIMEOUT_S + 10)
+    finally:
+        dead.kill()
+    assert_memory_ok(wait_idle(pd.prefill.client(), timeout=TIMEOUT_S + 10))
+    r = pd.post("/generate", native(PROMPTS[0]))  # the prefill worker still serves
+    assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] != "abort", r.text
+
+
+def test_prefill_worker_killed_mid_transfer(pd: PD) -> None:
+    """The prefill worker dies before its KV arrives: the decode worker's reservation expires with a
+    clear error, its pool is back to idle, and it keeps serving."""
+    bport = free_port()
+    dead = ServerProcess("--dtype", "float32", "--disaggregation-mode", "prefill",
+                         "--disaggregation-bootstrap-port", str(bport), "--disaggregation-timeout-secs", str(TIMEOUT_S))
+    try:
+        dead.wait_ready()
+        before = disagg(pd.decode)["rooms_timed_out"]
+        b = {**LONG, "bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": random.getrandbits(63)}
+        fd = pd.pool.submit(httpx.post, pd.decode.url + "/generate", json=b, timeout=60)
+        fp = pd.pool.submit(httpx.post, dead.url + "/generate", json=b, timeout=60)
+        time.sleep(0.3)
+        dead.kill()
+        assert fp.exception() is not None or fp.result().status_code >= 500
+        r = fd.result()
+        assert "no KV from the prefill worker" in r.text, r.text
+        assert r.status_code == 504 or r.json()["meta_info"]["finish_reason"]["type"] == "abort", r.text
+        assert disagg(pd.decode)["rooms_timed_out"] == before + 1
+    finally:
+        dead.kill()
+    assert_memory_ok(wait_idle(pd.decode.client(), timeout=TIMEOUT_S + 10))
+    r = pd.post("/generate", native(PROMPTS[1]))  # the decode worker still serves
+    assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] != "abort", r.text
 
 
 def test_both_workers_idle_with_the_invariant(pd: PD) -> None:
