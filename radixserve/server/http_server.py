@@ -297,7 +297,7 @@ async def _native_generate(tm: TokenizerManager, request: Request, body: Generat
     if body.stream and not single:
         raise APIError("streaming takes a single prompt", param="stream")
     reqs = []
-    fields = sched_fields(request, body, openai=False, dp_size=tm.dp_size)
+    fields = sched_fields(request, body, openai=False, dp_size=tm.dp_size, pd_mode=tm.args.disaggregation_mode)
     for ids, sp, rid in zip(prompts, sps, rids, strict=True):
         check_prompt(tm, ids, param)
         sp = dict(sp)

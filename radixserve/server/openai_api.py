@@ -86,7 +86,8 @@ class OpenAIServing:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         reqs = self._make_reqs([ids], body, max_tokens, body.logprobs, top, "messages",
-                               sched_fields(request, body, openai=True, dp_size=self.tm.dp_size))
+                               sched_fields(request, body, openai=True, dp_size=self.tm.dp_size,
+                                            pd_mode=self.tm.args.disaggregation_mode))
         call = Call(self.tm, request)
         await call.open(reqs)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -186,7 +187,8 @@ class OpenAIServing:
             raise APIError("the prompt is empty", param="prompt")
         nlp = body.logprobs
         reqs = self._make_reqs(prompts, body, body.max_tokens, nlp is not None, nlp or 0, "prompt",
-                               sched_fields(request, body, openai=True, dp_size=self.tm.dp_size))
+                               sched_fields(request, body, openai=True, dp_size=self.tm.dp_size,
+                                            pd_mode=self.tm.args.disaggregation_mode))
         echo = [(t if t is not None else self.tokenizer.decode(ids)) if body.echo else ""
                 for t, ids in zip(texts, prompts, strict=True)]
         call = Call(self.tm, request)

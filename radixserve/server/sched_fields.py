@@ -36,12 +36,13 @@ def _ms(value: Any, param: str) -> float | None:
 SchedFields = tuple[str | None, float | None, int | None, float | None]
 
 
-def sched_fields(request: Request, body: Any, openai: bool, dp_size: int = 1) -> SchedFields:
+def sched_fields(request: Request, body: Any, openai: bool, dp_size: int = 1, pd_mode: str = "null") -> SchedFields:
     """(tenant, deadline_ms, data_parallel_rank, tpot_slo_ms) of one HTTP request: ``GenerateReq``'s
-    fields in its order."""
+    fields in its order. ``pd_mode``: the server's ``--disaggregation-mode``."""
     extra = getattr(body, "model_extra", None) or {}
-    # a decode worker under prefill/decode disaggregation: data_parallel_rank names the prefill rank
-    rank = extra.get("data_parallel_rank_decode", extra.get("data_parallel_rank"))
+    # under prefill/decode disaggregation the router sends one body to both workers:
+    # data_parallel_rank names the prefill worker's rank, data_parallel_rank_decode the decode worker's
+    rank = extra.get("data_parallel_rank_decode") if pd_mode == "decode" else extra.get("data_parallel_rank")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < dp_size):
         raise APIError(f"data_parallel_rank must be an integer in [0, {dp_size}) (this server's dp_size is "
                        f"{dp_size}), got {rank!r}", param="data_parallel_rank")
