@@ -37,7 +37,7 @@ class QueueAwareStrategy:
     """Leaves no waiting request is about to reuse first (LRU among them), then the wanted ones (LRU).
 
     ``wanted`` holds the ids of the nodes on the cached paths of the waiting requests; the scheduler
-    refreshes it before each prefill round (``RadixCache.mark_wanted``).
+    refreshes it before each prefill round (``radix_walks.mark_wanted``).
 
     Assigning ``wanted`` bumps ``epoch`` when a node leaves the set (its priority drops); a node
     joining it only raises its priority. Mutate the set in place only by adding to it."""

@@ -27,17 +27,16 @@ what it evicted as ``cache_events`` records (a new path on ``insert``, each evic
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache, CacheableReq, MatchResult, RadixKey
 from radixserve.mem.cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
-from radixserve.mem.evict_policy import EvictionStrategy, QueueAwareStrategy, get_eviction_strategy
+from radixserve.mem.evict_policy import EvictionStrategy, get_eviction_strategy
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.leaf_heap import LeafHeap
 
-T = TypeVar("T")
 END = object()  # watch key of a match that covered its whole key: only an eviction can change it
 
 
@@ -434,74 +433,6 @@ class RadixCache(BasePrefixCache):
             self.dec_lock_ref(req.last_node)
         req.last_node = match.last_node
         req.cache_protected_len = aligned
-
-    # --- queries for the scheduler -------------------------------------------------------------
-    def exclusive_locked_tokens(self, node: TreeNode | None) -> int:
-        """Cached tokens on ``node``'s path that only one request pins (``lock_ref`` 1, from
-        ``node`` up): what becomes evictable once that request lets go."""
-        n = 0
-        root = self._root
-        while node is not None and node is not root and node.lock_ref == 1:
-            n += len(node.key)
-            node = node.parent
-        return n
-
-    @staticmethod
-    def live_ancestor(node: TreeNode, pos: int) -> tuple[TreeNode, int]:
-        """A match that ended at ``node`` after ``pos`` tokens, moved back to the nearest node still
-        in the tree (evicted nodes have ``gen`` -1), with the tokens up to it."""
-        while node.gen < 0:
-            pos -= len(node.key)
-            assert node.parent is not None
-            node = node.parent
-        return node, pos
-
-    def weighted_dfs(self, at: dict[TreeNode, list[T]]) -> list[T]:
-        """The items ``at`` hangs on nodes, depth first from the root, heavier subtrees first (a
-        subtree weighs the items hung in it; ties keep the tree's child order), a node's own items
-        after its subtree's: ``dfs-weight``'s order."""
-        root = self._root
-        weight: dict[TreeNode, int] = {}
-        for start, items in at.items():  # each node's count goes to it and every ancestor
-            node: TreeNode | None = start
-            while node is not None:
-                weight[node] = weight.get(node, 0) + len(items)
-                if node is root:
-                    break
-                node = node.parent
-        out: list[T] = []
-        stack: list[tuple[TreeNode, bool]] = [(root, False)]
-        while stack:
-            node_, expanded = stack.pop()
-            if expanded:
-                out.extend(at.get(node_, ()))
-                continue
-            stack.append((node_, True))
-            kids = [c for c in node_.children.values() if c in weight]  # weight-0 subtrees hold no item
-            kids.sort(key=lambda c: -weight[c])  # stable: equal weights keep the tree's order
-            stack.extend((c, False) for c in reversed(kids))
-        return out
-
-    def mark_wanted(self, prefixes: Iterable[tuple[list[int], str | None]]) -> None:
-        """Under the queue-aware eviction strategy: the nodes on the cached paths of ``prefixes``
-        (the waiting requests' tokens and extra keys) are evicted after every other leaf. When a
-        match ends inside a child, that child is wanted too. A no-op under other strategies."""
-        strategy = self._strategy
-        if not isinstance(strategy, QueueAwareStrategy):
-            return
-        wanted: set[int] = set()
-        root = self._root
-        for ids, extra_key in prefixes:
-            node, pos, length = self.peek_prefix(ids, extra_key)
-            if length > pos:
-                child = node.children.get(self.child_key(node, ids[pos:], extra_key))
-                if child is not None:
-                    wanted.add(child.id)
-            n: TreeNode | None = node
-            while n is not None and n is not root and n.id not in wanted:
-                wanted.add(n.id)
-                n = n.parent
-        strategy.wanted = wanted
 
     # --- checks & views ------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -14,6 +14,7 @@ from radixserve.mem.allocator import OutOfKVSlots, TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
+from radixserve.mem.radix_walks import exclusive_locked_tokens, mark_wanted
 from radixserve.sched.req import Req
 
 
@@ -69,13 +70,13 @@ class KVManager:
     def exclusive_cached_tokens(self, req: Req) -> int:
         """Cached tokens only ``req`` pins: evictable once it lets go."""
         tree = self.tree_cache
-        return tree.exclusive_locked_tokens(req.last_node) if isinstance(tree, RadixCache) else 0
+        return exclusive_locked_tokens(tree, req.last_node) if isinstance(tree, RadixCache) else 0
 
     def mark_wanted(self, waiting: list[Req]) -> None:
         """Queue-aware eviction: keep the waiting requests' cached prefixes longest."""
         tree = self.tree_cache
         if isinstance(tree, RadixCache):
-            tree.mark_wanted((r.fill_ids[: len(r.fill_ids) - 1], r.extra_key) for r in waiting)
+            mark_wanted(tree, ((r.fill_ids[: len(r.fill_ids) - 1], r.extra_key) for r in waiting))
 
     def flush(self) -> None:
         """Drop every cached prefix (only when no request holds KV)."""

@@ -31,6 +31,7 @@ from operator import attrgetter
 from typing import Any
 
 from radixserve.mem.radix_cache import END, RadixCache, TreeNode
+from radixserve.mem.radix_walks import live_ancestor, weighted_dfs
 from radixserve.sched.req import LPM_STALE, Req
 
 _SHIFT = 64  # sort key = -length * 2**64 + arrival in microseconds (clamped to [0, 2**64))
@@ -105,7 +106,7 @@ class PrefixLengthCache:
         pos = 0
         c = req.prefix_match_cache
         if c is not None and c.root is tree.root:
-            node, pos = tree.live_ancestor(c.node, c.pos)  # (evicted since: back to a live node)
+            node, pos = live_ancestor(c.node, c.pos)  # (evicted since: back to a live node)
         ids = req.origin_input_ids if not req.output_ids else req.fill_ids
         limit = len(ids) - 1
         node, pos, length = tree.peek_prefix(ids, req.extra_key, node, pos, limit=limit)
@@ -195,4 +196,4 @@ def dfs_weight_order(reqs: Sequence[Req], tree: RadixCache) -> list[Req]:
     for req in reqs:
         req.init_next_round_input(tree)  # match_prefix: may split, so last_node ends the match exactly
         at.setdefault(req.last_node, []).append(req)
-    return tree.weighted_dfs(at)
+    return weighted_dfs(tree, at)
