@@ -107,16 +107,22 @@ class DecodeStepModel:
 
     def __init__(self) -> None:
         self._steps: deque[tuple[int, float]] = deque(maxlen=BACKLOG_WINDOW)
+        self._fit: tuple[float, float] | None = None  # the last fit, until the next decode step
 
     def observe(self, batch_size: int, step_s: float) -> None:
         if batch_size > 0 and step_s > 0:
             self._steps.append((batch_size, step_s))
+            self._fit = None
 
     def coefficients(self) -> tuple[float, float] | None:
-        """``(a, c)``, or None before any decode step."""
+        """``(a, c)``, or None before any decode step. Fitted once per decode step, however many
+        admissions read it in between."""
+        if self._fit is None and self._steps:
+            self._fit = self._least_squares()
+        return self._fit
+
+    def _least_squares(self) -> tuple[float, float]:
         pts = self._steps
-        if not pts:
-            return None
         n = len(pts)
         mx = sum(b for b, _ in pts) / n
         my = sum(t for _, t in pts) / n

@@ -1,6 +1,6 @@
 """``UnifiedScheduler`` (``--scheduler unified``): vLLM V1's ``schedule()`` over radixserve's KV.
 
-There is no prefill phase and no decode phase (seed 002, section 3). Every request is two counters,
+There is no prefill phase and no decode phase. Every request is two counters,
 ``num_computed_tokens`` and ``num_tokens``; each step hands requests ``num_new_tokens`` so the
 first catches up with the second, under one token budget:
 

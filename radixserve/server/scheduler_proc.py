@@ -1,6 +1,7 @@
-"""The scheduler process: owns the model and the KV memory, runs the scheduler's event loop (overlap by default).
+"""The scheduler process: owns the model and the KV memory, runs the scheduler's event loop
+(the overlap loop by default).
 
-Each loop iteration (seed 001's ``recv_requests``): drain every message that arrived without
+Each loop iteration (SGLang's ``recv_requests``): drain every message that arrived without
 blocking, or, with nothing to do, wait up to ``IDLE_POLL_S`` for one; then run one step and send
 its ``ReqOutput`` records on to the detokenizer as one ``BatchTokenOut``. Control messages
 (flush_cache, get_load, memory) are answered between steps, when the scheduler state is whole.

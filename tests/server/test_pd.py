@@ -184,6 +184,18 @@ def _poll(pred: Any, timeout: float) -> bool:
     return False
 
 
+def _kill_mid_request(pd: PD, survivor: ServerProcess, dead: ServerProcess, bport: int) -> httpx.Response:
+    """Send LONG to both workers as the router would, kill ``dead`` while the 1,500-token prefill is
+    under way, check its answer failed, and return the survivor's."""
+    b = {**LONG, "bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": random.getrandbits(63)}
+    fs = pd.pool.submit(httpx.post, survivor.url + "/generate", json=b, timeout=60)
+    fd = pd.pool.submit(httpx.post, dead.url + "/generate", json=b, timeout=60)
+    time.sleep(0.3)  # both have the request
+    dead.kill()
+    assert fd.exception() is not None or fd.result().status_code >= 500
+    return fs.result()
+
+
 def test_decode_worker_killed_mid_transfer(pd: PD) -> None:
     """The decode worker dies while the prefill worker prefills for it: the prefill worker's room
     is never registered or never acknowledged, expires, drops its KV copy, and it keeps serving."""
@@ -192,13 +204,7 @@ def test_decode_worker_killed_mid_transfer(pd: PD) -> None:
     try:
         dead.wait_ready()
         before = disagg(pd.prefill)["rooms_expired"]
-        b = {**LONG, "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bport, "bootstrap_room": random.getrandbits(63)}
-        fp = pd.pool.submit(httpx.post, pd.prefill.url + "/generate", json=b, timeout=60)
-        fd = pd.pool.submit(httpx.post, dead.url + "/generate", json=b, timeout=60)
-        time.sleep(0.3)  # both have the request; the prefill of 1,500 tokens is under way
-        dead.kill()
-        assert fp.result().status_code == 200
-        assert fd.exception() is not None or fd.result().status_code >= 500
+        assert _kill_mid_request(pd, pd.prefill, dead, pd.bport).status_code == 200
         assert _poll(lambda: disagg(pd.prefill)["rooms_expired"] > before, TIMEOUT_S + 10)
     finally:
         dead.kill()
@@ -216,13 +222,7 @@ def test_prefill_worker_killed_mid_transfer(pd: PD) -> None:
     try:
         dead.wait_ready()
         before = disagg(pd.decode)["rooms_timed_out"]
-        b = {**LONG, "bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": random.getrandbits(63)}
-        fd = pd.pool.submit(httpx.post, pd.decode.url + "/generate", json=b, timeout=60)
-        fp = pd.pool.submit(httpx.post, dead.url + "/generate", json=b, timeout=60)
-        time.sleep(0.3)
-        dead.kill()
-        assert fp.exception() is not None or fp.result().status_code >= 500
-        r = fd.result()
+        r = _kill_mid_request(pd, pd.decode, dead, bport)
         assert "no KV from the prefill worker" in r.text, r.text
         assert r.status_code == 504 or r.json()["meta_info"]["finish_reason"]["type"] == "abort", r.text
         assert disagg(pd.decode)["rooms_timed_out"] == before + 1

@@ -19,7 +19,7 @@ have changed, instead of a Python loop over all of them. The request being admit
 for real (``Req.init_next_round_input``) as before.
 
 ``in_batch_deprioritized``: SGLang's in-batch prefix caching check. ``dfs_weight_order``: SGLang's
-``_sort_by_dfs_weight`` (seed 000, section 4.2.2.1).
+``_sort_by_dfs_weight`` (the tree walk is ``radix_walks.weighted_dfs``).
 """
 
 from __future__ import annotations
