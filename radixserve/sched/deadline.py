@@ -158,6 +158,7 @@ class DeadlineAdmission:
         self.throughput = PrefillThroughput(settings.args.deadline_prefill_tokens_per_s)
         self.decode_model = DecodeStepModel()
         self.tpot_tight: float | None = None  # the running requests' tightest TPOT deadline (s), set each round
+        self.tpot_in_use = False  # a request with a TPOT deadline was seen: until then the rules cost nothing
         self.prefill_debt_s = 0.0
 
     def observe(self, batch: ScheduleBatch) -> None:
@@ -201,9 +202,11 @@ class DeadlineAdmission:
     def check(self, req: Req) -> FINISH_ABORT | None:
         """At arrival: refuse ``req`` when its TPOT deadline cannot be met even alone, or its
         predicted time to first token misses its TTFT deadline."""
+        tpot = tpot_of(req)
+        if tpot is not None:
+            self.tpot_in_use = True
         if not self.settings.args.deadline_admission:
             return None
-        tpot = tpot_of(req)
         if tpot is not None and self.decode_model.max_batch(tpot * self.settings.args.tpot_headroom) == 0:
             self.stats.num_deadline_rejected += 1
             a, _ = self.decode_model.coefficients() or (0.0, 0.0)

@@ -87,8 +87,10 @@ class Scheduler(SchedulerCore):
         running_bs = len(q.running.reqs) + held
         if running_bs >= q.max_running_requests and q.chunked is None and not prio_on:
             return None
-        tight = self.deadlines.tightest(q.running.reqs)  # TPOT deadlines pace prefills, cap the batch
-        if not self.deadlines.may_prefill(tight) and q.running.reqs:
+        deadlines = self.deadlines
+        tpot = deadlines.tpot_in_use  # TPOT deadlines pace prefills and cap the batch (deadline.py)
+        tight = deadlines.tightest(q.running.reqs) if tpot else None
+        if tpot and not deadlines.may_prefill(tight) and q.running.reqs:
             return None
 
         running = q.running.reqs
@@ -107,15 +109,15 @@ class Scheduler(SchedulerCore):
             q.waiting = self.ordering.order(q.waiting, self.clock())
         max_new_reqs = a.prefill_max_requests
         victims: list[Req] = []  # running requests preempted by more important ones
-        deadlines = self.deadlines
         for req in q.waiting:
             if max_new_reqs is not None and len(adder.can_run_list) >= max_new_reqs:
                 break
-            tight_with = deadlines.tightest([req], tight)
-            cap = deadlines.batch_cap(tight_with)
-            if cap is not None and running_bs + len(adder.can_run_list) + 1 > max(cap, 1):
-                break
-            tight = tight_with  # (kept if it is admitted; a request not admitted ends the round)
+            if tpot:
+                tight_with = deadlines.tightest([req], tight)
+                cap = deadlines.batch_cap(tight_with)
+                if cap is not None and running_bs + len(adder.can_run_list) + 1 > max(cap, 1):
+                    break
+                tight = tight_with  # (kept if it is admitted; a request not admitted ends the round)
             state = adder.budget_state()
             if state is AddReqResult.OTHER or (state is AddReqResult.NO_TOKEN and not prio_on):
                 break
