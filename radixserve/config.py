@@ -159,6 +159,9 @@ class ServerArgs:
         None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.", group="server"
     )
     enable_metrics: bool = option(False, "Serve Prometheus metrics at /metrics.", group="server")
+    max_request_body_bytes: int = option(
+        16 * 1024 * 1024, "Largest HTTP request body accepted; a larger one is answered 413 (default 16 MiB).",
+        group="server")
     decode_log_interval: int = option(40, "Log one line of batch statistics every N decode steps.", group="server")
     log_level: str = option("info", "Log level of every process.", ("debug", "info", "warning", "error"), group="server")
     stream_interval: int = option(1, "Send streamed output every N tokens (1: every token).", group="server")
@@ -221,7 +224,8 @@ class ServerArgs:
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
                      "prefill_max_requests", "num_threads"):
             positive(name)
-        for name in ("page_size", "max_prefill_tokens", "new_token_ratio_decay_steps", "clip_max_new_tokens"):
+        for name in ("page_size", "max_prefill_tokens", "new_token_ratio_decay_steps", "clip_max_new_tokens",
+                     "max_request_body_bytes"):
             positive(name, allow_none=False)
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size <= 0:
             errors.append("chunked_prefill_size must be positive or -1 (disabled)")

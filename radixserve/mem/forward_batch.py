@@ -19,10 +19,11 @@ Layout of one batch with two requests, A (prefix 3, extend 2) and B (decode, pre
 
 from __future__ import annotations
 
+import weakref
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -33,6 +34,30 @@ def int64_tensor(values: Iterable[int]) -> torch.Tensor:
     buffer without a copy (the tensor keeps the array alive). Built every step for every request."""
     a = array("q", values)
     return torch.frombuffer(a, dtype=torch.int64) if a else torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class RowPenalties:
+    """One request's penalties for one step (``SamplingParams.penalty_row`` builds it, the sampler
+    applies it). Its history: ``output_ids[:n_out]``, plus ``input_ids[pending_pos]`` of the forward
+    when ``pending_pos >= 0`` (the overlap loop's token sampled by the forward before, not yet in
+    ``output_ids`` when the batch was built)."""
+
+    frequency: float = 0.0
+    presence: float = 0.0
+    repetition: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_new_tokens: int = 0
+    finish_ids: tuple[int, ...] = ()  # masked while fewer than min_new_tokens are generated
+    output_ids: Sequence[int] = ()
+    n_out: int = 0
+    pending_pos: int = -1
+
+
+# rid -> the live request (a sched Req) whose sampling params ask for penalties; Req.__init__ keeps it.
+# NOTE: the schedule batch does not hand the runner its requests; ForwardBatch finds the few that need
+# penalties here by rid, so requests without any cost one dict lookup each only while some request has them.
+PENALIZED: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 @dataclass
@@ -47,6 +72,9 @@ class SamplingBatchInfo:
     steps: list[int]  # tokens generated so far; with a seed, makes sampling batch-independent
     return_logprob: list[bool] = field(default_factory=list)
     top_logprobs_nums: list[int] = field(default_factory=list)
+    # per request, its penalties or None; None: no request in the batch has any (the sampler's fast path)
+    penalties: list[RowPenalties | None] | None = None
+    input_ids: torch.Tensor | None = None  # with penalties: the forward's input ids (pending tokens)
 
     @property
     def is_all_greedy(self) -> bool:
@@ -69,6 +97,28 @@ class ForwardBatch:
     sampling: SamplingBatchInfo
     capture_logits: bool = False  # return each request's last-position logits (tests, parity)
     rids: list[str] = field(default_factory=list)  # [B] request ids, for runners that model requests (the simulator)
+
+    def __post_init__(self) -> None:
+        if PENALIZED and self.rids and self.sampling.penalties is None:
+            self._attach_penalties()
+
+    def _attach_penalties(self) -> None:
+        rows: list[RowPenalties | None] = []
+        steps = self.sampling.steps
+        pool_rows = self.req_pool_indices.tolist()
+        end = -1
+        for i, (rid, n) in enumerate(zip(self.rids, self.extend_seq_lens, strict=True)):
+            end += n
+            req = PENALIZED.get(rid)
+            if req is None or req.req_pool_idx != pool_rows[i]:
+                rows.append(None)
+                continue
+            out = req.output_ids
+            pending = end if i < len(steps) and steps[i] > len(out) else -1
+            rows.append(req.sampling_params.penalty_row(out, pending, req.eos_token_ids))
+        if any(r is not None for r in rows):
+            self.sampling.penalties = rows
+            self.sampling.input_ids = self.input_ids
 
     @property
     def batch_size(self) -> int:

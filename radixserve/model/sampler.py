@@ -10,7 +10,18 @@
 - a request with a seed draws from ``torch.Generator().manual_seed(mix(seed, step))`` and is
   processed on its own row, so its tokens do not depend on what else is in the batch;
 - logprobs (chosen token and top-n) come from the unmodified ``log_softmax(logits)``, as OpenAI's
-  API reports them.
+  API reports them;
+- penalties (``apply_penalties``), first, on a copy of the logits, only for the rows that have any
+  (``info.penalties is None``: no request in the batch has one, nothing is done at all):
+  1. ``repetition_penalty`` r (SGLang's, which is HF's formula over the *generated* tokens only, as
+     SGLang applies it today; HF and vLLM also count the prompt): a logit of a token already
+     generated is divided by r when positive, multiplied by r when negative;
+  2. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): ``logit -= f * count + p * (count > 0)``
+     with ``count`` the token's occurrences in the generated tokens;
+  3. ``logit_bias`` (OpenAI's): the bias is added to the token's logit;
+  4. ``min_new_tokens``: while fewer tokens than that are generated, EOS and the stop token ids are
+     masked (-inf), so the request cannot finish by a token (a stop *string* still ends it).
+  Counts are rebuilt each step from the token history (a scatter over the penalized rows' tokens).
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.mem.forward_batch import SamplingBatchInfo
+from radixserve.mem.forward_batch import RowPenalties, SamplingBatchInfo
 
 _GREEDY_EPS = 1e-6
 _CANDIDATES = 256  # top-k / top-p work on the best this-many tokens when the filters fit in them
@@ -58,10 +69,11 @@ class Sampler:
         B = logits.shape[0]
         if len(info.temperatures) != B:
             raise ValueError(f"sampling info is for {len(info.temperatures)} requests, logits for {B}")
+        scores = logits if info.penalties is None else apply_penalties(logits, info)
         if info.is_all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = scores.argmax(dim=-1)
         else:
-            tokens = self._sample_mixed(logits, info)
+            tokens = self._sample_mixed(scores, info)
         out = SampleOutput(next_token_ids=tokens.tolist())
         want_lp = bool(info.return_logprob) and any(info.return_logprob)
         top_ns = info.top_logprobs_nums or [0] * B
@@ -114,6 +126,91 @@ class Sampler:
             )
             tokens[i] = drawn[0]
         return tokens
+
+
+def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """``logits`` [B, V] with each row's penalties applied (``info.penalties``): a new tensor when any
+    row has some, ``logits`` itself (untouched) otherwise."""
+    pens = info.penalties or []
+    rows = [i for i, r in enumerate(pens) if r is not None]
+    prow = [r for r in pens if r is not None]
+    if not rows:
+        return logits
+    dev = logits.device
+    V = logits.shape[1]
+    idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+    sub = logits.index_select(0, idx)  # a copy: the caller's logits stay as the model made them
+    P = len(rows)
+    counted = [j for j, r in enumerate(prow) if r.frequency or r.presence or r.repetition != 1.0]
+    if counted:
+        counts = _token_counts(prow, counted, P, V, info.input_ids, dev)
+        seen = counts > 0
+        rep = torch.tensor([r.repetition for r in prow], dtype=torch.float32, device=dev).view(P, 1)
+        if any(prow[j].repetition != 1.0 for j in counted):
+            scale = torch.where(seen, rep, torch.ones_like(sub))
+            sub = torch.where(sub > 0, sub / scale, sub * scale)
+        freq = torch.tensor([r.frequency for r in prow], dtype=torch.float32, device=dev).view(P, 1)
+        pres = torch.tensor([r.presence for r in prow], dtype=torch.float32, device=dev).view(P, 1)
+        if any(prow[j].frequency or prow[j].presence for j in counted):
+            sub = sub - freq * counts - pres * seen.float()
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_vals: list[float] = []
+    mask_rows: list[int] = []
+    mask_ids: list[int] = []
+    for j, r in enumerate(prow):
+        if r.logit_bias:
+            for t, b in r.logit_bias.items():
+                if 0 <= t < V:
+                    bias_rows.append(j)
+                    bias_ids.append(t)
+                    bias_vals.append(b)
+        step = info.steps[rows[j]] if rows[j] < len(info.steps) else r.n_out
+        if r.min_new_tokens > step:
+            ids = [t for t in r.finish_ids if 0 <= t < V]
+            mask_rows.extend([j] * len(ids))
+            mask_ids.extend(ids)
+    if bias_rows:
+        sub = sub.index_put((torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev)),
+                            torch.tensor(bias_vals, dtype=sub.dtype, device=dev), accumulate=True)
+    if mask_rows:
+        sub = sub.index_put((torch.tensor(mask_rows, device=dev), torch.tensor(mask_ids, device=dev)),
+                            torch.tensor(float("-inf"), dtype=sub.dtype, device=dev))
+    if P == logits.shape[0]:
+        return sub
+    return logits.index_copy(0, idx, sub)
+
+
+def _token_counts(
+    prow: list[RowPenalties], counted: list[int], P: int, V: int, input_ids: torch.Tensor | None, dev: torch.device
+) -> torch.Tensor:
+    """[P, V] float32: how often each token occurs in each row's generated tokens (zeros for rows
+    outside ``counted``)."""
+    hist_rows: list[int] = []
+    hist_ids: list[int] = []
+    pend_rows: list[int] = []
+    pend_pos: list[int] = []
+    for j in counted:
+        r = prow[j]
+        ids = r.output_ids[: r.n_out]
+        hist_rows.extend([j] * len(ids))
+        hist_ids.extend(ids)
+        if r.pending_pos >= 0:
+            pend_rows.append(j)
+            pend_pos.append(r.pending_pos)
+    row_t = torch.tensor(hist_rows, dtype=torch.int64, device=dev)
+    tok_t = torch.tensor(hist_ids, dtype=torch.int64, device=dev)
+    if pend_rows:
+        if input_ids is None:
+            raise ValueError("a pending token's penalty needs the forward's input ids")
+        pos = torch.tensor(pend_pos, dtype=torch.int64, device=input_ids.device)
+        row_t = torch.cat([row_t, torch.tensor(pend_rows, dtype=torch.int64, device=dev)])
+        tok_t = torch.cat([tok_t, input_ids.index_select(0, pos).to(dev)])
+    counts = torch.zeros(P, V, dtype=torch.float32, device=dev)
+    ok = (tok_t >= 0) & (tok_t < V)
+    counts.index_put_((row_t[ok], tok_t[ok]), torch.ones(int(ok.sum()), dtype=torch.float32, device=dev),
+                      accumulate=True)
+    return counts
 
 
 def _filtered_draw(

@@ -1,9 +1,20 @@
-"""Per-request sampling parameters and their validation (bad values become 400s, not crashes)."""
+"""Per-request sampling parameters and their validation (bad values become 400s, not crashes).
+
+Penalties (docs/api.md): ``frequency_penalty`` / ``presence_penalty`` (OpenAI, in [-2, 2]),
+``repetition_penalty`` (SGLang / HF, in (0, 2]), ``logit_bias`` (OpenAI: token id -> bias in
+[-100, 100]) and ``min_new_tokens`` (EOS and stop token ids masked until that many are generated).
+A request with any of them set registers for them (``has_penalties``) and hands the sampler a
+``RowPenalties`` each step (``penalty_row``); every other request costs the sampler nothing.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from radixserve.mem.forward_batch import RowPenalties
 
 
 class InvalidRequest(ValueError):
@@ -29,6 +40,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs_num: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # from JSON: token-id string keys, made ints by verify()
+    min_new_tokens: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -51,31 +67,102 @@ class SamplingParams:
         def bad(msg: str, param: str) -> InvalidRequest:
             return InvalidRequest(msg, param=param)
 
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
             raise bad(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}", "max_new_tokens")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise bad(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}", "top_k")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
+        for name in ("ignore_eos", "skip_special_tokens", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a boolean, got {getattr(self, name)!r}", name)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise bad("stop must be a string or a list of strings", "stop")
         if any(s == "" for s in self.stop):
             raise bad("stop strings must not be empty", "stop")
         if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be < vocab size {vocab_size}", "stop_token_ids")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed must be an integer", "seed")
-        if not isinstance(self.top_logprobs_num, int) or not 0 <= self.top_logprobs_num <= 20:
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed must be a 64-bit integer", "seed")
+        if not _is_int(self.top_logprobs_num) or not 0 <= self.top_logprobs_num <= 20:
             raise bad("top_logprobs must be between 0 and 20", "top_logprobs")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise bad(f"{name} must be a number in [-2, 2], got {v!r}", name)
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad(f"repetition_penalty must be a number in (0, 2], got {self.repetition_penalty!r}",
+                      "repetition_penalty")
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise bad(f"min_new_tokens must be an integer in [0, max_new_tokens = {self.max_new_tokens}], "
+                      f"got {self.min_new_tokens!r}", "min_new_tokens")
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 1e-6 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler must do anything for this request beyond temperature and filters."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_new_tokens > 0)
+
+    def penalty_row(self, output_ids: Sequence[int], pending_pos: int, eos_token_ids: Iterable[int]) -> RowPenalties:
+        """This step's penalty inputs for a request whose outputs so far are ``output_ids`` (read
+        now: the list may be replaced later) plus, with ``pending_pos >= 0``, the token the forward
+        still resolves into ``input_ids[pending_pos]`` (the overlap loop's pending token)."""
+        finish: tuple[int, ...] = ()
+        if self.min_new_tokens > 0:
+            eos = () if self.ignore_eos else tuple(eos_token_ids)
+            finish = tuple(sorted({*eos, *self.stop_token_ids}))
+        return RowPenalties(
+            frequency=float(self.frequency_penalty), presence=float(self.presence_penalty),
+            repetition=float(self.repetition_penalty), logit_bias=self.logit_bias or None,
+            min_new_tokens=self.min_new_tokens, finish_ids=finish,
+            output_ids=output_ids, n_out=len(output_ids), pending_pos=pending_pos,
+        )
+
+
+_INT64 = 1 << 63
+
+
+def _is_int(v: Any) -> bool:
+    """An integer that fits the wire (msgpack int64): a bool is not one."""
+    return isinstance(v, int) and not isinstance(v, bool) and -_INT64 <= v < _INT64
+
+
+def _is_number(v: Any) -> bool:
+    """A finite number that fits the wire (an int within int64)."""
+    if isinstance(v, int):
+        return _is_int(v)
+    return isinstance(v, float) and math.isfinite(v)
+
+
+def _logit_bias(bias: Any, vocab_size: int | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: ``{"<token id>": bias}``, bias in [-100, 100]; keys become ints."""
+    if not isinstance(bias, dict):
+        raise InvalidRequest("logit_bias must be an object mapping token ids to biases", param="logit_bias")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        try:
+            tid = int(k) if isinstance(k, (str, int)) and not isinstance(k, bool) else -1
+        except ValueError:
+            tid = -1
+        if tid < 0 or (vocab_size is not None and tid >= vocab_size) or (isinstance(k, str) and k.strip() != str(tid)):
+            bound = f" in [0, {vocab_size})" if vocab_size is not None else ""
+            raise InvalidRequest(f"logit_bias keys must be token ids{bound}, got {k!r}", param="logit_bias")
+        if not _is_number(v) or not -100.0 <= v <= 100.0:
+            raise InvalidRequest(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}",
+                                 param="logit_bias")
+        out[tid] = float(v)
+    return out

@@ -1,9 +1,15 @@
 """The FastAPI app: OpenAI endpoints, SGLang's native ones, admin and metrics.
 
-Two pieces of plain ASGI sit in front of the app (``_Guard``):
+Three pieces of plain ASGI sit in front of the app (``_Guard``):
 - an HTTP/2 connection preface (``PRI * HTTP/2.0``, what routers send to probe for gRPC) gets a
   505 with ``Connection: close``; uvicorn closes that connection and keeps serving HTTP/1.1;
-- with ``--api-key``, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``.
+- with ``--api-key``, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``
+  (``/openapi.json`` included);
+- a request body over ``--max-request-body-bytes`` gets a 413: at once from its Content-Length,
+  or, chunked, as soon as what arrived passes the limit.
+
+``/openapi.json`` documents every route; the bodies the handlers parse themselves (``parse_body``,
+so that errors keep OpenAI's shape) get their pydantic models' schemas (``_BODIES``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -39,7 +48,15 @@ from radixserve.server.common import (
 from radixserve.server.io_struct import GenerateReq
 from radixserve.server.openai_api import OpenAIServing
 from radixserve.server.pd_fields import bootstrap_fields
-from radixserve.server.protocol import AbortRequest, APIError, GenerateRequest, parse_body
+from radixserve.server.protocol import (
+    AbortRequest,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SchedulePolicyRequest,
+    parse_body,
+)
 from radixserve.server.sched_fields import sched_fields
 from radixserve.server.tokenizer_manager import ClientGone, ReqState, ServerDead, TokenizerManager
 
@@ -53,10 +70,19 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.to_json(), status_code=e.status_code, headers=e.headers)
 
 
+DEFAULT_MAX_BODY = 16 * 1024 * 1024
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(f"the request body is larger than this server accepts ({limit} bytes; "
+                    "--max-request-body-bytes)", 413, code="request_too_large")
+
+
 class _Guard:
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int = DEFAULT_MAX_BODY) -> None:
         self.app = app
         self.api_key = api_key
+        self.max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -69,7 +95,28 @@ class _Guard:
                 err = APIError("Incorrect API key provided.", 401, "invalid_request_error", "invalid_api_key")
                 await _send_json(send, 401, err.to_json())
                 return
+            length = dict(scope.get("headers") or []).get(b"content-length")
+            if length is not None and length.isdigit() and int(length) > self.max_body:
+                await _send_json(send, 413, body_too_large(self.max_body).to_json(), close=True)
+                return
+            receive = self._limited(receive)
         await self.app(scope, receive, send)
+
+    def _limited(self, receive: Receive) -> Receive:
+        """``receive`` that raises a 413 ``APIError`` (answered by the app's handler) once the body
+        passes the limit: a chunked body has no Content-Length to check first."""
+        seen = 0
+
+        async def limited() -> Any:
+            nonlocal seen
+            msg = await receive()
+            if msg.get("type") == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_body:
+                    raise body_too_large(self.max_body)
+            return msg
+
+        return limited
 
     def _authorized(self, scope: Scope) -> bool:
         headers = dict(scope.get("headers") or [])
@@ -89,8 +136,9 @@ async def _send_json(send: Send, status: int, body: dict[str, Any], close: bool 
 
 def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> ASGIApp:
     args = tm.args
-    app = FastAPI(title="radixserve", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="radixserve", version=VERSION, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     openai = OpenAIServing(tm, {model_path, "default"})
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -232,11 +280,8 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
     async def set_schedule_policy(request: Request) -> Response:
         """Switch the scheduling policy and/or its parameters live (docs/scheduling.md)."""
         raw = await request.body()
-        try:
-            params = json.loads(raw) if raw.strip() else None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(f"malformed JSON body: {e}", code="invalid_json") from None
-        if not isinstance(params, dict) or not params:
+        params = parse_body(raw, SchedulePolicyRequest).model_dump(exclude_unset=True) if raw.strip() else None
+        if not params:
             raise APIError('the body must be a JSON object such as {"schedule_policy": "lpm"}', code="invalid_json")
         replies = await tm.control("set_schedule_policy", params)
         failed = next((r for r in replies if not r.get("success")), None)
@@ -265,7 +310,56 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
         return Response(tm.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     started = time.time()
-    return _Guard(app, args.api_key)
+    return _Guard(app, args.api_key, getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY))
+
+
+# the routes whose handlers parse their bodies themselves (parse_body): their request schemas
+_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/generate": GenerateRequest,
+    "/abort_request": AbortRequest,
+    "/set_schedule_policy": SchedulePolicyRequest,
+}
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error: OpenAI's shape."""
+
+    error: ErrorBody
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                         description="radixserve: OpenAI-compatible and SGLang-native endpoints (docs/api.md).")
+    models: list[type[BaseModel]] = [*_BODIES.values(), ErrorResponse]
+    _, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+    err = {"description": "Error (OpenAI's shape)",
+           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for path, ops in schema.get("paths", {}).items():
+        for method, op in ops.items():
+            op.setdefault("responses", {})
+            for code in ("400", "401", "404") if method == "post" else ("401",):
+                op["responses"].setdefault(code, err)
+            model = _BODIES.get(path)
+            if model is not None and method == "post":
+                op["requestBody"] = {"required": path != "/abort_request", "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+                op["responses"]["413"] = err
+                if path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+                    op["responses"]["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    app.openapi_schema = schema
+    return schema
 
 
 async def _native_generate(tm: TokenizerManager, request: Request, body: GenerateRequest) -> Response:

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -78,7 +79,7 @@ class OpenAIServing:
         try:
             messages = [m.to_template() for m in body.messages]
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ChatTemplateError as e:
+        except (ChatTemplateError, jinja2.TemplateError) as e:
             raise APIError(f"chat template error: {e}", param="messages") from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         top = body.top_logprobs or 0
@@ -166,8 +167,6 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         body = parse_body(await request.body(), CompletionRequest)
         self.check_model(body.model)
-        if body.suffix:
-            raise APIError("suffix is not supported", param="suffix", code="unsupported_parameter")
         prompt = body.prompt
         texts: list[str | None]
         if isinstance(prompt, str):

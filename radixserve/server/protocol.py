@@ -1,16 +1,25 @@
 """Request bodies of the OpenAI and SGLang-native APIs, and OpenAI-shaped errors.
 
 Bodies are parsed by hand (``parse_body``) so that every failure is a 400 in OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``, never FastAPI's 422. Unknown fields are
-accepted and ignored, as vLLM and SGLang do (clients send ``extra_body`` fields freely).
+``{"error": {"message", "type", "param", "code"}}``, never FastAPI's 422 and never a 5xx: the JSON
+is decoded strictly (no NaN / Infinity, valid UTF-8, no lone surrogates, nesting bounded), then
+validated by the pydantic models below, which are also what ``/openapi.json`` documents.
+
+Every field is honoured or refused (docs/api.md has the list): a field a model does not declare is a
+400 ``unknown_parameter``, as OpenAI answers it, except the extension fields each model lists in
+``EXTRA_FIELDS`` (scheduling and router fields, read from ``model_extra`` by ``sched_fields`` and
+``pd_fields``); a field that names something this server does not do (tools, structured output...)
+is a 400 ``unsupported``.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class APIError(Exception):
@@ -35,35 +44,95 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
 
 
+def unsupported(param: str, what: str) -> APIError:
+    return APIError(f"{param}: {what}", param=param, code="unsupported")
+
+
+_MS = {"type": "number", "exclusiveMinimum": 0}
+_RANK = {"type": "integer", "minimum": 0}
+# extension fields kept in ``model_extra`` (their readers validate them): name -> JSON schema
+_SCHED_EXTRA: dict[str, dict[str, Any]] = {
+    "tpot_slo_ms": {**_MS, "description": "TPOT deadline in ms (header x-slo-tpot-ms wins)."},
+    "data_parallel_rank": {**_RANK, "description": "--dp-size: run on this rank (a DP-aware router sets it)."},
+    "data_parallel_rank_decode": {**_RANK, "description": "Disaggregation: the decode worker's rank."},
+    "bootstrap_host": {"type": "string", "description": "Disaggregation: the prefill worker's host."},
+    "bootstrap_port": {"type": "integer", "minimum": 1, "maximum": 65535,
+                       "description": "Disaggregation: the prefill worker's bootstrap port."},
+    "bootstrap_room": {"type": "integer", "minimum": 0, "description": "Disaggregation: the KV hand-over's room."},
+}
+_OPENAI_EXTRA = {**_SCHED_EXTRA, "ttft_slo_ms": {**_MS, "description": "TTFT deadline in ms (header x-ttft-slo-ms wins)."}}
+_NATIVE_EXTRA = {
+    **_SCHED_EXTRA,
+    "deadline_ms": {**_MS, "description": "TTFT deadline in ms (header x-ttft-slo-ms wins)."},
+    "tenant": {"type": "string", "description": "Tenant for vtc fairness (header x-tenant wins)."},
+}
+
+
+class _Body(BaseModel):
+    """A request body: declared fields, plus the extension fields of ``EXTRA_FIELDS`` (in ``model_extra``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)  # JSON types as sent: no "yes" for true, no 1.0 for 1
+    EXTRA_FIELDS: ClassVar[dict[str, dict[str, Any]]] = {}
+    ALLOW_UNKNOWN: ClassVar[bool] = False  # True: any other field is passed on (set_schedule_policy)
+
+    def check(self) -> None:
+        """Refusals that need more than one field's type (called by ``parse_body``)."""
+
+    @classmethod
+    def known(cls) -> set[str]:
+        return set(cls.model_fields) | set(cls.EXTRA_FIELDS)
+
+
+def _extra_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    extra = getattr(model, "EXTRA_FIELDS", {})
+    schema.setdefault("properties", {}).update(extra)
+    schema["additionalProperties"] = False
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(None, description="Accepted; no obfuscation padding is sent.")
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class _SamplingFields(_Body):
+    model_config = ConfigDict(extra="allow", json_schema_extra=_extra_schema)
+    EXTRA_FIELDS = _OPENAI_EXTRA
     model: str | None = None
     n: int = Field(1, ge=1, le=64)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX - 64)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100], added to the logit.")
+    user: str | None = Field(None, description="The tenant for vtc fairness (header x-tenant wins).")
+    # extensions (vLLM's / SGLang's names)
+    top_k: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="-1 or 0: off.")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX,
+                            description="EOS and stop_token_ids cannot end the output before this many tokens.")
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, le=2.0, description="SGLang's: logits of tokens already generated are divided (positive) "
+        "or multiplied (negative) by it.")
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    priority: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    user: str | None = None
+    priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
 
     def sampling_params(self, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> dict[str, Any]:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(f"{name} is not supported", param=name, code="unsupported_parameter")
+        if self.min_tokens > max_new_tokens:
+            raise APIError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_new_tokens})",
+                           param="min_tokens", code="invalid_value")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return {
             "max_new_tokens": max_new_tokens,
@@ -78,7 +147,16 @@ class _SamplingFields(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "logprobs": logprobs,
             "top_logprobs_num": top_logprobs,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "logit_bias": dict(self.logit_bias) if self.logit_bias else None,
+            "min_new_tokens": self.min_tokens,
         }
+
+    def check(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
     @property
     def include_usage(self) -> bool:
@@ -87,25 +165,42 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = Field(None, description="Not supported: refused unless empty.")
+    best_of: int | None = Field(None, ge=1, le=64, description="Only best_of == n (the default) is supported.")
     return_token_ids: bool = False  # vLLM's extension: the choices carry token_ids (and prompt_token_ids)
+
+    def check(self) -> None:
+        super().check()
+        if self.suffix:
+            raise unsupported("suffix", "insertion (suffix) is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            if self.best_of < self.n:
+                raise APIError("best_of must be >= n", param="best_of", code="invalid_value")
+            raise unsupported("best_of", "best_of > n is not supported (every sample is returned)")
+        if self.echo and self.logprobs is not None:
+            raise unsupported("echo", "echo with logprobs is not supported (no logprobs for prompt tokens)")
+
+
+_ROLES = ("system", "developer", "user", "assistant")
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"additionalProperties": False})
+    role: str = Field(description="system, developer, user or assistant.")
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    refusal: str | None = Field(None, description="An assistant message's refusal: accepted, not templated.")
 
     def to_template(self) -> dict[str, Any]:
-        d = self.model_dump(exclude_none=True)
+        d = self.model_dump(exclude_none=True, exclude={"refusal"})
         if isinstance(self.content, list):  # content parts: keep the text ones
             parts = []
             for p in self.content:
                 if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise APIError("only text content parts are supported", param="messages")
+                    raise unsupported("messages", "only text content parts are supported")
                 parts.append(p["text"])
             d["content"] = "".join(parts)
         elif self.content is None:
@@ -113,46 +208,138 @@ class ChatMessage(BaseModel):
         return d
 
 
+_CHAT_UNSUPPORTED = {
+    "tools": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "audio": "audio output is not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "this model does not reason (reasoning_effort is for reasoning models)",
+    "verbosity": "verbosity is not supported by this model",
+    "regex": "structured output (regex) is not supported yet",
+    "json_schema": "structured output (json_schema) is not supported yet",
+    "ebnf": "structured output (ebnf) is not supported yet",
+}
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = Field(
+        None, description="Only {\"type\": \"text\"}: json_object and json_schema are refused (400) for now.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: refused (400).")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="Only \"none\" (without tools).")
+    parallel_tool_calls: bool | None = Field(None, description="Refused: only meaningful with tools.")
+    modalities: list[str] | None = Field(None, description='Only ["text"].')
+    metadata: dict[str, str] | None = Field(None, description="Accepted and not stored (store is refused).")
+    store: bool | None = Field(None, description="Only false: completions are not stored.")
+    service_tier: str | None = Field(None, description='Only "auto" or "default".')
+    prediction: dict[str, Any] | None = Field(
+        None, description="Predicted output: a latency hint, accepted and not used (the output is the same).")
+    prompt_cache_key: str | None = Field(None, description="Accepted; the radix cache reuses prefixes by itself.")
+    prompt_cache_retention: str | None = Field(None, description="Accepted; the radix cache keeps what fits.")
+    safety_identifier: str | None = Field(None, description="The tenant when user is not set.")
+
+    def check(self) -> None:
+        super().check()
+        extra = self.model_extra or {}
+        for name, why in _CHAT_UNSUPPORTED.items():
+            if (getattr(self, name, None) if name in type(self).model_fields else extra.get(name)) is not None:
+                raise unsupported(name, why)
+        if self.tool_choice is not None and self.tool_choice != "none":
+            raise unsupported("tool_choice", "tool calling is not supported")
+        if self.parallel_tool_calls is not None:
+            raise unsupported("parallel_tool_calls", "tool calling is not supported")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise unsupported("response_format", f"response_format {self.response_format.type} (structured output) "
+                              "is not supported yet; only {\"type\": \"text\"}")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise unsupported("modalities", 'only ["text"] is supported')
+        if self.store:
+            raise unsupported("store", "completions are not stored")
+        if self.service_tier not in (None, "auto", "default"):
+            raise unsupported("service_tier", 'only "auto" and "default" are supported')
+        if self.metadata is not None and len(self.metadata) > 16:
+            raise APIError("metadata has at most 16 keys", param="metadata", code="invalid_value")
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" or (m.model_extra or {}).get("tool_calls") is not None:
+                raise unsupported(f"messages[{i}]", "tool calling is not supported (tool messages, tool_calls)")
+            if m.role not in _ROLES:
+                raise APIError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m.role!r}",
+                               param=f"messages[{i}].role", code="invalid_value")
+            unknown = sorted(m.model_extra or {})
+            if unknown:
+                raise APIError(f"Unknown parameter: 'messages[{i}].{unknown[0]}'.", param=f"messages[{i}].{unknown[0]}",
+                               code="unknown_parameter")
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(_Body):
     """SGLang's native ``/generate`` body."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=_extra_schema)
+    EXTRA_FIELDS = _NATIVE_EXTRA
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = Field(
+        None, description="SamplingParams fields (docs/api.md); one object, or one per prompt.")
     stream: bool = False
     rid: str | list[str] | None = None
-    priority: int | None = None
+    priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
+    logprob_start_len: int | None = Field(None, description="Only -1: logprobs of the output tokens.")
+    return_text_in_logprobs: bool = Field(False, description="Only false: logprob entries carry no text.")
+
+    def check(self) -> None:
+        if self.logprob_start_len not in (None, -1):
+            raise unsupported("logprob_start_len", "only -1 (no prompt logprobs) is supported")
+        if self.return_text_in_logprobs:
+            raise unsupported("return_text_in_logprobs", "logprob entries carry token ids, not text")
 
 
-class AbortRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class AbortRequest(_Body):
+    model_config = ConfigDict(extra="allow", json_schema_extra=_extra_schema)
     rid: str = ""
     abort_all: bool = False
 
 
-M = TypeVar("M", bound=BaseModel)
+class SchedulePolicyRequest(_Body):
+    """``/set_schedule_policy``: ``schedule_policy`` and/or the policy's parameters (docs/scheduling.md);
+    the scheduler validates the names and values."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": True})
+    ALLOW_UNKNOWN = True
+    schedule_policy: str | None = None
+
+
+M = TypeVar("M", bound=_Body)
+
+
+def decode_json(raw: bytes) -> Any:
+    """Strict JSON: invalid UTF-8, lone surrogates, NaN / Infinity, numbers out of float range and
+    nesting past the decoder's depth limit (a few hundred levels) are 400s."""
+    try:
+        return msgspec.json.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError, ValueError) as e:
+        raise APIError(f"malformed JSON body: {e}", code="invalid_json") from None
 
 
 def parse_body(raw: bytes, model: type[M]) -> M:
-    try:
-        data = json.loads(raw) if raw.strip() else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"malformed JSON body: {e}", code="invalid_json") from None
+    data = decode_json(raw) if raw.strip() else None
     if not isinstance(data, dict):
         raise APIError("the request body must be a JSON object", code="invalid_json")
+    known = model.known()
+    unknown = [k for k in data if k not in known]
+    if unknown and not model.ALLOW_UNKNOWN:
+        name = str(unknown[0])
+        if name in _CHAT_UNSUPPORTED:
+            raise unsupported(name, _CHAT_UNSUPPORTED[name])
+        raise APIError(f"Unknown parameter: '{name}'.", param=name, code="unknown_parameter")
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
@@ -162,3 +349,5 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         raise APIError(f"{where}: {err.get('msg')}" if where else str(err.get("msg")), param=param,
                        code="invalid_value" if err.get("type") != "missing" else "missing_required_parameter"
                        ) from None
+    body.check()
+    return body

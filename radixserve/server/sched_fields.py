@@ -1,6 +1,7 @@
 """Per-request scheduling fields from HTTP requests (docs/scheduling.md).
 
-- tenant (vtc fairness): the ``x-tenant`` header, else the OpenAI ``user`` field / native ``tenant``.
+- tenant (vtc fairness): the ``x-tenant`` header, else the OpenAI ``user`` field (then its successor
+  ``safety_identifier``) / native ``tenant``.
 - TTFT deadline in ms: the ``x-ttft-slo-ms`` header, else the OpenAI ``ttft_slo_ms`` body field /
   the native ``deadline_ms`` field. The scheduler process turns it into ``Req.deadline`` =
   arrival (its clock) + ms / 1000.
@@ -46,7 +47,8 @@ def sched_fields(request: Request, body: Any, openai: bool, dp_size: int = 1, pd
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < dp_size):
         raise APIError(f"data_parallel_rank must be an integer in [0, {dp_size}) (this server's dp_size is "
                        f"{dp_size}), got {rank!r}", param="data_parallel_rank")
-    tenant = request.headers.get("x-tenant") or (getattr(body, "user", None) if openai else extra.get("tenant"))
+    tenant = request.headers.get("x-tenant") or (
+        (getattr(body, "user", None) or getattr(body, "safety_identifier", None)) if openai else extra.get("tenant"))
     if tenant is not None and not isinstance(tenant, str):
         raise APIError("tenant must be a string", param="tenant")
     tpot_header = request.headers.get("x-slo-tpot-ms")
