@@ -236,7 +236,7 @@ class Engine:
         reqs = []
         for ids, sp, prio in zip(ids_list, sps, prios, strict=True):
             try:
-                params = SamplingParams.from_dict(sp)
+                params = SamplingParams.from_dict(sp, self.model_config.vocab_size)
             except (InvalidRequest, TypeError) as e:
                 params = None
                 err = FINISH_ABORT(str(e), param=getattr(e, "param", None))

@@ -19,11 +19,10 @@ Layout of one batch with two requests, A (prefix 3, extend 2) and B (decode, pre
 
 from __future__ import annotations
 
-import weakref
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -52,12 +51,6 @@ class RowPenalties:
     output_ids: Sequence[int] = ()
     n_out: int = 0
     pending_pos: int = -1
-
-
-# rid -> the live request (a sched Req) whose sampling params ask for penalties; Req.__init__ keeps it.
-# NOTE: the schedule batch does not hand the runner its requests; ForwardBatch finds the few that need
-# penalties here by rid, so requests without any cost one dict lookup each only while some request has them.
-PENALIZED: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 @dataclass
@@ -97,28 +90,6 @@ class ForwardBatch:
     sampling: SamplingBatchInfo
     capture_logits: bool = False  # return each request's last-position logits (tests, parity)
     rids: list[str] = field(default_factory=list)  # [B] request ids, for runners that model requests (the simulator)
-
-    def __post_init__(self) -> None:
-        if PENALIZED and self.rids and self.sampling.penalties is None:
-            self._attach_penalties()
-
-    def _attach_penalties(self) -> None:
-        rows: list[RowPenalties | None] = []
-        steps = self.sampling.steps
-        pool_rows = self.req_pool_indices.tolist()
-        end = -1
-        for i, (rid, n) in enumerate(zip(self.rids, self.extend_seq_lens, strict=True)):
-            end += n
-            req = PENALIZED.get(rid)
-            if req is None or req.req_pool_idx != pool_rows[i]:
-                rows.append(None)
-                continue
-            out = req.output_ids
-            pending = end if i < len(steps) and steps[i] > len(out) else -1
-            rows.append(req.sampling_params.penalty_row(out, pending, req.eos_token_ids))
-        if any(r is not None for r in rows):
-            self.sampling.penalties = rows
-            self.sampling.input_ids = self.input_ids
 
     @property
     def batch_size(self) -> int:

@@ -23,7 +23,6 @@ from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.output import Outputs
 from radixserve.sched.req import Req
-from radixserve.sched.sampling_params import InvalidRequest
 from radixserve.sched.settings import SchedSettings
 from radixserve.sched.state import Queues
 
@@ -65,10 +64,6 @@ class Intake:
             return FINISH_ABORT("the prompt is empty", param="prompt")
         if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in req.origin_input_ids):
             return FINISH_ABORT(f"input_ids must be in [0, {self.vocab_size})", param="input_ids")
-        try:
-            req.sampling_params.verify(self.vocab_size)
-        except InvalidRequest as e:
-            return FINISH_ABORT(str(e), param=e.param)
         if req.prompt_len >= self.context_len:
             return FINISH_ABORT(
                 f"the prompt has {req.prompt_len} tokens; this model's context is {self.context_len}",

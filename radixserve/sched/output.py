@@ -126,7 +126,8 @@ class Outputs:
             return FINISH_LENGTH(sp.max_new_tokens)
         if req.num_tokens >= self.context_len:
             return FINISH_LENGTH(len(req.output_ids))
-        if sp.stop and self.detokenize is not None:
+        # (the sampler masks EOS and stop token ids until min_new_tokens; a stop string waits too)
+        if sp.stop and self.detokenize is not None and len(req.output_ids) >= sp.min_new_tokens:
             window = max(len(s) for s in sp.stop) + 2
             tail = self.detokenize(req.output_ids[-window:])
             for s in sp.stop:

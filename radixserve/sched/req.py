@@ -19,7 +19,6 @@ from functools import cached_property
 from typing import Any
 
 from radixserve.mem.base_cache import BasePrefixCache, RadixKey
-from radixserve.mem.forward_batch import PENALIZED
 from radixserve.mem.radix_cache import TreeNode
 from radixserve.sched.finish import FINISH_ABORT, BaseFinishReason
 from radixserve.sched.sampling_params import SamplingParams
@@ -87,10 +86,7 @@ class Req:
         self.tenant: str | None = None  # vtc fairness: the OpenAI `user` field or an x-tenant header
         self.deadline: float | None = None  # TTFT deadline, absolute, on the scheduler clock (edf)
         self.tpot_slo: float | None = None  # TPOT deadline, seconds per output token after the first
-        if self.sampling_params.has_penalties:  # how the sampler finds its token history (mem.forward_batch)
-            PENALIZED[rid] = self
-        elif PENALIZED:
-            PENALIZED.pop(rid, None)
+        self.penalized = self.sampling_params.has_penalties  # ScheduleBatch hands the sampler its history
 
     # --- derived counters --------------------------------------------------------------------
     @cached_property

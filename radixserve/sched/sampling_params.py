@@ -1,18 +1,25 @@
-"""Per-request sampling parameters and their validation (bad values become 400s, not crashes).
+"""Per-request sampling parameters: one shape from the HTTP edge to the sampler.
+
+``SamplingParams.from_dict`` builds and validates them once, where a request enters (the HTTP
+process, ``Engine``): a bad value becomes a 400 naming the field, never a crash further in. The
+struct then travels as it is, msgpack over ZeroMQ (msgspec checks the wire types), onto the
+scheduler's ``Req``, which trusts it; ``ScheduleBatch`` turns a batch of them into the sampler's
+columns.
 
 Penalties (docs/api.md): ``frequency_penalty`` / ``presence_penalty`` (OpenAI, in [-2, 2]),
 ``repetition_penalty`` (SGLang / HF, in (0, 2]), ``logit_bias`` (OpenAI: token id -> bias in
 [-100, 100]) and ``min_new_tokens`` (EOS and stop token ids masked until that many are generated).
-A request with any of them set registers for them (``has_penalties``) and hands the sampler a
-``RowPenalties`` each step (``penalty_row``); every other request costs the sampler nothing.
+A request with any of them set (``has_penalties``) hands the sampler a ``RowPenalties`` each step
+(``penalty_row``); every other request costs the sampler nothing.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from radixserve.mem.forward_batch import RowPenalties
 
@@ -26,15 +33,14 @@ class InvalidRequest(ValueError):
         self.code = code
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct):
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = []  # (msgspec gives each instance its own empty list)
+    stop_token_ids: list[int] = []
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
@@ -47,9 +53,12 @@ class SamplingParams:
     min_new_tokens: int = 0
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+    def from_dict(cls, d: dict[str, Any] | None, vocab_size: int | None = None) -> SamplingParams:
+        """Build and validate (``InvalidRequest`` naming the field); ``vocab_size`` bounds token ids."""
+        if d is not None and not isinstance(d, dict):
+            raise InvalidRequest("sampling_params must be an object", param="sampling_params")
         d = dict(d or {})
-        known = set(cls.__dataclass_fields__)
+        known = set(cls.__struct_fields__)
         unknown = sorted(set(d) - known)
         if unknown:
             raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0])
@@ -60,7 +69,7 @@ class SamplingParams:
         if d.get("stop_token_ids") is None:
             d.pop("stop_token_ids", None)
         p = cls(**d)
-        p.verify()
+        p.verify(vocab_size)
         return p
 
     def verify(self, vocab_size: int | None = None) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from enum import Enum, auto
+from itertools import accumulate, compress
 from operator import attrgetter, itemgetter
 
 import torch
 
-from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo, int64_tensor
+from radixserve.mem.forward_batch import ForwardBatch, RowPenalties, SamplingBatchInfo, int64_tensor
 from radixserve.sched.req import Req
 
 
@@ -95,22 +96,25 @@ class ScheduleBatch:
         return self._make(ids, positions, positions + 1, capture_logits, steps)
 
     def _per_request(self) -> tuple[list, ...]:
-        """Pool rows and sampling lists (temperature, top_p, top_k, min_p, seed, logprobs,
-        top_logprobs_num) of ``reqs``, rebuilt only when the requests changed (the list compare is
+        """Pool rows, sampling lists (temperature, top_p, top_k, min_p, seed, logprobs,
+        top_logprobs_num) and the indices of the requests with penalties, of ``reqs``, rebuilt only when the requests changed (the list compare is
         by identity first: a few microseconds for a thousand requests)."""
         cached = self._per_req
         if cached is not None and cached[0] == self.reqs:
             return cached[1]
         sp = list(map(_get_sp, self.reqs))
-        lists = (list(map(_get_pool_idx, self.reqs)), *(list(map(get, sp)) for get in _SAMPLING_FIELDS))
+        penalized = list(compress(range(len(sp)), map(_get_penalized, self.reqs)))
+        lists = (list(map(_get_pool_idx, self.reqs)), *(list(map(get, sp)) for get in _SAMPLING_FIELDS), penalized)
         self._per_req = (list(self.reqs), lists)
         return lists
 
     def _make(self, ids: list[int], positions: torch.Tensor, seq_lens: torch.Tensor, capture_logits: bool,
               steps: list[int]) -> ForwardBatch:
-        pool_rows, temperatures, top_ps, top_ks, min_ps, seeds, logprobs, top_logprobs_nums = self._per_request()
+        (pool_rows, temperatures, top_ps, top_ks, min_ps, seeds, logprobs, top_logprobs_nums,
+         penalized) = self._per_request()
+        input_ids = int64_tensor(ids)  # = torch.tensor(..., dtype=torch.int64), faster
         return ForwardBatch(
-            input_ids=int64_tensor(ids),  # = torch.tensor(..., dtype=torch.int64), faster
+            input_ids=input_ids,
             positions=positions,
             out_cache_loc=int64_tensor(self.out_slots),
             req_pool_indices=int64_tensor(pool_rows),
@@ -126,13 +130,30 @@ class ScheduleBatch:
                 steps=steps,
                 return_logprob=logprobs,
                 top_logprobs_nums=top_logprobs_nums,
+                penalties=self._penalties(penalized, ids) if penalized else None,
+                input_ids=input_ids if penalized else None,
             ),
             capture_logits=capture_logits,
             rids=list(map(_get_rid, self.reqs)),
         )
 
 
+    def _penalties(self, penalized: list[int], ids: list[int]) -> list[RowPenalties | None]:
+        """Each row's penalty inputs (None for the rows without any). A row's history is its output
+        ids now, plus its last input id when that is a placeholder (the overlap loop's token that
+        the running forward is still sampling: the sampler reads it once resolved)."""
+        rows: list[RowPenalties | None] = [None] * len(self.reqs)
+        ends = list(accumulate(self.extend_lens)) if self.forward_mode is not ForwardMode.DECODE else None
+        for i in penalized:
+            req = self.reqs[i]
+            last = ends[i] - 1 if ends is not None else i
+            rows[i] = req.sampling_params.penalty_row(req.output_ids, last if ids[last] < 0 else -1,
+                                                      req.eos_token_ids)
+        return rows
+
+
 _get_sp = attrgetter("sampling_params")
+_get_penalized = attrgetter("penalized")
 _get_output_ids = attrgetter("output_ids")
 _last = itemgetter(-1)
 _get_pool_idx = attrgetter("req_pool_idx")

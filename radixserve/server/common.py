@@ -25,9 +25,11 @@ from radixserve.server.tokenizer_manager import (
 _OPENAI_PARAM = {"max_new_tokens": "max_tokens", "top_logprobs_num": "top_logprobs"}
 
 
-def check_sampling_params(sp: dict[str, Any], vocab_size: int | None, openai: bool) -> None:
+def parse_sampling_params(sp: dict[str, Any], vocab_size: int | None, openai: bool) -> SamplingParams:
+    """The request's ``SamplingParams``, validated here once (the scheduler trusts them), or a 400
+    naming the field as the client wrote it."""
     try:
-        SamplingParams.from_dict(sp).verify(vocab_size)
+        return SamplingParams.from_dict(sp, vocab_size)
     except InvalidRequest as e:
         param = _OPENAI_PARAM.get(e.param or "", e.param) if openai else e.param
         raise APIError(str(e), param=param, code="invalid_value") from None

@@ -34,14 +34,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from radixserve.sched.sampling_params import SamplingParams
 from radixserve.server.cache_events import advertised_endpoints
 from radixserve.server.common import (
     SSE_DONE,
     SSE_HEADERS,
     Call,
     check_prompt,
-    check_sampling_params,
     dead_error,
+    parse_sampling_params,
     sse,
     stream_error,
 )
@@ -203,7 +204,7 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
             return error_response(APIError(tm.dead or "a server process died", 503, "server_error",
                                            "server_unavailable"))
         ids = tm.tokenizer.encode("Hello") or [0]
-        req = GenerateReq(f"HEALTH_CHECK_{uuid.uuid4().hex}", ids, {"max_new_tokens": 1, "temperature": 0.0})
+        req = GenerateReq(f"HEALTH_CHECK_{uuid.uuid4().hex}", ids, SamplingParams(max_new_tokens=1, temperature=0.0))
         call = Call(tm, request)
         await call.open([req])
         try:
@@ -398,8 +399,8 @@ async def _native_generate(tm: TokenizerManager, request: Request, body: Generat
         if body.return_logprob:
             sp.setdefault("logprobs", True)
             sp.setdefault("top_logprobs_num", body.top_logprobs_num)
-        check_sampling_params(sp, tm.info.get("vocab_size"), openai=False)
-        reqs.append(GenerateReq(rid, ids, sp, body.priority, *fields, stream=bool(body.stream),
+        params = parse_sampling_params(sp, tm.info.get("vocab_size"), openai=False)
+        reqs.append(GenerateReq(rid, ids, params, body.priority, *fields, stream=bool(body.stream),
                                 bootstrap=bootstrap_fields(body, tm.args.disaggregation_mode)))
     call = Call(tm, request, abort_is_error=False)
     await call.open(reqs)

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, BaseFinishReason
+from radixserve.sched.sampling_params import SamplingParams
 
 
 class FinishReason(msgspec.Struct, frozen=True):
@@ -65,7 +66,7 @@ class FinishReason(msgspec.Struct, frozen=True):
 class GenerateReq(msgspec.Struct, tag=True):
     rid: str
     input_ids: list[int]
-    sampling_params: dict[str, Any]
+    sampling_params: SamplingParams  # validated by the HTTP process; the scheduler trusts them
     priority: int | None = None
     tenant: str | None = None  # vtc fairness
     deadline_ms: float | None = None  # TTFT deadline relative to arrival at the scheduler (edf)

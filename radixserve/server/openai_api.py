@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import jinja2
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -25,7 +26,7 @@ from radixserve.server.common import (
     SSE_HEADERS,
     Call,
     check_prompt,
-    check_sampling_params,
+    parse_sampling_params,
     resolve_max_tokens,
     sse,
     stream_error,
@@ -59,12 +60,11 @@ class OpenAIServing:
         bootstrap = bootstrap_fields(body, self.tm.args.disaggregation_mode)
         for p, ids in enumerate(prompts):
             check_prompt(self.tm, ids, prompt_param)
-            sp = body.sampling_params(resolve_max_tokens(self.tm, len(ids), max_tokens), logprobs, top_logprobs)
-            check_sampling_params(sp, self.tm.info.get("vocab_size"), openai=True)
+            sp = parse_sampling_params(
+                body.sampling_params(resolve_max_tokens(self.tm, len(ids), max_tokens), logprobs, top_logprobs),
+                self.tm.info.get("vocab_size"), openai=True)
             for i in range(body.n):
-                spi = dict(sp)
-                if sp["seed"] is not None:
-                    spi["seed"] = sp["seed"] + i
+                spi = sp if sp.seed is None else msgspec.structs.replace(sp, seed=sp.seed + i)
                 reqs.append(GenerateReq(f"{base}-{p}-{i}", ids, spi, body.priority, *fields,
                                         stream=bool(body.stream), bootstrap=bootstrap))
         return reqs

@@ -30,10 +30,8 @@ from radixserve.config import ServerArgs
 from radixserve.engine import build_scheduler
 from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.core import SchedulerCore, calm_garbage_collector
-from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import ReqOutput
 from radixserve.sched.req import Req
-from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
 from radixserve.server.cache_events import CacheEventPublisher, bind_endpoint
 from radixserve.server.io_struct import (
     ENCODER,
@@ -236,13 +234,7 @@ class SchedulerServer:
 
     # --- requests --------------------------------------------------------------------------------
     def _make_req(self, msg: GenerateReq) -> Req | None:
-        try:
-            params = SamplingParams.from_dict(msg.sampling_params)
-        except (InvalidRequest, TypeError) as e:
-            reason = FINISH_ABORT(str(e), param=getattr(e, "param", None))
-            out = TokenOut(msg.rid, [], FinishReason.from_reason(reason), len(msg.input_ids), 0, 0)
-            self.to_detok.send(ENCODER.encode(BatchTokenOut([out])))
-            return None
+        params = msg.sampling_params  # validated by the HTTP process
         self.pending_meta[msg.rid] = (list(params.stop), params.skip_special_tokens)
         now = self.sched.clock()
         req = Req(msg.rid, msg.input_ids, params, arrival_time=now, priority=msg.priority,

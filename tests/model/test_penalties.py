@@ -1,5 +1,5 @@
 """Sampling penalties in the batched sampler: exact logits, the no-penalty fast path, how a request's
-penalties reach the sampler (ForwardBatch finds them by rid), and validation."""
+penalties reach the sampler (ScheduleBatch hands each request's history), and validation."""
 
 from __future__ import annotations
 
@@ -9,16 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.mem.forward_batch import (
-    PENALIZED,
-    ForwardBatch,
-    RowPenalties,
-    SamplingBatchInfo,
-    int64_tensor,
-)
+from radixserve.mem.forward_batch import RowPenalties, SamplingBatchInfo
 from radixserve.model.sampler import Sampler, apply_penalties
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
+from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
 
 V = 16
 
@@ -148,44 +143,44 @@ def test_sampled_rows_use_penalized_logits() -> None:
 
 
 # --- how penalties reach the sampler ---------------------------------------------------------------
-def _fb(reqs: list[Req], steps: list[int], extend: list[int], ids: list[int]) -> ForwardBatch:
-    n = len(reqs)
-    info = SamplingBatchInfo([0.0] * n, [1.0] * n, [-1] * n, [0.0] * n, [None] * n, steps)
-    return ForwardBatch(int64_tensor(ids), int64_tensor(range(len(ids))), int64_tensor(range(len(ids))),
-                        int64_tensor(r.req_pool_idx for r in reqs), int64_tensor(extend), [0] * n, extend, info,
-                        rids=[r.rid for r in reqs])
+def _batch(reqs: list[Req], mode: ForwardMode, prefix: list[int], extend: list[int]) -> ScheduleBatch:
+    b = ScheduleBatch(reqs, mode)
+    b.prefix_lens, b.extend_lens, b.out_slots = prefix, extend, list(range(sum(extend)))
+    return b
 
 
-def test_forward_batch_finds_penalized_requests_by_rid() -> None:
-    plain = Req("pen-test-plain", [1, 2], SamplingParams(max_new_tokens=8))
-    pen = Req("pen-test-pen", [1, 2], SamplingParams(max_new_tokens=8, frequency_penalty=1.0, min_new_tokens=2),
+def test_schedule_batch_hands_each_penalized_request_its_history() -> None:
+    plain = Req("plain", [1, 2], SamplingParams(max_new_tokens=8))
+    pen = Req("pen", [1, 2], SamplingParams(max_new_tokens=8, frequency_penalty=1.0, min_new_tokens=2),
               eos_token_ids=(3,))
     plain.req_pool_idx, pen.req_pool_idx = 0, 1
     pen.output_ids = [5, 6]
-    fb = _fb([plain, pen], steps=[0, 2], extend=[2, 1], ids=[1, 2, 6])
+    # a MIXED step: plain's prompt (2 tokens), pen's decode (its last output is the input)
+    fb = _batch([plain, pen], ForwardMode.MIXED, [0, 3], [2, 1]).to_forward_batch()
     rows = fb.sampling.penalties
     assert rows is not None and rows[0] is None
     r = rows[1]
     assert r is not None and r.frequency == 1.0 and list(r.output_ids[: r.n_out]) == [5, 6]
     assert r.pending_pos == -1 and r.finish_ids == (3,)
-    # the overlap loop: one more token generated than output_ids holds -> it is the row's input
-    fb = _fb([plain, pen], steps=[0, 3], extend=[2, 1], ids=[1, 2, 7])
+    assert fb.sampling.input_ids is fb.input_ids
+    # the overlap loop: pen's input is the placeholder of the token the running forward samples;
+    # it is part of the history, read from the forward's input ids once resolved
+    fb = _batch([plain, pen], ForwardMode.MIXED, [0, 3], [2, 1]).to_forward_batch(pending={id(pen): 0})
     rows = fb.sampling.penalties
     assert rows is not None and rows[1] is not None and rows[1].pending_pos == 2
-    assert fb.sampling.input_ids is fb.input_ids
-    # no penalized request in the batch: nothing attached
-    assert _fb([plain], steps=[0], extend=[2], ids=[1, 2]).sampling.penalties is None
-    # a request created later with the same rid and no penalties replaces the entry
-    again = Req("pen-test-pen", [1], SamplingParams())
-    again.req_pool_idx = 1
-    assert _fb([again], steps=[0], extend=[1], ids=[1]).sampling.penalties is None
-    assert "pen-test-pen" not in PENALIZED
+    assert fb.input_ids.tolist() == [1, 2, -1] and fb.sampling.steps == [0, 3]
+    fb = _batch([plain, pen], ForwardMode.DECODE, [3, 3], [1, 1])
+    plain.output_ids = [9]
+    rows = fb.to_forward_batch(pending={id(pen): 1}).sampling.penalties
+    assert rows is not None and rows[0] is None and rows[1] is not None and rows[1].pending_pos == 1
+    # no penalized request in the batch: nothing attached (the sampler's fast path)
+    fb = _batch([plain], ForwardMode.DECODE, [3], [1]).to_forward_batch()
+    assert fb.sampling.penalties is None and fb.sampling.input_ids is None
 
 
-def test_plain_requests_do_not_register() -> None:
-    before = len(PENALIZED)
-    keep = [Req(f"plain-{i}", [1], SamplingParams(temperature=0.0, logit_bias={})) for i in range(3)]
-    assert len(PENALIZED) == before and keep
+def test_zero_penalties_are_no_penalties() -> None:
+    keep = Req("plain", [1], SamplingParams(temperature=0.0, logit_bias={}, repetition_penalty=1.0))
+    assert not keep.penalized
 
 
 # --- validation --------------------------------------------------------------------------------------
@@ -265,4 +260,17 @@ def test_engine_min_new_tokens_and_logit_bias(engine: Any) -> None:
     out = engine.generate(PROMPT, {"max_new_tokens": 8, "min_new_tokens": 3, **forced})
     assert len(out["output_ids"]) == 4 and out["output_ids"][-1] == tok and tok not in out["output_ids"][:3]
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    engine.check_memory_invariant()
+
+
+def test_engine_min_new_tokens_holds_back_a_stop_string(engine: Any) -> None:
+    """A stop string seen before min_new_tokens does not end the output (EOS and stop ids are masked
+    by the sampler; the string check waits in the scheduler)."""
+    out = engine.generate(PROMPT, {"max_new_tokens": 6, **GREEDY})
+    first = engine.tokenizer.decode(out["output_ids"][:1])
+    stop = first.strip() or first
+    early = engine.generate(PROMPT, {"max_new_tokens": 6, "stop": [stop], **GREEDY})
+    assert len(early["output_ids"]) == 1
+    held = engine.generate(PROMPT, {"max_new_tokens": 6, "stop": [stop], "min_new_tokens": 4, **GREEDY})
+    assert len(held["output_ids"]) >= 4 and held["output_ids"][:4] == out["output_ids"][:4]
     engine.check_memory_invariant()
