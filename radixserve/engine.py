@@ -35,7 +35,7 @@ from radixserve.sched.build import build_kv, request_slots
 from radixserve.sched.build import build_scheduler as build_sched
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
-from radixserve.sched.io import ReqOutput
+from radixserve.sched.io import OutRow
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
 
@@ -78,7 +78,7 @@ class _Tracked:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    last: ReqOutput | None = None
+    last: OutRow | None = None
     start: float = 0.0
     ttft: float | None = None
 

@@ -8,7 +8,7 @@ their collaborators explicitly and never see a scheduler:
     Intake ──────────────── validation, priority, deadline admission, queue cap, aborts, timeouts
     Ordering ────────────── the policy's order, aging, returned victims, queue-aware eviction marks
     Preemption ──────────── priority preemption, decode retraction (thrash.py: the victim rules)
-    Outputs ─────────────── tokens onto requests, stop checks, finishing, ReqOutput records
+    Outputs ─────────────── tokens onto requests, stop checks, finishing, BatchOut rows
     DeadlineAdmission ───── step-time measurements and the TTFT prediction
     KVManager ───────────── the one door to KV memory (request slots, KV slots, the prefix cache)
 
@@ -31,9 +31,9 @@ import torch
 from radixserve.config import ServerArgs
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, Runner
 from radixserve.sched.deadline import DeadlineAdmission
-from radixserve.sched.finish import FINISH_ABORT, BaseFinishReason
+from radixserve.sched.finish import FINISH_ABORT, FinishReason
 from radixserve.sched.intake import Intake
-from radixserve.sched.io import ReqOutput
+from radixserve.sched.io import BatchOut
 from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.ordering import Ordering, ReturnedVictims
 from radixserve.sched.output import Outputs
@@ -164,11 +164,11 @@ class SchedulerCore:
     def abort_request(self, rid: str, message: str = "aborted by the client", status_code: int = 499) -> bool:
         return self.intake.abort(rid, message, status_code)
 
-    def finish(self, req: Req, reason: BaseFinishReason) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
         """End a request that holds no KV (refused before it was queued) through the output path."""
         self.outputs.finish(req, reason)
 
-    def take_outputs(self) -> list[ReqOutput]:
+    def take_outputs(self) -> BatchOut:
         return self.outputs.take()
 
     # --- one step --------------------------------------------------------------------------------
@@ -178,7 +178,7 @@ class SchedulerCore:
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         raise NotImplementedError
 
-    def step(self) -> list[ReqOutput]:
+    def step(self) -> BatchOut:
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         if batch is not None:
@@ -205,7 +205,7 @@ class SchedulerCore:
         the scheduler allows (``Scheduler``: not when the next decode would have to retract)."""
         return running.batch.forward_mode is ForwardMode.DECODE and not self.settings.prio.enabled
 
-    def step_overlapped(self) -> list[ReqOutput]:
+    def step_overlapped(self) -> BatchOut:
         """One iteration of SGLang's overlap loop: schedule step N+1 while step N's forward runs,
         launch it, then process step N's results (one step late). A request that step N finishes
         is in step N+1 too; the token it gets there is dropped, so outputs equal the normal loop's.
@@ -229,7 +229,7 @@ class SchedulerCore:
         self.last_batch = batch
         return self.outputs.take()
 
-    def drain_in_flight(self) -> list[ReqOutput]:
+    def drain_in_flight(self) -> BatchOut:
         """Wait for the running forward and process its results (stopping, or switching loops)."""
         running, self.in_flight = self.in_flight, None
         if running is not None:
@@ -287,7 +287,7 @@ class SchedulerCore:
     def event_loop(
         self,
         recv: Callable[[bool], list[Req | Command]],
-        send: Callable[[list[ReqOutput]], None],
+        send: Callable[[BatchOut], None],
         should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
         """The loop the options ask for: overlap unless ``overlap_enabled`` says otherwise."""
@@ -299,7 +299,7 @@ class SchedulerCore:
     def event_loop_normal(
         self,
         recv: Callable[[bool], list[Req | Command]],
-        send: Callable[[list[ReqOutput]], None],
+        send: Callable[[BatchOut], None],
         should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
         """recv(block) returns new requests (or ("abort", rid) commands); block when idle."""
@@ -308,7 +308,7 @@ class SchedulerCore:
     def event_loop_overlap(
         self,
         recv: Callable[[bool], list[Req | Command]],
-        send: Callable[[list[ReqOutput]], None],
+        send: Callable[[BatchOut], None],
         should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
         """``event_loop_normal`` with ``step_overlapped``: while a forward runs, the scheduler
@@ -321,8 +321,8 @@ class SchedulerCore:
                 send(outs)
 
     def _loop(
-        self, step: Callable[[], list[ReqOutput]], recv: Callable[[bool], list[Req | Command]],
-        send: Callable[[list[ReqOutput]], None], should_stop: Callable[[], bool],
+        self, step: Callable[[], BatchOut], recv: Callable[[bool], list[Req | Command]],
+        send: Callable[[BatchOut], None], should_stop: Callable[[], bool],
     ) -> None:
         while not should_stop():
             for item in recv(not self.has_work()):

@@ -1,7 +1,7 @@
-"""``Outputs``: a step's results become tokens on requests and ``ReqOutput`` records.
+"""``Outputs``: a step's results become tokens on requests and rows of the step's ``BatchOut``.
 
 It owns the end of a request's life: the stop checks (``check_finished``), finishing
-(``finish``: the finish reason, the counters, unregistering), and the records it emits: one per
+(``finish``: the finish reason, the counters, unregistering), and the rows it emits: one per
 request per step that produced a token of a streaming request, the first token, and the finish
 (``Req.stream``). ``process_decode_result`` is the fast path for decode steps without logprobs
 (it runs for every running request every step).
@@ -15,8 +15,8 @@ from itertools import compress
 from operator import attrgetter, ge, or_
 
 from radixserve.mem.forward_batch import ForwardOutput
-from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, BaseFinishReason
-from radixserve.sched.io import ReqOutput
+from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, FinishReason
+from radixserve.sched.io import BatchOut, DetokParams
 from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
@@ -34,15 +34,15 @@ class Outputs:
         self.clock = clock
         self.context_len = context_len
         self.detokenize = detokenize
-        self.records: list[ReqOutput] = []
+        self.records = BatchOut()
         # the overlap loop: a request that ends while a forward that includes it is still running
         # keeps its KV (and request slot, whose row that forward reads) until the forward is done
         self.in_flight: Callable[[Req], bool] | None = None
         self.held: list[Req] = []
 
-    def take(self) -> list[ReqOutput]:
-        """The records emitted since the last call."""
-        out, self.records = self.records, []
+    def take(self) -> BatchOut:
+        """The rows emitted since the last call."""
+        out, self.records = self.records, BatchOut()
         return out
 
     # --- a step's results ----------------------------------------------------------------------
@@ -113,7 +113,7 @@ class Outputs:
                 emit(req)
         return True
 
-    def check_finished(self, req: Req) -> BaseFinishReason | None:
+    def check_finished(self, req: Req) -> FinishReason | None:
         """Whether ``req`` stops after its last output token: EOS (unless ``ignore_eos``), a stop token
         id, ``max_new_tokens``, the context full, or a stop string in the detokenized tail."""
         sp = req.sampling_params
@@ -136,7 +136,7 @@ class Outputs:
         return None
 
     # --- the end of a request ------------------------------------------------------------------
-    def end(self, req: Req, reason: BaseFinishReason) -> None:
+    def end(self, req: Req, reason: FinishReason) -> None:
         """``req`` leaves: its KV goes to the cache (or is freed; later, while a running forward
         still includes it), then ``finish``."""
         if self.in_flight is not None and self.in_flight(req):
@@ -155,7 +155,7 @@ class Outputs:
             else:
                 self.kv.release(req)
 
-    def finish(self, req: Req, reason: BaseFinishReason) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
         """Record the finish reason, count it, unregister the request and emit its last record.
         The caller has dealt with its KV (``end`` does both)."""
         req.finished_reason = reason
@@ -169,23 +169,27 @@ class Outputs:
         self.emit(req)
 
     def emit(self, req: Req) -> None:
+        """A row for ``req``: its tokens since its last row (runs per request per step: the columns
+        are appended to directly)."""
         out_ids = req.output_ids
         n = len(out_ids)
         start = req.sent_len
         req.sent_len = n
         fst = req.first_scheduled_time
-        self.records.append(ReqOutput(  # positional: the fields' order (this runs per request per step)
-            req.rid,
-            out_ids[start:n],
-            req.finished_reason,
-            len(req.origin_input_ids),
-            n,
-            req.cached_tokens,
-            req.output_logprobs[start:n] if req.output_logprobs else [],
-            req.output_top_logprobs[start:n] if req.output_top_logprobs else [],
-            (fst - req.arrival_time) if fst else 0.0,
-            req.num_retractions,
-        ))
+        b = self.records
+        b.rids.append(req.rid)
+        b.token_ids.append(out_ids[start:n])
+        b.finished_reasons.append(req.finished_reason)
+        b.prompt_tokens.append(len(req.origin_input_ids))
+        b.completion_tokens.append(n)
+        b.cached_tokens.append(req.cached_tokens)
+        b.logprobs.append(req.output_logprobs[start:n] if req.output_logprobs else [])
+        b.top_logprobs.append(req.output_top_logprobs[start:n] if req.output_top_logprobs else [])
+        b.queue_times.append((fst - req.arrival_time) if fst else 0.0)
+        b.num_retractions.append(req.num_retractions)
+        if start == 0:  # the request's first row: how the detokenizer must decode it
+            sp = req.sampling_params
+            b.detok_params.append(DetokParams(req.rid, sp.stop, sp.skip_special_tokens))
 
 
 _get_finished_reason = attrgetter("finished_reason")

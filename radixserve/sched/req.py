@@ -20,7 +20,7 @@ from typing import Any
 
 from radixserve.mem.base_cache import BasePrefixCache, RadixKey
 from radixserve.mem.radix_cache import TreeNode
-from radixserve.sched.finish import FINISH_ABORT, BaseFinishReason
+from radixserve.sched.finish import FINISH_ABORT, FinishReason
 from radixserve.sched.sampling_params import SamplingParams
 
 LPM_STALE = 1 << 200  # Req.lpm_key of a request lpm must match (again); above every real key
@@ -64,7 +64,7 @@ class Req:
         self.is_chunked = False
 
         # outcome & stats
-        self.finished_reason: BaseFinishReason | None = None
+        self.finished_reason: FinishReason | None = None
         self.to_abort: FINISH_ABORT | None = None
         self.cached_tokens = 0
         self.num_retractions = 0

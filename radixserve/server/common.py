@@ -10,8 +10,10 @@ from typing import Any
 
 from starlette.requests import Request
 
+from radixserve.sched.finish import FINISH_ABORT
+from radixserve.sched.io import OutRow
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
-from radixserve.server.io_struct import FinishReason, GenerateReq, StrOut
+from radixserve.server.io_struct import GenerateReq
 from radixserve.server.protocol import APIError
 from radixserve.server.tokenizer_manager import (
     ClientGone,
@@ -67,7 +69,7 @@ def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, max_tokens: int | 
     return max_tokens
 
 
-def abort_error(fr: FinishReason) -> APIError:
+def abort_error(fr: FINISH_ABORT) -> APIError:
     headers = {"Retry-After": "1"} if fr.status_code == 429 else None
     return APIError(fr.message, status_code=fr.status_code, err_type=fr.err_type or "invalid_request_error",
                     code=fr.code or "aborted", param=fr.param, headers=headers)
@@ -110,9 +112,9 @@ class Call:
             self.group.fail(ClientGone())
             self.group.close()
 
-    def error_of(self, o: StrOut) -> APIError | None:
+    def error_of(self, o: OutRow) -> APIError | None:
         fr = o.finished_reason
-        if fr is None or not fr.is_abort or (fr.status_code == 499 and not self.abort_is_error):
+        if not isinstance(fr, FINISH_ABORT) or (fr.status_code == 499 and not self.abort_is_error):
             return None
         return abort_error(fr)
 
@@ -136,11 +138,11 @@ class Call:
             self.close()
         return self.group.states
 
-    async def first_outputs(self) -> list[tuple[ReqState, StrOut]]:
+    async def first_outputs(self) -> list[tuple[ReqState, OutRow]]:
         """Streaming: wait for each request's first output before the response starts, so a
         refusal (429, 400) is still an HTTP status and not an event inside a 200 stream."""
         assert self.group is not None
-        items: list[tuple[ReqState, StrOut]] = []
+        items: list[tuple[ReqState, OutRow]] = []
         seen: set[str] = set()
         try:
             while len(seen) < len(self.group.states):
@@ -158,7 +160,7 @@ class Call:
             raise
         return items
 
-    async def stream(self, first: list[tuple[ReqState, StrOut]]) -> AsyncIterator[tuple[ReqState, StrOut]]:
+    async def stream(self, first: list[tuple[ReqState, OutRow]]) -> AsyncIterator[tuple[ReqState, OutRow]]:
         assert self.group is not None
         for item in first:
             yield item

@@ -19,15 +19,8 @@ import zmq
 from radixserve.config import ServerArgs
 from radixserve.model.detokenize import IncrementalDetokenizer
 from radixserve.model.tokenizer import Tokenizer
-from radixserve.server.io_struct import (
-    ENCODER,
-    BatchStrOut,
-    BatchTokenOut,
-    ProcReady,
-    StrOut,
-    TokenOut,
-    decoder,
-)
+from radixserve.sched.io import BatchOut, DetokParams
+from radixserve.server.io_struct import ENCODER, ProcReady, decoder
 from radixserve.server.procs import IpcNames, child_init, drain, parent_alive, pull_socket, push_socket
 
 logger = logging.getLogger(__name__)
@@ -49,39 +42,61 @@ class DetokenizerManager:
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
         self.states: dict[str, _DetokState] = {}
+        self.params: dict[str, DetokParams] = {}  # announced, not yet seen in a row
 
-    def handle(self, batch: BatchTokenOut) -> list[StrOut]:
-        outs: list[StrOut] = []
-        for o in batch.outputs:
-            out = self.handle_one(o)
-            if out is not None:
-                outs.append(out)
-        return outs
+    def handle(self, batch: BatchOut) -> BatchOut | None:
+        """``batch`` with its ``texts`` column filled, the same record when every row goes out (the
+        common case); with ``--stream-interval`` a new one holding the rows due (None: none is)."""
+        for p in batch.detok_params:
+            self.params[p.rid] = p
+        texts: list[str] = []
+        merged: BatchOut | None = None  # rows held back or merged: the rows due, rebuilt
+        for i, o in enumerate(batch):
+            st = self.states.get(o.rid)
+            if st is None:
+                st = self.states[o.rid] = self._new_state(o.rid)
+            finished = o.finished_reason is not None
+            text = st.detok.feed(o.new_token_ids, finished=finished)
+            if finished:
+                del self.states[o.rid]
+            if self.stream_interval == 1:
+                texts.append(text)
+                continue
+            fresh = not st.ids  # nothing held back for this request before this row
+            st.text += text
+            st.ids.extend(o.new_token_ids)
+            st.logprobs.extend(o.new_logprobs)
+            st.top_logprobs.extend(o.new_top_logprobs)
+            if not finished and len(st.ids) < self.stream_interval:
+                if merged is None:
+                    merged = self._rows_before(batch, i, texts)
+                continue
+            if merged is None and fresh:
+                texts.append(st.text)  # nothing merged into this row: it goes as it is
+            else:
+                if merged is None:
+                    merged = self._rows_before(batch, i, texts)
+                merged.add_row(o, st.ids, st.logprobs, st.top_logprobs, st.text)
+            st.text, st.ids, st.logprobs, st.top_logprobs = "", [], [], []
+        if merged is not None:
+            return merged if merged.rids else None
+        batch.texts = texts
+        batch.detok_params = []
+        return batch
 
-    def handle_one(self, o: TokenOut) -> StrOut | None:
-        st = self.states.get(o.rid)
-        if st is None:
-            tok = self.tokenizer
-            skip = o.skip_special_tokens
-            st = self.states[o.rid] = _DetokState(
-                IncrementalDetokenizer(lambda ids: tok.decode(ids, skip), o.stop or ())
-            )
-        finished = o.finished_reason is not None
-        st.text += st.detok.feed(o.new_token_ids, finished=finished)
-        st.ids.extend(o.new_token_ids)
-        st.logprobs.extend(o.new_logprobs)
-        st.top_logprobs.extend(o.new_top_logprobs)
-        if finished:
-            del self.states[o.rid]
-        elif len(st.ids) < self.stream_interval:
-            return None
-        out = StrOut(
-            rid=o.rid, text=st.text, new_token_ids=st.ids, finished_reason=o.finished_reason,
-            prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens, cached_tokens=o.cached_tokens,
-            new_logprobs=st.logprobs, new_top_logprobs=st.top_logprobs, queue_time=o.queue_time,
-            num_retractions=o.num_retractions, dp_rank=o.dp_rank,
-        )
-        st.text, st.ids, st.logprobs, st.top_logprobs = "", [], [], []
+    def _new_state(self, rid: str) -> _DetokState:
+        p = self.params.pop(rid, None)
+        tok = self.tokenizer
+        skip = p.skip_special_tokens if p is not None else True
+        return _DetokState(IncrementalDetokenizer(lambda ids: tok.decode(ids, skip), p.stop if p is not None else ()))
+
+    @staticmethod
+    def _rows_before(batch: BatchOut, n: int, texts: list[str]) -> BatchOut:
+        """A new record with ``batch``'s first ``n`` rows (all sent as they were) and their texts."""
+        out = BatchOut(dp_rank=batch.dp_rank)
+        for k in range(n):
+            o = batch[k]
+            out.add_row(o, o.new_token_ids, o.new_logprobs, o.new_top_logprobs, texts[k])
         return out
 
 
@@ -98,14 +113,14 @@ def run_detokenizer_process(args: ServerArgs, ipc: IpcNames, parent_pid: int) ->
         time.sleep(0.2)
         sys.exit(1)
     to_tm.send(ENCODER.encode(ProcReady("detokenizer")))
-    dec = decoder(BatchTokenOut)
+    dec = decoder(BatchOut)
     try:
         while parent_alive(parent_pid):
             if not recv_sock.poll(int(POLL_S * 1000)):
                 continue
             for raw in drain(recv_sock):
-                outs = manager.handle(dec.decode(raw))
-                if outs:
-                    to_tm.send(ENCODER.encode(BatchStrOut(outs)))
+                out = manager.handle(dec.decode(raw))
+                if out is not None:
+                    to_tm.send(ENCODER.encode(out))
     finally:
         ctx.destroy(linger=0)

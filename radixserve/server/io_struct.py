@@ -1,7 +1,7 @@
 """Typed messages between the three server processes (msgpack via msgspec; no pickles).
 
     HTTP process (TokenizerManager) ──GenerateReq / AbortReq / ControlReq──> scheduler process
-    scheduler process ──BatchTokenOut──> detokenizer process ──BatchStrOut──> TokenizerManager
+    scheduler process ──BatchOut──> detokenizer process ──BatchOut (+ texts)──> TokenizerManager
     scheduler process ──ControlReply / SchedulerStats / ProcReady──> TokenizerManager
     detokenizer process ──ProcReady──> TokenizerManager
 
@@ -11,6 +11,8 @@ them; each scheduler answers a ``ControlReq`` with its own ``ControlReply`` (tag
 rank) and reports its ``RankLoad`` to the controller after its steps.
 
 One struct per message; every struct is tagged, so a socket decodes the union of what it may get.
+The outputs are one record the whole way (``sched.io.BatchOut``), as are the sampling params
+(``sched.sampling_params.SamplingParams``) and finish reasons (``sched.finish``).
 """
 
 from __future__ import annotations
@@ -19,47 +21,8 @@ from typing import Any
 
 import msgspec
 
-from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, BaseFinishReason
+from radixserve.sched.io import BatchOut
 from radixserve.sched.sampling_params import SamplingParams
-
-
-class FinishReason(msgspec.Struct, frozen=True):
-    """A finish reason on the wire: ``type`` is stop / length / abort, as SGLang's meta_info."""
-
-    type: str
-    matched: int | str | None = None
-    length: int = 0
-    message: str = ""
-    status_code: int = 200
-    err_type: str = ""
-    code: str = ""
-    param: str | None = None
-
-    @classmethod
-    def from_reason(cls, r: BaseFinishReason) -> FinishReason:
-        if isinstance(r, FINISH_ABORT):
-            return cls("abort", message=r.message, status_code=r.status_code, err_type=r.err_type,
-                       code=r.code, param=r.param)
-        if isinstance(r, FINISH_LENGTH):
-            return cls("length", length=r.length)
-        if isinstance(r, FINISH_STOP):
-            return cls("stop", matched=r.matched)
-        return cls("stop")
-
-    @property
-    def is_abort(self) -> bool:
-        return self.type == "abort"
-
-    @property
-    def openai_reason(self) -> str:
-        return {"stop": "stop", "length": "length"}.get(self.type, "abort")
-
-    def to_json(self) -> dict[str, Any]:
-        if self.type == "abort":
-            return {"type": "abort", "message": self.message, "status_code": self.status_code, "code": self.code}
-        if self.type == "length":
-            return {"type": "length", "length": self.length}
-        return {"type": "stop", "matched": self.matched}
 
 
 # --- HTTP process -> scheduler ---------------------------------------------------------------------
@@ -97,48 +60,6 @@ class ControlReq(msgspec.Struct, tag=True):
     req_id: int
     op: str
     params: dict[str, Any] | None = None
-
-
-# --- scheduler -> detokenizer ----------------------------------------------------------------------
-class TokenOut(msgspec.Struct):
-    rid: str
-    new_token_ids: list[int]
-    finished_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    new_logprobs: list[float] = []
-    new_top_logprobs: list[list[tuple[int, float]]] = []
-    queue_time: float = 0.0
-    num_retractions: int = 0
-    # what the detokenizer needs to know about the request (it reads them on first sight)
-    stop: list[str] | None = None
-    skip_special_tokens: bool = True
-    dp_rank: int = 0  # the data-parallel rank that ran the request
-
-
-class BatchTokenOut(msgspec.Struct, tag=True):
-    outputs: list[TokenOut]
-
-
-# --- detokenizer -> HTTP process -------------------------------------------------------------------
-class StrOut(msgspec.Struct):
-    rid: str
-    text: str  # the new text that is safe to show (no broken UTF-8, no stop string)
-    new_token_ids: list[int]
-    finished_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    new_logprobs: list[float] = []
-    new_top_logprobs: list[list[tuple[int, float]]] = []
-    queue_time: float = 0.0
-    num_retractions: int = 0
-    dp_rank: int = 0
-
-
-class BatchStrOut(msgspec.Struct, tag=True):
-    outputs: list[StrOut]
 
 
 # --- scheduler -> HTTP process ---------------------------------------------------------------------
@@ -195,8 +116,8 @@ class LoadProgress(msgspec.Struct, tag=True):
 
 ToScheduler = GenerateReq | AbortReq | ControlReq
 ToController = GenerateReq | AbortReq | ControlReq | RankLoad
-ToDetokenizer = BatchTokenOut
-ToTokenizerManager = BatchStrOut | ControlReply | SchedulerStats | ProcReady | LoadProgress
+ToDetokenizer = BatchOut
+ToTokenizerManager = BatchOut | ControlReply | SchedulerStats | ProcReady | LoadProgress
 
 
 def decoder(union: Any) -> msgspec.msgpack.Decoder:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from radixserve.server.io_struct import SchedulerStats, StrOut
+from radixserve.sched.io import OutRow
+from radixserve.server.io_struct import SchedulerStats
 
 if TYPE_CHECKING:
     from radixserve.server.tokenizer_manager import ReqState
@@ -114,7 +115,7 @@ class ServerMetrics:
                     counter.labels(**cls).inc(now_n - prev_n)
             self._last_by_class[(s.dp_rank, priority, tenant)] = (counts[0], counts[1], counts[2])
 
-    def on_request_finished(self, st: ReqState, last: StrOut, now: float) -> None:
+    def on_request_finished(self, st: ReqState, last: OutRow, now: float) -> None:
         lb = {**self.labels, "dp_rank": str(last.dp_rank)}
         e2e = now - st.created
         self.e2e.labels(**lb).observe(e2e)

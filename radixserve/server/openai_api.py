@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.model.tokenizer import ChatTemplateError
+from radixserve.sched.io import OutRow
 from radixserve.server.common import (
     SSE_DONE,
     SSE_HEADERS,
@@ -31,7 +32,7 @@ from radixserve.server.common import (
     sse,
     stream_error,
 )
-from radixserve.server.io_struct import GenerateReq, StrOut
+from radixserve.server.io_struct import GenerateReq
 from radixserve.server.pd_fields import bootstrap_fields
 from radixserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from radixserve.server.sched_fields import SchedFields, sched_fields
@@ -116,7 +117,7 @@ class OpenAIServing:
         })
 
     async def _chat_stream(
-        self, call: Call, first: list[tuple[ReqState, StrOut]], body: ChatCompletionRequest, rid: str, created: int
+        self, call: Call, first: list[tuple[ReqState, OutRow]], body: ChatCompletionRequest, rid: str, created: int
     ) -> AsyncIterator[bytes]:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.tm.model_name}
         if body.include_usage:
@@ -222,7 +223,7 @@ class OpenAIServing:
         })
 
     async def _completion_stream(
-        self, call: Call, first: list[tuple[ReqState, StrOut]], body: CompletionRequest, rid: str, created: int,
+        self, call: Call, first: list[tuple[ReqState, OutRow]], body: CompletionRequest, rid: str, created: int,
         echo: list[str], prompts: list[list[int]],
     ) -> AsyncIterator[bytes]:
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.tm.model_name}

@@ -23,17 +23,19 @@ from radixserve.disagg.decode import DecodeRooms, NoKVRoom
 from radixserve.disagg.prefill import PrefillRooms
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
-from radixserve.sched.io import ReqOutput
+from radixserve.sched.io import BatchOut, DetokParams
 from radixserve.sched.req import Req
 from radixserve.server.io_struct import GenerateReq
 
 logger = logging.getLogger(__name__)
 
-Send = Callable[[list[ReqOutput]], None]
+Send = Callable[[BatchOut], None]
 
 
-def _abort(req: Req, message: str, status: int, code: str) -> ReqOutput:
-    return ReqOutput(req.rid, [], FINISH_ABORT(message, status_code=status, code=code), req.prompt_len, 0, 0)
+def _abort(req: Req, message: str, status: int, code: str) -> BatchOut:
+    out = BatchOut()
+    out.add(req.rid, [], FINISH_ABORT(message, status_code=status, code=code), req.prompt_len, 0, 0)
+    return out
 
 
 class PDWorker:
@@ -87,12 +89,12 @@ class PDWorker:
         assert self.decode is not None
         self._release_holds()
         ready: list[Req] = []
-        outs: list[ReqOutput] = []
+        outs = BatchOut()
         for a in self.decode.poll():
             req: Req = a.payload
             if a.error:
                 status = 504 if "within" in a.error else 502
-                outs.append(_abort(req, a.error, status, "disaggregation_error"))
+                outs.extend(_abort(req, a.error, status, "disaggregation_error"))
                 continue
             req.output_ids = [a.first_token]
             if req.sampling_params.logprobs:
@@ -104,8 +106,10 @@ class PDWorker:
                     else FINISH_LENGTH(1) if req.max_new_tokens <= 1 else None)
             if done is not None:  # the first token is the whole answer: nothing to decode
                 self.sched.tree_cache.dec_lock_ref(a.node)
-                outs.append(ReqOutput(req.rid, [first], done, req.prompt_len, 1, req.prompt_len,
-                                      list(req.output_logprobs), list(req.output_top_logprobs)))
+                outs.add(req.rid, [first], done, req.prompt_len, 1, req.prompt_len,
+                         list(req.output_logprobs), list(req.output_top_logprobs))
+                sp = req.sampling_params
+                outs.detok_params.append(DetokParams(req.rid, sp.stop, sp.skip_special_tokens))
                 continue
             self.holds.append((req, a.node))
             ready.append(req)
@@ -136,14 +140,14 @@ class PDWorker:
         try:
             self.decode.open(b.room, bootstrap, req.origin_input_ids, req)
         except NoKVRoom as e:
-            send([_abort(req, str(e), 429, "kv_exhausted")])
+            send(_abort(req, str(e), 429, "kv_exhausted"))
             return None
         except ValueError as e:
-            send([_abort(req, str(e), 400, "invalid_request")])
+            send(_abort(req, str(e), 400, "invalid_request"))
             return None
         return None
 
-    def on_outputs(self, outs: list[ReqOutput]) -> None:
+    def on_outputs(self, outs: BatchOut) -> None:
         """Prefill side: a room's request finished; its KV goes to the decode worker."""
         if self.prefill is None or not self.prefill_rooms:
             return
@@ -170,7 +174,7 @@ class PDWorker:
         req = self.decode.abort(lambda r: r.rid == rid)
         if req is None:
             return False
-        send([_abort(req, "aborted by the client", 499, "aborted")])
+        send(_abort(req, "aborted by the client", 499, "aborted"))
         return True
 
     # --- introspection --------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 
 Each loop iteration (SGLang's ``recv_requests``): drain every message that arrived without
 blocking, or, with nothing to do, wait up to ``IDLE_POLL_S`` for one; then run one step and send
-its ``ReqOutput`` records on to the detokenizer as one ``BatchTokenOut``. Control messages
+its ``BatchOut`` on to the detokenizer. Control messages
 (flush_cache, get_load, memory) are answered between steps, when the scheduler state is whole.
 
 Every ``--decode-log-interval`` decode steps it logs a line like SGLang's::
@@ -30,22 +30,19 @@ from radixserve.config import ServerArgs
 from radixserve.engine import build_scheduler
 from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.core import SchedulerCore, calm_garbage_collector
-from radixserve.sched.io import ReqOutput
+from radixserve.sched.io import BatchOut
 from radixserve.sched.req import Req
 from radixserve.server.cache_events import CacheEventPublisher, bind_endpoint
 from radixserve.server.io_struct import (
     ENCODER,
     AbortReq,
-    BatchTokenOut,
     ControlReply,
     ControlReq,
-    FinishReason,
     GenerateReq,
     LoadProgress,
     ProcReady,
     RankLoad,
     SchedulerStats,
-    TokenOut,
     ToScheduler,
     decoder,
 )
@@ -177,7 +174,6 @@ class SchedulerServer:
         self.decoder = decoder(ToScheduler)
         self.eos_token_ids = scheduler.eos_token_ids
         # what the detokenizer needs about a request, sent along with its first output
-        self.pending_meta: dict[str, tuple[list[str], bool]] = {}
         self._last_decode_logged = 0
         self._last_prefill_logged: object = None
         self._last_stats_time = 0.0
@@ -227,15 +223,15 @@ class SchedulerServer:
                     self.publisher.flush()
         return items
 
-    def send(self, outs: list[ReqOutput]) -> None:
+    def send(self, outs: BatchOut) -> None:
         if self.pd is not None:
             self.pd.on_outputs(outs)
-        self.to_detok.send(ENCODER.encode(BatchTokenOut([self._token_out(o) for o in outs])))
+        outs.dp_rank = self.dp_rank
+        self.to_detok.send(ENCODER.encode(outs))
 
     # --- requests --------------------------------------------------------------------------------
     def _make_req(self, msg: GenerateReq) -> Req | None:
         params = msg.sampling_params  # validated by the HTTP process
-        self.pending_meta[msg.rid] = (list(params.stop), params.skip_special_tokens)
         now = self.sched.clock()
         req = Req(msg.rid, msg.input_ids, params, arrival_time=now, priority=msg.priority,
                   eos_token_ids=self.eos_token_ids, stream=msg.stream)
@@ -258,24 +254,6 @@ class SchedulerServer:
             outs = self.sched.take_outputs()  # refusals and aborts of waiting requests, emitted at once
             if outs:
                 self.send(outs)
-
-    def _token_out(self, o: ReqOutput) -> TokenOut:
-        meta = self.pending_meta.pop(o.rid, None) if o.finished_reason is not None else self.pending_meta.get(o.rid)
-        return TokenOut(
-            rid=o.rid,
-            new_token_ids=list(o.new_token_ids),
-            finished_reason=FinishReason.from_reason(o.finished_reason) if o.finished_reason else None,
-            prompt_tokens=o.prompt_tokens,
-            completion_tokens=o.completion_tokens,
-            cached_tokens=o.cached_tokens,
-            new_logprobs=list(o.new_logprobs),
-            new_top_logprobs=[list(t) for t in o.new_top_logprobs],
-            queue_time=o.queue_time,
-            num_retractions=o.num_retractions,
-            stop=meta[0] if meta is not None else None,
-            skip_special_tokens=meta[1] if meta is not None else True,
-            dp_rank=self.dp_rank,
-        )
 
     # --- control ---------------------------------------------------------------------------------
     def _control(self, op: str, params: dict[str, Any] | None = None) -> dict[str, Any]:

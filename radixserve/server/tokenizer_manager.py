@@ -27,17 +27,16 @@ import zmq.asyncio
 
 from radixserve.config import ServerArgs
 from radixserve.model.tokenizer import Tokenizer
+from radixserve.sched.io import BatchOut, OutRow
 from radixserve.server.io_struct import (
     ENCODER,
     AbortReq,
-    BatchStrOut,
     ControlReply,
     ControlReq,
     GenerateReq,
     LoadProgress,
     ProcReady,
     SchedulerStats,
-    StrOut,
     ToTokenizerManager,
     decoder,
 )
@@ -67,7 +66,7 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    last: StrOut | None = None
+    last: OutRow | None = None
     first_token_time: float | None = None
     finished: bool = False
     priority: int | None = None  # per-class metrics
@@ -87,7 +86,7 @@ class RequestGroup:
         self.reqs = reqs
         self.states = [ReqState(r.rid, i, now, priority=r.priority, tenant=r.tenant) for i, r in enumerate(reqs)]
         self.by_rid = {s.rid: s for s in self.states}
-        self.queue: asyncio.Queue[tuple[ReqState, StrOut] | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[ReqState, OutRow] | BaseException] = asyncio.Queue()
         self.closed = False
         self._finished_taken = 0
 
@@ -96,11 +95,11 @@ class RequestGroup:
         """Every request's last output has been taken from the queue (not just received)."""
         return self._finished_taken == len(self.states)
 
-    async def outputs(self) -> AsyncIterator[tuple[ReqState, StrOut]]:
+    async def outputs(self) -> AsyncIterator[tuple[ReqState, OutRow]]:
         while not self.done:
             yield await self.next()
 
-    async def next(self) -> tuple[ReqState, StrOut]:
+    async def next(self) -> tuple[ReqState, OutRow]:
         item = await self.queue.get()
         if isinstance(item, BaseException):
             raise item
@@ -241,8 +240,8 @@ class TokenizerManager:
             raw = await self.recv_sock.recv()
             try:
                 msg = self.decoder.decode(raw)
-                if isinstance(msg, BatchStrOut):
-                    self._dispatch(msg.outputs)
+                if isinstance(msg, BatchOut):
+                    self._dispatch(msg)
                 elif isinstance(msg, ControlReply):
                     entry = self.control_futures.get(msg.req_id)
                     if entry is not None and not entry[0].done():
@@ -257,7 +256,7 @@ class TokenizerManager:
             except Exception:
                 logger.exception("bad message from a server process")
 
-    def _dispatch(self, outs: list[StrOut]) -> None:
+    def _dispatch(self, outs: BatchOut) -> None:
         now = time.perf_counter()
         for o in outs:
             group = self.groups.get(o.rid)

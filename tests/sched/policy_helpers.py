@@ -6,7 +6,7 @@ import itertools
 
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
-from radixserve.sched.io import ReqOutput
+from radixserve.sched.io import OutRow
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
 from radixserve.sched.schedule_batch import ScheduleBatch
@@ -29,11 +29,11 @@ def submit(
     return req
 
 
-def aborts(outs: list[ReqOutput]) -> dict[str, FINISH_ABORT]:
+def aborts(outs: list[OutRow]) -> dict[str, FINISH_ABORT]:
     return {o.rid: o.finished_reason for o in outs if isinstance(o.finished_reason, FINISH_ABORT)}
 
 
-def assert_exact(outs: list[ReqOutput], reqs: list[Req]) -> None:
+def assert_exact(outs: list[OutRow], reqs: list[Req]) -> None:
     """Every request produced exactly what EchoRunner gives it alone (order never changes outputs)."""
     got = tokens(outs)
     for r in reqs:

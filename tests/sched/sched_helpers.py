@@ -7,7 +7,7 @@ from typing import Any
 
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_LENGTH
-from radixserve.sched.io import ReqOutput
+from radixserve.sched.io import OutRow
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
 from tests.fakes import expected_tokens
@@ -20,14 +20,14 @@ def submit(sched: SchedulerCore, rid: str, prompt: list[int], max_new: int = 8, 
     return req
 
 
-def tokens(outs: list[ReqOutput]) -> dict[str, list[int]]:
+def tokens(outs: list[OutRow]) -> dict[str, list[int]]:
     got: dict[str, list[int]] = {}
     for o in outs:
         got.setdefault(o.rid, []).extend(o.new_token_ids)
     return got
 
 
-def finals(outs: list[ReqOutput]) -> dict[str, ReqOutput]:
+def finals(outs: list[OutRow]) -> dict[str, OutRow]:
     fin = {o.rid: o for o in outs if o.finished_reason is not None}
     assert len(fin) == len([o for o in outs if o.finished_reason is not None]), "a request finished twice"
     return fin
@@ -38,7 +38,7 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(1, 1000) for _ in range(n)]
 
 
-def assert_exact(outs: list[ReqOutput], reqs: list[Req]) -> None:
+def assert_exact(outs: list[OutRow], reqs: list[Req]) -> None:
     got, fin = tokens(outs), finals(outs)
     for r in reqs:
         assert got[r.rid] == expected_tokens(r.origin_input_ids, r.max_new_tokens), r.rid

@@ -155,7 +155,7 @@ def test_abort_running_request() -> None:
     sched.step()
     assert len(a.output_ids) == 2
     assert sched.abort_request("a") is True
-    outs = sched.step()
+    outs = list(sched.step())
     assert [(o.rid, o.new_token_ids) for o in outs if o.rid == "a"] == [("a", [])]
     assert isinstance(a.finished_reason, FINISH_ABORT)
     assert a.output_ids == expected_tokens(a.origin_input_ids, 2)
@@ -217,7 +217,7 @@ def test_max_queued_requests_rejects_with_429() -> None:
     reason = c.finished_reason
     assert isinstance(reason, FINISH_ABORT)
     assert (reason.status_code, reason.err_type, reason.code) == (429, "rate_limit_error", "queue_full")
-    outs = sched.step()  # a and b leave the queue
+    outs = list(sched.step())  # a and b leave the queue
     d = submit(sched, "d", prompt(53, 4), 3)
     assert not d.finished()
     outs += drain(sched)

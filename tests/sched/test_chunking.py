@@ -11,7 +11,7 @@ def _workload(sched) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
     """Two short requests start decoding; then a long prompt arrives and is prefilled in chunks."""
     submit(sched, "s1", prompt(1, 8), 30)
     submit(sched, "s2", prompt(2, 9), 30)
-    outs = sched.step() + sched.step()  # their prefill, one decode
+    outs = [*sched.step(), *sched.step()]  # their prefill, one decode
     submit(sched, "long", prompt(3, 100), 5)
     return tokens(outs + drain(sched))
 

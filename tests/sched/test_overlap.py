@@ -14,7 +14,7 @@ import pytest
 
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
-from radixserve.sched.io import ReqOutput
+from radixserve.sched.io import OutRow
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
 from tests.fakes import EchoRunner, expected_tokens, make_scheduler
@@ -37,7 +37,7 @@ def _run(sched: SchedulerCore, first: list[Req], events: list[Event], overlap: b
     final: dict[str, Any] = {}
     pending = list(events)
     for _ in range(5000):
-        outs: list[ReqOutput] = sched.step_overlapped() if overlap else sched.step()
+        outs = sched.step_overlapped() if overlap else sched.step()
         for o in outs:
             seen.setdefault(o.rid, []).extend(o.new_token_ids)
             if o.finished_reason is not None:
@@ -83,7 +83,7 @@ def test_overlap_schedules_ahead_and_drops_the_extra_token() -> None:
     sched, runner, _ = make_scheduler(pool_tokens=512)
     p = prompt(7, 10)
     sched.add_request(_req("x", p, 3))
-    outs: list[ReqOutput] = []
+    outs: list[OutRow] = []
     while sched.has_work():
         outs.extend(sched.step_overlapped())
     assert len(runner.batches) == 4  # prefill, 2 decodes, and a decode whose token is dropped

@@ -109,7 +109,7 @@ def test_preemption_for_kv_memory() -> None:
     sched, _, kv = make_scheduler(pool_tokens=64, enable_priority_scheduling=True)
     log = BatchLog(sched)
     low = submit(sched, "low", prompt(1, 10), max_new=40, priority=0)
-    outs = sched.step() + sched.step()
+    outs = [*sched.step(), *sched.step()]
     high = submit(sched, "high", prompt(2, 10), max_new=30, priority=20)
     outs += sched.step()
     assert log.steps[-1] == [("high", 0, 10)]
@@ -122,7 +122,7 @@ def test_no_preemption_for_memory_below_the_threshold() -> None:
     sched, _, _ = make_scheduler(pool_tokens=64, enable_priority_scheduling=True)
     log = BatchLog(sched)
     low = submit(sched, "low", prompt(1, 10), max_new=40, priority=0)
-    outs = sched.step() + sched.step()
+    outs = [*sched.step(), *sched.step()]
     high = submit(sched, "high", prompt(2, 10), max_new=30, priority=10)
     outs += sched.step()
     assert log.rids(-1) == ["low"] and low.num_preemptions == 0
@@ -135,7 +135,7 @@ def test_preemption_victim_is_least_important_then_latest() -> None:
     a = submit(sched, "a", prompt(1, 6), max_new=10, priority=0)
     b = submit(sched, "b", prompt(2, 6), max_new=10, priority=0)
     c = submit(sched, "c", prompt(3, 6), max_new=10, priority=5)
-    outs = sched.step() + sched.step()
+    outs = [*sched.step(), *sched.step()]
     n = submit(sched, "n", prompt(4, 6), max_new=4, priority=20)
     outs += sched.step()
     assert [r.num_preemptions for r in (a, b, c)] == [0, 1, 0]
@@ -196,7 +196,7 @@ def test_queue_timeout_aborts_a_request_never_scheduled() -> None:
     sched.clock = lambda: now[0]
     r1 = submit(sched, "r1", prompt(1, 6), max_new=30)
     r2 = submit(sched, "r2", prompt(2, 6), max_new=3)
-    outs = sched.step()
+    outs = list(sched.step())
     now[0] = 105.0  # waited exactly 5 s: not yet
     outs += sched.step()
     assert r2 in sched.waiting_queue

@@ -146,7 +146,7 @@ def test_single_request_out_of_memory_is_aborted() -> None:
     a = submit(sched, "a", prompt(14, 6), 10)
     sched.step()
     hog = kv.allocator.alloc(kv.available_size())
-    outs = sched.step()
+    outs = list(sched.step())
     assert [o.rid for o in outs] == ["a"]
     reason = outs[0].finished_reason
     assert isinstance(reason, FINISH_ABORT) and (reason.status_code, reason.code) == (500, "out_of_memory")

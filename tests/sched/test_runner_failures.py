@@ -11,7 +11,7 @@ import pytest
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
-from radixserve.sched.io import ReqOutput
+from radixserve.sched.io import OutRow
 from tests.fakes import EchoRunner, drain, expected_tokens, make_scheduler
 from tests.sched.sched_helpers import assert_exact, finals, prompt, submit
 
@@ -47,7 +47,7 @@ def _quiet_scheduler_logs() -> Any:
     logger.setLevel(level)
 
 
-def _assert_internal_error(out: ReqOutput) -> None:
+def _assert_internal_error(out: OutRow) -> None:
     reason = out.finished_reason
     assert isinstance(reason, FINISH_ABORT)
     assert (reason.status_code, reason.err_type, reason.code) == (500, "server_error", "internal_error")
@@ -58,7 +58,7 @@ def test_runner_failure_in_prefill_aborts_that_batch_only() -> None:
     p = prompt(70, 10)
     submit(sched, "a", p, 5)
     submit(sched, "b", prompt(71, 4), 5)
-    outs = sched.step()
+    outs = list(sched.step())
     assert sorted(o.rid for o in outs) == ["a", "b"]
     for o in outs:
         _assert_internal_error(o)
@@ -77,7 +77,7 @@ def test_runner_failure_in_decode() -> None:
     a = submit(sched, "a", p, 6)
     sched.step()
     sched.step()
-    outs = sched.step()  # the failing decode
+    outs = list(sched.step())  # the failing decode
     assert [o.rid for o in outs] == ["a"]
     _assert_internal_error(outs[0])
     assert a.output_ids == expected_tokens(p, 2)
@@ -93,7 +93,7 @@ def test_runner_failure_mid_chunk() -> None:
     p = prompt(74, 20)
     submit(sched, "a", p, 4)
     sched.step()
-    outs = sched.step()
+    outs = list(sched.step())
     _assert_internal_error(outs[0])
     assert sched.chunked_req is None
     assert kv.tree_cache.evictable_size() == 8  # the first chunk was computed and cached

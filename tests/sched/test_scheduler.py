@@ -12,7 +12,7 @@ import pytest
 from radixserve.mem.base_cache import ChunkCache
 from radixserve.mem.forward_batch import ForwardBatch
 from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
-from radixserve.sched.io import ReqOutput
+from radixserve.sched.io import OutRow
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
@@ -75,7 +75,7 @@ def test_prefix_shared_within_a_run() -> None:
     q = prompt(2, 16)
     e = submit(sched, "e", q, 6)
     f = submit(sched, "f", q, 6)
-    outs = sched.step()  # both prefilled in one batch: nothing to share yet
+    outs = list(sched.step())  # both prefilled in one batch: nothing to share yet
     g = submit(sched, "g", q + [9], 6)  # the prompt became shareable right after its prefill
     outs += drain(sched)
     assert_exact(outs, [e, f, g])
@@ -289,7 +289,7 @@ def test_random_workloads_stay_exact(seed: int) -> None:
     bases = [prompt(1000 * seed + i, rng.randint(4, 16)) for i in range(3)]
     live: list[Req] = []
     aborted: set[str] = set()
-    outs: list[ReqOutput] = []
+    outs: list[OutRow] = []
     for i in range(14):
         p = rng.choice(bases)[: rng.randint(1, 16)] + prompt(10_000 * seed + i, rng.randint(0, 6))
         max_new = rng.randint(1, 10)

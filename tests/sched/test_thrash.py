@@ -17,7 +17,7 @@ def test_preemption_cap_stops_thrashing() -> None:
         priority_scheduling_preemption_threshold=0, max_preemptions_per_request=2)
     low = submit(sched, "low", prompt(1, 8), 30, priority=0)
     reqs = [low]
-    outs = sched.step()
+    outs = list(sched.step())
     for i in range(3):
         outs += sched.step()  # low is decoding
         assert sched.running_batch.reqs == [low]

@@ -57,7 +57,7 @@ def test_prefix_cache_on_admission_and_max_num_seqs() -> None:
     log = BatchLog(sched)
     shared = prompt(1, 30)
     first = submit(sched, "first", shared + [5, 6], max_new=2)
-    outs = sched.step()
+    outs = list(sched.step())
     reqs = [submit(sched, f"r{i}", shared + prompt(10 + i, 4), max_new=3) for i in range(3)]
     outs += drain(sched)
     assert all(r.cached_tokens == 30 for r in reqs)
@@ -85,7 +85,7 @@ def test_preemption_victim(policy: str, victim: str) -> None:
     log = BatchLog(sched)
     a = submit(sched, "A", prompt(1, 16), max_new=20, priority=5)
     b = submit(sched, "B", prompt(2, 16), max_new=20, priority=9)
-    outs = sched.step()
+    outs = list(sched.step())
     c = submit(sched, "C", prompt(3, 16), max_new=20, priority=1)
     d = submit(sched, "D", prompt(4, 4), max_new=2, priority=0 if policy == "fcfs" else 9)
     outs += _run_until_preemption(sched, log)
@@ -117,7 +117,7 @@ def test_fcfs_ignores_priorities_and_aborts_and_timeouts_still_apply() -> None:
     submit(sched, "a", prompt(1, 6), max_new=6, priority=0)
     b = submit(sched, "b", prompt(2, 6), max_new=6, priority=-5)
     c = submit(sched, "c", prompt(3, 6), max_new=6)
-    outs = sched.step()
+    outs = list(sched.step())
     assert sched.abort_request("a")
     now[0] = 1.0
     outs += sched.step()  # a released; b admitted

@@ -341,4 +341,4 @@ def test_docs_list_every_field() -> None:
         assert not missing, (model.__name__, sorted(missing))
     from radixserve.sched.sampling_params import SamplingParams
 
-    assert not set(SamplingParams.__dataclass_fields__) - listed
+    assert not set(SamplingParams.__struct_fields__) - listed

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
+from radixserve.sched.finish import FINISH_LENGTH
+from radixserve.sched.io import BatchOut, DetokParams
 from radixserve.server.detokenizer_proc import DetokenizerManager
-from radixserve.server.io_struct import BatchTokenOut, FinishReason, TokenOut
 
 TEXT = "naïve café déjà vu — 東京 ✓ 🙂 done"
 
@@ -25,8 +26,12 @@ def _feed(mgr: DetokenizerManager, ids: list[int], stop: list[str] | None = None
     for i in range(0, len(ids), per_step):
         chunk = ids[i : i + per_step]
         last = i + per_step >= len(ids)
-        out = TokenOut("r", chunk, FinishReason("length") if last else None, 3, i + len(chunk), 0, stop=stop)
-        deltas += [s.text for s in mgr.handle(BatchTokenOut([out]))]
+        b = BatchOut()
+        b.add("r", chunk, FINISH_LENGTH(len(ids)) if last else None, 3, i + len(chunk), 0)
+        if i == 0:
+            b.detok_params.append(DetokParams("r", stop or []))
+        out = mgr.handle(b)
+        deltas += [o.text for o in out or ()]
     return deltas
 
 
@@ -55,3 +60,39 @@ def test_stream_interval_merges(tokenizer: Any) -> None:
     assert len(deltas) == -(-len(ids) // 3)
     assert "".join(deltas) == tokenizer.decode(ids)
     assert not mgr.states  # finished requests are forgotten
+
+
+def test_stream_interval_with_many_requests_keeps_each_ones_tokens_together(tokenizer: Any) -> None:
+    """Rows of several requests in one record, some due and some held back: each request's text and
+    tokens arrive whole and in order, a record of rows that are all due goes out as it came."""
+    mgr = DetokenizerManager(tokenizer, stream_interval=2)
+    texts = {"a": "alpha beta gamma delta", "b": "one two three four five", "c": "x"}
+    ids = {rid: tokenizer.encode(t) for rid, t in texts.items()}
+    got_ids: dict[str, list[int]] = {rid: [] for rid in ids}
+    got_text: dict[str, str] = {rid: "" for rid in ids}
+    step = 0
+    while any(len(got) < len(ids[rid]) for rid, got in got_ids.items()) and step < 50:
+        b = BatchOut()
+        for rid, want in ids.items():
+            if step < len(want):
+                last = step == len(want) - 1
+                b.add(rid, [want[step]], FINISH_LENGTH(len(want)) if last else None, 1, step + 1, 0)
+                if step == 0:
+                    b.detok_params.append(DetokParams(rid, []))
+        out = mgr.handle(b)
+        for o in out or ():
+            assert o.new_token_ids, "a row is sent only with its tokens"
+            got_ids[o.rid] += o.new_token_ids
+            got_text[o.rid] += o.text
+        step += 1
+    assert got_ids == ids
+    assert got_text == {rid: tokenizer.decode(v) for rid, v in ids.items()}
+    assert not mgr.states and not mgr.params
+
+
+def test_a_record_whose_rows_are_all_due_is_passed_on_as_it_is(tokenizer: Any) -> None:
+    mgr = DetokenizerManager(tokenizer)
+    b = BatchOut()
+    b.add("r", tokenizer.encode("hello"), FINISH_LENGTH(1), 1, 1, 0)
+    out = mgr.handle(b)
+    assert out is b and [o.text for o in out] == ["hello"]
