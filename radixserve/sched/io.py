@@ -26,8 +26,8 @@ import msgspec
 
 from radixserve.sched.finish import FinishReason
 
-_NO_FLOATS: list[float] = []  # shared by rows without logprobs: never appended to
-_NO_TOPS: list[list[tuple[int, float]]] = []
+NO_LOGPROBS: list[float] = []  # shared by rows without logprobs: never appended to
+NO_TOP_LOGPROBS: list[list[tuple[int, float]]] = []
 
 
 class DetokParams(msgspec.Struct, array_like=True):
@@ -55,8 +55,8 @@ class BatchOut(msgspec.Struct, tag=True):
 
     def add(
         self, rid: str, token_ids: list[int], reason: FinishReason | None, prompt_tokens: int,
-        completion_tokens: int, cached_tokens: int, logprobs: list[float] = _NO_FLOATS,
-        top_logprobs: list[list[tuple[int, float]]] = _NO_TOPS, queue_time: float = 0.0, num_retractions: int = 0,
+        completion_tokens: int, cached_tokens: int, logprobs: list[float] = NO_LOGPROBS,
+        top_logprobs: list[list[tuple[int, float]]] = NO_TOP_LOGPROBS, queue_time: float = 0.0, num_retractions: int = 0,
     ) -> None:
         self.rids.append(rid)
         self.token_ids.append(token_ids)

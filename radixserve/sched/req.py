@@ -77,6 +77,7 @@ class Req:
         self.lpm_order: Any = None  # lpm's total order key while in its kept queue (sched.lpm_order)
         self.admitted_before = False
         self.first_scheduled_time: float | None = None
+        self.queue_time = 0.0  # arrival -> first scheduled (set with first_scheduled_time)
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.output_logprobs: list[float] = []

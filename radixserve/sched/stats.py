@@ -85,6 +85,7 @@ class SchedStats:
         req.admitted_before = True
         req.cached_tokens = len(req.prefix_indices)
         req.first_scheduled_time = now
+        req.queue_time = now - req.arrival_time
         self.prompt_tokens += req.prompt_len
         self.cached_tokens += req.cached_tokens
         if req.queue_entry_time is not None and now - req.queue_entry_time > starvation_threshold:

@@ -330,16 +330,14 @@ class Fleet:
             eng.usage_max = max(eng.usage_max, usage)
             eng.max_running = max(eng.max_running, len(sched.running_batch.reqs))
             eng.max_waiting = max(eng.max_waiting, len(sched.waiting_queue))
-        for o in outs:
-            if o.finished_reason is None:
+        for rid, reason in zip(outs.rids, outs.finished_reasons, strict=True):
+            if reason is None or rid not in eng.live:
                 continue
-            if o.rid not in eng.live:
-                continue
-            eng.runner.forget(o.rid)
-            req = eng.live.pop(o.rid)
-            r = self.routed[o.rid]
-            trace.records.append(FleetRecord(o.rid, _record(req), eng.worker, eng.rank, r.branch, r.predicted))
-            self._push(clock.now, FINISH, o.rid)
+            eng.runner.forget(rid)
+            req = eng.live.pop(rid)
+            r = self.routed[rid]
+            trace.records.append(FleetRecord(rid, _record(req), eng.worker, eng.rank, r.branch, r.predicted))
+            self._push(clock.now, FINISH, rid)
         # a step that scheduled nothing while work remains waits for the next request routed here
         if sched.cur_batch is not None and sched.has_work():
             eng.scheduled = True

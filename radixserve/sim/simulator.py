@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from radixserve.config import ServerArgs
@@ -29,6 +30,8 @@ from radixserve.sched.sampling_params import SamplingParams
 from radixserve.sim import metrics
 from radixserve.sim.cost_model import CostModel
 from radixserve.sim.workload import EOS_TOKEN_ID, RequestSpec, stream_token
+
+_ENCODER = msgspec.msgpack.Encoder()
 
 VOCAB_SIZE = 32000
 
@@ -227,6 +230,7 @@ def run(
         fwd0, fwd_cpu0, busy0 = runner.wall, runner.cpu, runner.busy
         t0, c0 = time.perf_counter(), time.process_time()
         outs = sched.step()
+        _ENCODER.encode(outs)  # what the scheduler process does with them: part of its time per step
         spent = time.perf_counter() - t0 - (runner.wall - fwd0)
         spent_cpu = time.process_time() - c0 - (runner.cpu - fwd_cpu0)
         if sched.cur_batch is not None:
@@ -248,13 +252,13 @@ def run(
                 clock.now = max(clock.now, specs[i].arrival_time)
             elif stuck > 3:
                 raise RuntimeError(f"the scheduler has work but schedules nothing ({len(sched.waiting_queue)} waiting)")
-        for o in outs:
-            if o.finished_reason is None:
+        for rid, reason in zip(outs.rids, outs.finished_reasons, strict=True):
+            if reason is None:
                 continue
-            done_req = live.pop(o.rid, None)
+            done_req = live.pop(rid, None)
             if done_req is None:
                 continue
-            runner.forget(o.rid)
+            runner.forget(rid)
             trace.records.append(_record(done_req))
             if bar is not None:
                 bar.update(1)
