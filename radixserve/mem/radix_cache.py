@@ -105,6 +105,8 @@ class RadixCache(BasePrefixCache):
             get_eviction_strategy(eviction_policy) if isinstance(eviction_policy, str) else eviction_policy
         )
         self._heap = LeafHeap(self._strategy, self._leaves)
+        self.evicted_tokens = 0  # since start; a flush (which evicts everything) counts too
+        self.evicted_nodes = 0
         self.reset()
 
     @property
@@ -356,8 +358,10 @@ class RadixCache(BasePrefixCache):
             self.allocator.free(node.value)
             freed += len(node.value)
             self._delete_leaf(node)
+            self.evicted_nodes += 1
             if freed >= num_tokens:
                 break
+        self.evicted_tokens += freed
         return freed
 
     def _delete_leaf(self, node: TreeNode) -> None:

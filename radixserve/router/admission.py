@@ -75,6 +75,10 @@ class AdmissionQueue(Generic[T]):
     def waiting(self) -> int:
         return self._n
 
+    def classes(self) -> list[tuple[int, str, int]]:
+        """``(rank, tenant, waiters)`` for each class with waiters, in ``(rank, tenant)`` order."""
+        return [(rank, tenant, len(group)) for (rank, tenant), group in sorted(self._groups.items())]
+
     def admit(self, item: T, rank: int = 0, tenant: str = "", cost: float = 0.0) -> str:
         """``"now"`` (a slot is free and nobody waits: taken, charged), ``"queued"`` (``item``
         waits for ``release``) or ``"rejected"`` (the queue is full: answer 429)."""

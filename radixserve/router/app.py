@@ -6,8 +6,9 @@ Routes: ``/generate``, ``/v1/completions``, ``/v1/chat/completions`` (routed per
 through as it comes); ``/v1/models``, ``/get_model_info``, ``/get_server_info``, ``/health_generate``
 (any eligible worker); ``/flush_cache``, ``/abort_request``, ``/set_schedule_policy`` (every
 worker); ``/get_loads`` (every worker's ``/get_load``); ``GET/POST/DELETE /workers`` (the fleet at
-run time); ``/health`` (200 while every pool has an eligible worker); ``/metrics`` (Prometheus). With ``--api-key`` every route but ``/health``
-wants ``Authorization: Bearer <key>``.
+run time); ``/health`` (200 while every pool has an eligible worker); ``/metrics`` (Prometheus);
+``/dashboard`` (the live page, router/dashboard.py). With ``--api-key`` every route but ``/health``
+and the dashboard's page and static files wants ``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from typing import Any
 
 from aiohttp import web
 
+from radixserve import dashboard
 from radixserve.router.config import RouterArgs
+from radixserve.router.dashboard import router_state
 from radixserve.router.router import Router, error_response, routed_paths
 
 logger = logging.getLogger("radixserve.router")
@@ -32,7 +35,7 @@ def _auth_middleware(api_key: str | None) -> Any:
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
-        if api_key and request.path != "/health":
+        if api_key and request.path != "/health" and not dashboard.is_public(request.path):
             auth = request.headers.get("Authorization", "")
             key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
             if key != api_key:
@@ -143,7 +146,24 @@ def create_app(router: Router) -> web.Application:
         return web.Response(body=router.metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type": "version=0.0.4"})
 
+    async def dashboard_page(request: web.Request) -> web.Response:
+        return web.Response(body=dashboard.read(dashboard.PAGE), content_type="text/html", charset="utf-8",
+                            headers={"Cache-Control": "no-cache"})
+
+    async def dashboard_asset(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in dashboard.ASSETS:
+            return error_response(f"no dashboard file {name!r}", 404, "not_found")
+        return web.Response(body=dashboard.read(name), headers={"Content-Type": dashboard.ASSETS[name],
+                                                                "Cache-Control": "no-cache"})
+
+    async def dashboard_state(request: web.Request) -> web.Response:
+        return web.json_response(await router_state(router))
+
     app.router.add_get("/health", health)
+    app.router.add_get("/dashboard", dashboard_page)
+    app.router.add_get("/dashboard/static/{name}", dashboard_asset)
+    app.router.add_get("/dashboard/state", dashboard_state)
     app.router.add_route("*", "/flush_cache", flush_cache)
     app.router.add_get("/get_loads", get_loads)
     app.router.add_get("/workers", list_workers)

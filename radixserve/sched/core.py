@@ -361,7 +361,10 @@ class SchedulerCore:
     def _count_step(self, batch: ScheduleBatch, fb: ForwardBatch, seconds: float) -> None:
         s = self.stats
         s.forward_steps += 1
-        s.step_log.append((batch.forward_mode.name, len(batch.reqs), fb.num_tokens, seconds))
+        mode, bs, tokens = batch.forward_mode, len(batch.reqs), fb.num_tokens
+        s.step_log.append((mode.name, bs, tokens, seconds))
+        decode = tokens if mode is ForwardMode.DECODE else batch.num_decode
+        s.recent_steps.append((mode.name, bs, tokens - decode, decode, seconds))
         if batch.forward_mode.is_extend():
             s.prefill_steps += 1
         else:

@@ -32,6 +32,7 @@ class ScheduleBatch:
         self.extend_lens: list[int] = []
         self.prefix_lens: list[int] = []
         self.out_slots: list[int] = []
+        self.num_decode = 0  # rows of a MIXED step that decode one token (the rest extend)
         # (the requests, their per-request sampling lists and pool rows) of the last forward batch:
         # a running batch keeps its requests for many decode steps, so these are built once
         self._per_req: tuple[list[Req], tuple[list, ...]] | None = None
@@ -47,6 +48,7 @@ class ScheduleBatch:
         while the running batch it came from is already being rebuilt for the next step."""
         b = ScheduleBatch(self.reqs, self.forward_mode)
         b.extend_lens, b.prefix_lens = list(self.extend_lens), list(self.prefix_lens)
+        b.num_decode = self.num_decode
         return b
 
     def to_forward_batch(self, capture_logits: bool = False, pending: dict[int, int] | None = None) -> ForwardBatch:

@@ -162,6 +162,7 @@ class Scheduler(SchedulerCore):
         batch.prefix_lens.extend(positions)
         batch.extend_lens.extend([1] * len(positions))
         batch.out_slots.extend(slots)
+        batch.num_decode = len(positions)
         batch.forward_mode = ForwardMode.MIXED
         running.reqs = []
         self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)

@@ -1,4 +1,4 @@
-"""The scheduler's counters: ``SchedStats`` (totals and a log of recent forwards) and
+"""The scheduler's counters: ``SchedStats`` (totals and logs of recent forwards) and
 ``ClassCounters`` (preemptions, retractions and starved requests by priority and tenant), exported
 by ``/metrics`` (``server/metrics.py``).
 
@@ -18,6 +18,7 @@ from typing import Literal
 from radixserve.sched.req import Req
 
 MAX_CLASS_TENANTS = 100
+RECENT_STEPS = 120  # step compositions the dashboard shows (a few seconds of decoding)
 FIELDS = ("preemptions", "retractions", "starved")
 Field = Literal["preemptions", "retractions", "starved"]
 _INDEX = {f: i for i, f in enumerate(FIELDS)}
@@ -73,6 +74,10 @@ class SchedStats:
     by_class: ClassCounters = field(default_factory=ClassCounters)  # preemptions, retractions, starved by class
     # (mode name, batch size, tokens, wall seconds) of recent forwards, for benchmarks and logs
     step_log: deque[tuple[str, int, int, float]] = field(default_factory=lambda: deque(maxlen=20000))
+    # (mode name, batch size, prefill tokens, decode tokens, wall seconds) of the last forwards, for
+    # the dashboard: a MIXED step has both kinds. Short, so a dashboard poll copies it cheaply.
+    recent_steps: deque[tuple[str, int, int, int, float]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
     @property
     def cache_hit_rate(self) -> float:

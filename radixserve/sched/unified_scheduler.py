@@ -147,7 +147,9 @@ class UnifiedScheduler(SchedulerCore):
             start = req.num_computed_tokens
             decode = n == 1 and start >= req.prompt_len and start + 1 == req.num_tokens
             all_decode = all_decode and decode
-            if not decode:
+            if decode:
+                batch.num_decode += 1
+            else:
                 self.stats.prefill_tokens += n
             req.extend_input_len = n
             req.is_chunked = start + n < req.num_tokens

@@ -4,7 +4,9 @@ Three pieces of plain ASGI sit in front of the app (``_Guard``):
 - an HTTP/2 connection preface (``PRI * HTTP/2.0``, what routers send to probe for gRPC) gets a
   505 with ``Connection: close``; uvicorn closes that connection and keeps serving HTTP/1.1;
 - with ``--api-key``, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``
-  (``/openapi.json`` included);
+  (``/openapi.json`` included), or
+  ``X-API-Key``, except the dashboard's page and static files, which hold no data: the page
+  sends the key with its ``/dashboard/state`` calls (server/dashboard.py);
 - a request body over ``--max-request-body-bytes`` gets a 413: at once from its Content-Length,
   or, chunked, as soon as what arrived passes the limit.
 
@@ -34,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from radixserve import dashboard
 from radixserve.sched.sampling_params import SamplingParams
 from radixserve.server.cache_events import advertised_endpoints
 from radixserve.server.common import (
@@ -92,7 +95,8 @@ class _Guard:
                                "http2_not_supported")
                 await _send_json(send, 505, err.to_json(), close=True)
                 return
-            if self.api_key and scope.get("path") != "/health" and not self._authorized(scope):
+            path = scope.get("path", "")
+            if self.api_key and path != "/health" and not dashboard.is_public(path) and not self._authorized(scope):
                 err = APIError("Incorrect API key provided.", 401, "invalid_request_error", "invalid_api_key")
                 await _send_json(send, 401, err.to_json())
                 return
@@ -309,6 +313,27 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
         if tm.metrics is None:
             raise APIError("metrics are off; start the server with --enable-metrics", 404, code="not_found")
         return Response(tm.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # --- the live dashboard (server/dashboard.py, docs/dashboard.md) -------------------------------
+    @app.get("/dashboard")
+    async def dashboard_page() -> Response:
+        return Response(dashboard.read(dashboard.PAGE), media_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-cache"})
+
+    @app.get("/dashboard/static/{name}")
+    async def dashboard_asset(name: str) -> Response:
+        if name not in dashboard.ASSETS:
+            raise APIError(f"no dashboard file {name!r}", 404, code="not_found")
+        return Response(dashboard.read(name), media_type=dashboard.ASSETS[name], headers={"Cache-Control": "no-cache"})
+
+    @app.get("/dashboard/state")
+    async def dashboard_state() -> dict[str, Any]:
+        ranks = await tm.control("dashboard")
+        now = time.time()
+        return {"kind": "server", "time": now, "uptime_s": now - started, "version": VERSION,
+                "model": tm.model_name, "model_path": model_path, "dp_size": tm.dp_size,
+                "schedule_policy": ranks[0]["policy"], "policies": ranks[0]["policies"],
+                "ranks": ranks, "requests": tm.recent_requests.summary()}
 
     started = time.time()
     return _Guard(app, args.api_key, getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY))

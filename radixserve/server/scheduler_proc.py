@@ -4,7 +4,7 @@
 Each loop iteration (SGLang's ``recv_requests``): drain every message that arrived without
 blocking, or, with nothing to do, wait up to ``IDLE_POLL_S`` for one; then run one step and send
 its ``BatchOut`` on to the detokenizer. Control messages
-(flush_cache, get_load, memory) are answered between steps, when the scheduler state is whole.
+(flush_cache, get_load, memory, dashboard) are answered between steps, when the scheduler state is whole.
 
 Every ``--decode-log-interval`` decode steps it logs a line like SGLang's::
 
@@ -33,6 +33,7 @@ from radixserve.sched.core import SchedulerCore, calm_garbage_collector
 from radixserve.sched.io import BatchOut
 from radixserve.sched.req import Req
 from radixserve.server.cache_events import CacheEventPublisher, bind_endpoint
+from radixserve.server.dashboard import rank_snapshot
 from radixserve.server.io_struct import (
     ENCODER,
     AbortReq,
@@ -269,6 +270,8 @@ class SchedulerServer:
             return {"success": self.sched.flush_cache()}
         if op == "get_load":
             return self.load()
+        if op == "dashboard":
+            return rank_snapshot(self.sched, self.dp_rank)
         if op == "memory":
             return self.memory()
         return {"error": f"unknown control op {op!r}"}

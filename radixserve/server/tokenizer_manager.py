@@ -28,6 +28,7 @@ import zmq.asyncio
 from radixserve.config import ServerArgs
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.sched.io import BatchOut, OutRow
+from radixserve.server.dashboard import RecentRequests
 from radixserve.server.io_struct import (
     ENCODER,
     AbortReq,
@@ -144,6 +145,7 @@ class TokenizerManager:
         self.info: dict[str, Any] = {}  # from the scheduler's ready message
         self.sched_stats: SchedulerStats | None = None
         self.metrics = ServerMetrics(model_name) if args.enable_metrics else None
+        self.recent_requests = RecentRequests()  # TTFT / TPOT of the last finished requests (/dashboard)
         self.dead: str | None = None
         self.on_fatal: Callable[[str], None] = lambda reason: None
         self._tasks: list[asyncio.Task[None]] = []
@@ -273,6 +275,7 @@ class TokenizerManager:
             if o.finished_reason is not None:
                 st.finished = True
                 self.groups.pop(o.rid, None)  # a finished request needs no abort
+                self.recent_requests.add(st, o, now)
                 if self.metrics is not None:
                     self.metrics.on_request_finished(st, o, now)
             group.queue.put_nowait((st, o))
