@@ -41,7 +41,7 @@ def _classes(reqs: list[Req], low_first: bool, held: bool) -> dict[str, list[lis
     the largest value, or the smallest with ``low_first``; none last) and by tenant (``[tenant,
     requests, tokens]``, the most requests first, past ``MAX_TENANT_ROWS`` summed as ``"other"``).
     Tokens: ``held`` False, what the requests still have to compute (a waiting request's prompt
-    less what was already computed); ``held`` True, the KV slots they hold."""
+    less what was already computed); ``held`` True, the KV slots they hold (a prefix several share counts for each)."""
     by_prio: dict[int | None, list[int]] = {}
     by_tenant: dict[str, list[int]] = {}
     for r in reqs:

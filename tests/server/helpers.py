@@ -13,6 +13,10 @@ from typing import Any
 
 import httpx
 
+from radixserve.config import ServerArgs
+from radixserve.server.dashboard import RecentRequests, rank_snapshot
+from tests.fakes import make_scheduler
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STARTUP_TIMEOUT_S = 240.0
 API_KEY = "sk-radixserve-test"
@@ -119,3 +123,18 @@ def assert_memory_ok(mem: dict[str, Any]) -> None:
     assert mem["protected"] == 0
     assert mem["available"] + mem["evictable"] == mem["total"]
     assert mem["req_slots_free"] == mem["req_slots_total"]
+
+
+def fake_dashboard_tm(api_key: str | None) -> Any:
+    """Enough of a ``TokenizerManager`` for ``create_app`` to serve the dashboard in-process: its
+    ``control("dashboard")`` snapshots an idle echo-runner scheduler."""
+    from types import SimpleNamespace
+
+    sched, _, _ = make_scheduler()
+
+    async def control(op: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        assert op == "dashboard", op
+        return [rank_snapshot(sched)]
+
+    return SimpleNamespace(args=ServerArgs(api_key=api_key), tokenizer=None, model_name="fake", dp_size=1,
+                           control=control, recent_requests=RecentRequests())

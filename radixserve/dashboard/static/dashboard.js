@@ -121,8 +121,8 @@
       `<div class="figs">${fig("running", int(r.running.requests), "running")}` +
       fig("max running", int(r.running.max), "running-max") +
       fig("chunked prefill", r.running.chunked ? "yes" : "no", "chunked") + `</div>` +
-      classTable(r.running.by_priority, "priority", "KV tokens held") +
-      classTable(r.running.by_tenant, "tenant", "KV tokens held"));
+      classTable(r.running.by_priority, "priority", "KV tokens, shared prefix incl.") +
+      classTable(r.running.by_tenant, "tenant", "KV tokens, shared prefix incl."));
 
     const stepsCard = card(`Last ${steps.length} steps`,
       stepsChart(steps) +
