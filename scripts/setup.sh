@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
 # Idempotent set-up: creates .venv and installs everything radixserve needs, from nothing.
 # NOTE: torch is installed first and pinned; an unpinned torch would pull a multi-GB CUDA build.
+# playwright (a dev extra) comes pinned from pyproject.toml and pulls only greenlet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
+# The dashboard's browser test drives Debian's chromium (playwright's own browser download needs
+# the internet): installed when missing and we are root, else say how; the test skips without it.
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+            || echo "setup: could not install chromium; tests/server/test_dashboard.py will skip" >&2
+    else
+        echo "setup: no chromium; for the dashboard's browser test run: sudo apt-get install -y chromium" >&2
+    fi
+fi
 stamp=.venv/.radixserve-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
