@@ -126,15 +126,18 @@ def assert_memory_ok(mem: dict[str, Any]) -> None:
 
 
 def fake_dashboard_tm(api_key: str | None) -> Any:
-    """Enough of a ``TokenizerManager`` for ``create_app`` to serve the dashboard in-process: its
-    ``control("dashboard")`` snapshots an idle echo-runner scheduler."""
+    """Enough of a ``TokenizerManager`` for ``create_app`` to serve ``/health``, ``/get_load`` and the
+    dashboard in-process: ``control("dashboard")`` snapshots an idle echo-runner scheduler."""
     from types import SimpleNamespace
 
     sched, _, _ = make_scheduler()
 
     async def control(op: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        assert op == "dashboard", op
-        return [rank_snapshot(sched)]
+        if op == "dashboard":
+            return [rank_snapshot(sched)]
+        if op == "get_load":
+            return [{"dp_rank": 0, **sched.get_load()}]
+        return [{}]  # what a router asks at start-up (server info, memory): nothing it needs
 
     return SimpleNamespace(args=ServerArgs(api_key=api_key), tokenizer=None, model_name="fake", dp_size=1,
-                           control=control, recent_requests=RecentRequests())
+                           control=control, recent_requests=RecentRequests(), alive=lambda: True, info={})

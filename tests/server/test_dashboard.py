@@ -130,15 +130,14 @@ def test_dashboard_in_chromium(shared_server: ServerProcess, workload: list[str]
     assert not errors, f"console errors on /dashboard: {errors}"
 
 
-@pytest.fixture
-def keyed_app() -> Iterator[str]:
-    """The real app over a fake scheduler, with ``--api-key sk-dash``, served by uvicorn in a thread."""
+def _serve_fake(api_key: str | None) -> Iterator[str]:
+    """The real app over a fake scheduler (``fake_dashboard_tm``), served by uvicorn in a thread."""
     import uvicorn
 
     from radixserve.server.http_server import create_app
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(fake_dashboard_tm("sk-dash"), "fake-model", {}),
+    server = uvicorn.Server(uvicorn.Config(create_app(fake_dashboard_tm(api_key), "fake-model", {}),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -151,6 +150,35 @@ def keyed_app() -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@pytest.fixture
+def keyed_app() -> Iterator[str]:
+    yield from _serve_fake("sk-dash")
+
+
+@pytest.fixture
+def router_over_fakes() -> Iterator[str]:
+    """A router (its own event loop, in a thread) in front of a fake server and a worker that is down."""
+    import asyncio
+
+    from tests.router.router_helpers import Fleet
+
+    fake = _serve_fake(None)
+    worker = next(fake)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    fleet = Fleet()
+    dead = f"http://127.0.0.1:{free_port()}"
+    try:
+        asyncio.run_coroutine_threadsafe(fleet.start_router([worker, dead]), loop).result(30)
+        yield fleet.url
+    finally:
+        asyncio.run_coroutine_threadsafe(fleet.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        fake.close()
 
 
 def test_dashboard_sends_the_key_from_its_url(keyed_app: str) -> None:
@@ -177,3 +205,26 @@ def test_dashboard_sends_the_key_from_its_url(keyed_app: str) -> None:
             assert httpx.get(f"{keyed_app}/dashboard/state").status_code == 401
         finally:
             browser.close()
+
+
+def test_router_dashboard_in_chromium(router_over_fakes: str) -> None:
+    """The router's page: its queue, then a column per worker; a worker that is down shows an error."""
+    sync_playwright, exe = _browser_or_skip()
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{router_over_fakes}/dashboard")
+            page.wait_for_function("Number(document.body.dataset.polls || 0) >= 1", timeout=10_000)
+            assert page.inner_text('[data-k="router-waiting"]') == "0"
+            columns = page.locator(".column")
+            assert columns.count() == 2
+            assert columns.nth(0).locator('[data-k="running"]').inner_text() == "0"
+            assert "unreachable" in columns.nth(1).inner_text().lower()
+            page.screenshot(path=os.path.join(os.path.dirname(ARTIFACT), "dashboard-router.png"), full_page=True)
+        finally:
+            browser.close()
+    assert not errors, f"console errors on the router's /dashboard: {errors}"

@@ -195,7 +195,7 @@
       `</div>` + classRows);
     const cols = s.workers.map((w) => {
       const head = `<h2>${esc(w.url)} <span class="${w.healthy ? "ok" : "bad"}">${w.healthy ? "healthy" : "unhealthy"}</span>` +
-        ` <span class="muted">${esc(w.role)} · ${int(w.in_flight)} in flight from the router</span></h2>`;
+        ` <span class="muted">${w.role ? esc(w.role) + " · " : ""}${int(w.in_flight)} in flight from the router</span></h2>`;
       const body = w.state ? renderServer(w.url, w.state) : card("unreachable", esc(w.error || "no answer"), "error");
       return `<div class="column" data-worker="${esc(w.url)}">${head}${body}</div>`;
     }).join("");
