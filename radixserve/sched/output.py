@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from itertools import compress
-from operator import attrgetter, ge, or_
+from itertools import compress, repeat
+from operator import and_, attrgetter, ge, getitem, not_, or_
 
 from radixserve.mem.forward_batch import ForwardOutput
 from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, FinishReason
-from radixserve.sched.io import BatchOut, DetokParams
+from radixserve.sched.io import NO_LOGPROBS, NO_TOP_LOGPROBS, BatchOut, DetokParams
 from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
@@ -103,14 +103,14 @@ class Outputs:
                     map(frozenset.__contains__, map(_get_finish_ids, reqs), toks))
         if self.detokenize is not None:
             maybe = map(or_, maybe, map(bool, map(_get_stop, reqs)))
+        ended = False
         for req in list(compress(reqs, maybe)):
             reason = self.check_finished(req)
             if reason is not None:
                 self.end(req, reason)
-        emit = self.emit  # a row per streaming request (measured: as fast as column-wise passes)
-        for req in filter(_get_stream, reqs):
-            if req.finished_reason is None:
-                emit(req)
+                ended = True
+        if any(map(_get_stream, reqs)):
+            self.emit_decoded(batch, outs, ended)
         return True
 
     def check_finished(self, req: Req) -> FinishReason | None:
@@ -191,6 +191,41 @@ class Outputs:
             b.detok_params.append(DetokParams(req.rid, sp.stop, sp.skip_special_tokens))
 
 
+    def emit_decoded(self, batch: ScheduleBatch, outs: list[list[int]], ended: bool) -> None:
+        """``emit`` for every request of a decode step (without logprobs) that streams and did not
+        finish (``ended``: some request of the batch finished in this step), a column at a time:
+        what a row repeats comes from the batch's cached columns, the rest from C passes. At 1,024
+        streaming requests this is about 1.8x faster than a Python call per row (docs/benchmarks.md)."""
+        rids, prompt_lens, cached, queue_times, retractions, streams = batch.out_columns()
+        reqs = batch.reqs
+        if ended or not all(streams):
+            keep = list(map(and_, streams, map(not_, map(_get_finished_reason, reqs))))
+            reqs, outs = list(compress(reqs, keep)), list(compress(outs, keep))
+            rids, prompt_lens, cached, queue_times, retractions = (
+                list(compress(col, keep)) for col in (rids, prompt_lens, cached, queue_times, retractions))
+        ns = list(map(len, outs))
+        starts = list(map(_get_sent_len, reqs))
+        k = len(reqs)
+        b = self.records
+        b.rids += rids
+        b.token_ids += map(getitem, outs, map(slice, starts, ns))  # type: ignore[arg-type]  # out_ids[start:n]
+        b.finished_reasons += repeat(None, k)
+        b.prompt_tokens += prompt_lens
+        b.completion_tokens += ns
+        b.cached_tokens += cached
+        b.logprobs += repeat(NO_LOGPROBS, k)
+        b.top_logprobs += repeat(NO_TOP_LOGPROBS, k)
+        b.queue_times += queue_times
+        b.num_retractions += retractions
+        deque(map(setattr, reqs, repeat("sent_len"), ns), maxlen=0)  # req.sent_len = n, in C
+        if 0 in starts:  # a request's first row (a decode worker's first step after the KV hand-over)
+            for req, start in zip(reqs, starts, strict=True):
+                if start == 0:
+                    sp = req.sampling_params
+                    b.detok_params.append(DetokParams(req.rid, sp.stop, sp.skip_special_tokens))
+
+
+_get_sent_len = attrgetter("sent_len")
 _get_finished_reason = attrgetter("finished_reason")
 _get_output_ids = attrgetter("output_ids")
 _get_max_new = attrgetter("sampling_params.max_new_tokens")

@@ -36,6 +36,7 @@ class ScheduleBatch:
         # (the requests, their per-request sampling lists and pool rows) of the last forward batch:
         # a running batch keeps its requests for many decode steps, so these are built once
         self._per_req: tuple[list[Req], tuple[list, ...]] | None = None
+        self._out_cols: tuple[list[Req], tuple[list, ...]] | None = None
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -48,6 +49,7 @@ class ScheduleBatch:
         while the running batch it came from is already being rebuilt for the next step."""
         b = ScheduleBatch(self.reqs, self.forward_mode)
         b.extend_lens, b.prefix_lens = list(self.extend_lens), list(self.prefix_lens)
+        b._per_req, b._out_cols = self._per_req, self._out_cols  # both keyed by the same requests
         b.num_decode = self.num_decode
         return b
 
@@ -110,6 +112,20 @@ class ScheduleBatch:
         self._per_req = (list(self.reqs), lists)
         return lists
 
+    def out_columns(self) -> tuple[list, ...]:
+        """What each output row of a request repeats while it runs (rids, prompt lengths, cached
+        tokens, queue times, retractions) and the stream flags, one list each; rebuilt only when
+        the requests changed (none of these changes while a request stays in the batch)."""
+        cached = self._out_cols
+        if cached is not None and cached[0] == self.reqs:
+            return cached[1]
+        reqs = self.reqs
+        cols = (list(map(_get_rid, reqs)), list(map(len, map(_get_input_ids, reqs))),
+                list(map(_get_cached, reqs)), list(map(_get_queue_time, reqs)),
+                list(map(_get_retractions, reqs)), list(map(_get_stream, reqs)))
+        self._out_cols = (list(reqs), cols)
+        return cols
+
     def _make(self, ids: list[int], positions: torch.Tensor, seq_lens: torch.Tensor, capture_logits: bool,
               steps: list[int]) -> ForwardBatch:
         (pool_rows, temperatures, top_ps, top_ks, min_ps, seeds, logprobs, top_logprobs_nums,
@@ -160,5 +176,10 @@ _get_output_ids = attrgetter("output_ids")
 _last = itemgetter(-1)
 _get_pool_idx = attrgetter("req_pool_idx")
 _get_rid = attrgetter("rid")
+_get_input_ids = attrgetter("origin_input_ids")
+_get_cached = attrgetter("cached_tokens")
+_get_queue_time = attrgetter("queue_time")
+_get_retractions = attrgetter("num_retractions")
+_get_stream = attrgetter("stream")
 _SAMPLING_FIELDS = tuple(map(attrgetter, ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
                                            "top_logprobs_num")))
