@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -102,6 +103,16 @@ class ServerProcess:
         for pid in self.children():
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def started(srv: ServerProcess) -> Iterator[ServerProcess]:
+    """A fixture's body: wait for ``srv``, hand it over, kill it and drop its log afterwards."""
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.kill()
+        os.unlink(srv.log.name)
 
 
 def wait_idle(client: httpx.Client, timeout: float = 30.0) -> dict[str, Any]:

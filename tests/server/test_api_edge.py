@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from tests.server.helpers import API_KEY, REPO, ServerProcess, assert_memory_ok, wait_idle
+from tests.server.helpers import API_KEY, REPO, ServerProcess, assert_memory_ok, started, wait_idle
 
 POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
 MESSAGES = [{"role": "user", "content": "Say hello."}]
@@ -36,13 +36,7 @@ def c(shared_server: ServerProcess) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def guarded() -> Iterator[ServerProcess]:
     """A server with --api-key and a small body limit."""
-    srv = ServerProcess("--max-request-body-bytes", "4096", api_key=API_KEY)
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.kill()
-        os.unlink(srv.log.name)
+    yield from started(ServerProcess("--max-request-body-bytes", "4096", api_key=API_KEY))
 
 
 def _error(r: httpx.Response, status: int = 400) -> dict[str, Any]:

@@ -71,6 +71,17 @@ def _running(load: dict[str, Any]) -> int:
     return int(load["num_reqs"] - load["num_waiting_reqs"])
 
 
+def _open_dashboard(browser: Any, url: str, errors: list[str], height: int) -> Any:
+    """A page on ``url`` whose console errors and uncaught exceptions go to ``errors``, after its
+    first poll of the state endpoint."""
+    page = browser.new_page(viewport={"width": 1400, "height": height})
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.wait_for_function("Number(document.body.dataset.polls || 0) >= 1", timeout=10_000)
+    return page
+
+
 def _polls(page: Any) -> int:
     return int(page.evaluate("Number(document.body.dataset.polls || 0)"))
 
@@ -81,11 +92,7 @@ def test_dashboard_in_chromium(shared_server: ServerProcess, workload: list[str]
     with sync_playwright() as pw, shared_server.client() as c:
         browser = pw.chromium.launch(executable_path=exe, headless=True)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(f"{shared_server.url}/dashboard")
-            page.wait_for_function("Number(document.body.dataset.polls || 0) >= 1", timeout=10_000)
+            page = _open_dashboard(browser, f"{shared_server.url}/dashboard", errors, height=1000)
 
             # What the page shows comes from one poll; bracket that poll between two /get_load calls.
             # While every request decodes (none finishes, none waits) the KV in use only grows.
@@ -214,11 +221,7 @@ def test_router_dashboard_in_chromium(router_over_fakes: str) -> None:
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=exe, headless=True)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(f"{router_over_fakes}/dashboard")
-            page.wait_for_function("Number(document.body.dataset.polls || 0) >= 1", timeout=10_000)
+            page = _open_dashboard(browser, f"{router_over_fakes}/dashboard", errors, height=900)
             assert page.inner_text('[data-k="router-waiting"]') == "0"
             columns = page.locator(".column")
             assert columns.count() == 2

@@ -16,26 +16,17 @@ import httpx
 import openai
 import pytest
 
-from tests.server.helpers import API_KEY, ServerProcess, assert_memory_ok, pid_alive, wait_idle
-
-
-def _started(srv: ServerProcess) -> Iterator[ServerProcess]:
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.kill()
-        os.unlink(srv.log.name)
+from tests.server.helpers import API_KEY, ServerProcess, assert_memory_ok, pid_alive, started, wait_idle
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    yield from _started(ServerProcess("--max-queued-requests", "2", "--max-running-requests", "2", api_key=API_KEY))
+    yield from started(ServerProcess("--max-queued-requests", "2", "--max-running-requests", "2", api_key=API_KEY))
 
 
 @pytest.fixture
 def fresh_server() -> Iterator[ServerProcess]:
-    yield from _started(ServerProcess(api_key=API_KEY))
+    yield from started(ServerProcess(api_key=API_KEY))
 
 
 def test_api_key(server: ServerProcess) -> None:
