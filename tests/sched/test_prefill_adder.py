@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from radixserve.mem.allocator import TokenToKVPoolAllocator
@@ -53,6 +55,23 @@ def test_rem_total_reserves_running_requests_remaining_tokens() -> None:
     # Evictable cache counts as available.
     cache_prefix(cache, [9, 9, 9, 9])
     assert a.rem_total_tokens == 79.0
+
+
+def test_reserve_is_the_same_float_as_summing_request_by_request() -> None:
+    """The reserve adds each running request's ``min(remaining, clip) * ratio`` left to right, as
+    SGLang's sum does: the same float to the last bit (so admission decisions at the boundary
+    match), whatever the ratios and lengths; a finished-past-max request reserves nothing."""
+    rng = random.Random(7)
+    cache = make_cache()
+    for _ in range(300):
+        running = [running_req(f"r{i}", rng.randint(1, 3000), rng.randint(0, 3500))
+                   for i in range(rng.randint(0, 300))]
+        ratio = rng.choice([rng.random(), rng.random() * 1e-3, 0.7, 1.0])
+        clip = rng.choice([4096, 64, 1])
+        want = 0.0
+        for r in running:
+            want += min(max(r.max_new_tokens - len(r.output_ids), 0), clip) * ratio
+        assert adder(cache, 10**6, running, ratio=ratio, clip=clip).rem_total_token_offset == want
 
 
 def test_no_token_when_prompt_plus_reserve_reaches_rem_total() -> None:
