@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 from itertools import accumulate, compress
-from operator import attrgetter, itemgetter
+from operator import attrgetter, itemgetter, not_
 
 import torch
 
@@ -33,10 +33,9 @@ class ScheduleBatch:
         self.prefix_lens: list[int] = []
         self.out_slots: list[int] = []
         self.num_decode = 0  # rows of a MIXED step that decode one token (the rest extend)
-        # (the requests, their per-request sampling lists and pool rows) of the last forward batch:
-        # a running batch keeps its requests for many decode steps, so these are built once
-        self._per_req: tuple[list[Req], tuple[list, ...]] | None = None
-        self._out_cols: tuple[list[Req], tuple[list, ...]] | None = None
+        # what the requests' rows repeat every step (pool rows, sampling params, output fields):
+        # a running batch keeps its requests for many steps, so these are kept with it
+        self.columns = RowColumns()
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -49,7 +48,7 @@ class ScheduleBatch:
         while the running batch it came from is already being rebuilt for the next step."""
         b = ScheduleBatch(self.reqs, self.forward_mode)
         b.extend_lens, b.prefix_lens = list(self.extend_lens), list(self.prefix_lens)
-        b._per_req, b._out_cols = self._per_req, self._out_cols  # both keyed by the same requests
+        b.columns = self.columns.copy()  # keyed by the same requests
         b.num_decode = self.num_decode
         return b
 
@@ -99,37 +98,27 @@ class ScheduleBatch:
                 steps[k] += 1  # the pending token counts as generated (seeded sampling's step)
         return self._make(ids, positions, positions + 1, capture_logits, steps)
 
-    def _per_request(self) -> tuple[list, ...]:
-        """Pool rows, sampling lists (temperature, top_p, top_k, min_p, seed, logprobs,
-        top_logprobs_num) and the indices of the requests with penalties, of ``reqs``, rebuilt only when the requests changed (the list compare is
-        by identity first: a few microseconds for a thousand requests)."""
-        cached = self._per_req
-        if cached is not None and cached[0] == self.reqs:
-            return cached[1]
-        sp = list(map(_get_sp, self.reqs))
-        penalized = list(compress(range(len(sp)), map(_get_penalized, self.reqs)))
-        lists = (list(map(_get_pool_idx, self.reqs)), *(list(map(get, sp)) for get in _SAMPLING_FIELDS), penalized)
-        self._per_req = (list(self.reqs), lists)
-        return lists
+    def extend(self, reqs: list[Req]) -> None:
+        """Append requests (prefilled ones joining the running batch), the columns kept in step."""
+        self.columns.extend(self.reqs, reqs)
+        self.reqs.extend(reqs)
 
-    def out_columns(self) -> tuple[list, ...]:
-        """What each output row of a request repeats while it runs (rids, prompt lengths, cached
-        tokens, queue times, retractions) and the stream flags, one list each; rebuilt only when
-        the requests changed (none of these changes while a request stays in the batch)."""
-        cached = self._out_cols
-        if cached is not None and cached[0] == self.reqs:
-            return cached[1]
-        reqs = self.reqs
-        cols = (list(map(_get_rid, reqs)), list(map(len, map(_get_input_ids, reqs))),
-                list(map(_get_cached, reqs)), list(map(_get_queue_time, reqs)),
-                list(map(_get_retractions, reqs)), list(map(_get_stream, reqs)))
-        self._out_cols = (list(reqs), cols)
-        return cols
+    def drop_finished(self) -> None:
+        """Drop the requests that ended, the columns kept in step."""
+        keep = list(map(not_, map(_get_finished_reason, self.reqs)))
+        self.columns.keep(self.reqs, keep)
+        self.reqs = list(compress(self.reqs, keep))
+
+    def out_columns(self) -> list[list]:
+        """Rids, prompt lengths, cached tokens, queue times, retractions and stream flags: what an
+        output row of a running request repeats every step."""
+        return self.columns.get(self.reqs)[_OUT]
 
     def _make(self, ids: list[int], positions: torch.Tensor, seq_lens: torch.Tensor, capture_logits: bool,
               steps: list[int]) -> ForwardBatch:
-        (pool_rows, temperatures, top_ps, top_ks, min_ps, seeds, logprobs, top_logprobs_nums,
-         penalized) = self._per_request()
+        cols = self.columns.get(self.reqs)
+        pool_rows, temperatures, top_ps, top_ks, min_ps, seeds, logprobs, top_logprobs_nums = cols[_SAMPLING]
+        penalized = list(compress(range(len(self.reqs)), cols[_PENALIZED])) if any(cols[_PENALIZED]) else []
         input_ids = int64_tensor(ids)  # = torch.tensor(..., dtype=torch.int64), faster
         return ForwardBatch(
             input_ids=input_ids,
@@ -152,7 +141,7 @@ class ScheduleBatch:
                 input_ids=input_ids if penalized else None,
             ),
             capture_logits=capture_logits,
-            rids=list(map(_get_rid, self.reqs)),
+            rids=list(cols[_RIDS]),
         )
 
 
@@ -183,3 +172,61 @@ _get_retractions = attrgetter("num_retractions")
 _get_stream = attrgetter("stream")
 _SAMPLING_FIELDS = tuple(map(attrgetter, ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
                                            "top_logprobs_num")))
+_get_finished_reason = attrgetter("finished_reason")
+
+
+def build_columns(reqs: list[Req]) -> list[list]:
+    """One list per column of ``RowColumns``, for ``reqs``: C passes over the requests."""
+    sp = list(map(_get_sp, reqs))
+    return [list(map(_get_pool_idx, reqs)), *(list(map(get, sp)) for get in _SAMPLING_FIELDS),
+            list(map(_get_penalized, reqs)), list(map(_get_rid, reqs)), list(map(len, map(_get_input_ids, reqs))),
+            list(map(_get_cached, reqs)), list(map(_get_queue_time, reqs)), list(map(_get_retractions, reqs)),
+            list(map(_get_stream, reqs))]
+
+
+# the columns: pool row and sampling params (the forward batch's), penalized flag, then what an
+# output row repeats (rid, prompt length, cached tokens, queue time, retractions, stream flag)
+_SAMPLING = slice(0, 8)
+_PENALIZED = 8
+_RIDS = 9
+_OUT = slice(9, 15)
+
+
+class RowColumns:
+    """Per-request values that do not change while a request stays in a batch, one list per
+    column, in the batch's order: the running batch's requests change by a few per step (some
+    finish, a few join), so the columns follow those changes (``keep``, ``extend``) instead of
+    being rebuilt with a pass per column over every request. Any other change to the request list
+    (a retraction, a preemption) is noticed by comparing it with the list the columns were built
+    for (by identity, a few microseconds), and the columns are rebuilt."""
+
+    __slots__ = ("key", "cols")
+
+    def __init__(self) -> None:
+        self.key: list[Req] | None = None  # the requests the columns are for, in order
+        self.cols: list[list] = []
+
+    def get(self, reqs: list[Req]) -> list[list]:
+        if self.key is None or self.key != reqs:
+            self.key, self.cols = list(reqs), build_columns(reqs)
+        return self.cols
+
+    def extend(self, reqs: list[Req], new: list[Req]) -> None:
+        """``reqs`` (the batch's list, before) gets ``new`` appended."""
+        if self.key is not None and self.key == reqs:
+            # new lists, not extended in place: a snapshot of the batch may share the old ones
+            self.cols = [col + add for col, add in zip(self.cols, build_columns(new), strict=True)]
+            self.key = self.key + new
+
+    def keep(self, reqs: list[Req], keep: list[bool]) -> None:
+        """``reqs`` (the batch's list, before) keeps the rows where ``keep`` is true."""
+        if self.key is not None and self.key == reqs:
+            if all(keep):
+                return
+            self.cols = [list(compress(col, keep)) for col in self.cols]
+            self.key = list(compress(self.key, keep))
+
+    def copy(self) -> RowColumns:
+        c = RowColumns()
+        c.key, c.cols = self.key, self.cols  # shared: neither is ever changed in place
+        return c

@@ -55,13 +55,13 @@ class Scheduler(SchedulerCore):
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         q, last = self.queues, self.last_batch
         if last is not None and last.forward_mode.is_extend():
-            q.running.reqs.extend(r for r in last.reqs if not r.finished() and r is not q.chunked)
+            q.running.extend([r for r in last.reqs if not r.finished() and r is not q.chunked])
         self.intake.apply_aborts()  # after the merge, so a request prefilled last step is aborted now too
         self.intake.abort_timed_out()
         ended = self.stats.num_finished + self.stats.num_aborted  # only Outputs.finish sets finished_reason
         if ended != self._ended_at_filter:  # a request ended since the last pass: drop the ended ones
             self._ended_at_filter = ended
-            q.running.reqs = [r for r in q.running.reqs if r.finished_reason is None]
+            q.running.drop_finished()
         if self.decode_turn(last):
             return self.update_running_batch()
         batch = self.get_new_batch_prefill()

@@ -313,3 +313,40 @@ def test_random_workloads_stay_exact(seed: int) -> None:
         else:
             assert got[r.rid] == exp, (seed, r.rid)
     assert max(b.batch_size for b in runner.batches) <= sched.max_running_requests
+
+
+def test_batch_columns_follow_every_change_of_the_requests() -> None:
+    """The per-request columns follow ``extend`` and ``drop_finished`` without a rebuild and are
+    rebuilt after any other change; whatever the sequence, they equal columns built afresh, and a
+    snapshot of the batch keeps its own."""
+    from radixserve.sched.schedule_batch import build_columns
+
+    rng = random.Random(3)
+    counter = iter(range(10**6))
+
+    def new() -> Req:
+        i = next(counter)
+        r = Req(f"r{i}", [1] * rng.randint(1, 9), SamplingParams(temperature=rng.random(),
+                                                                  frequency_penalty=rng.choice([0.0, 0.5])),
+                stream=rng.random() < 0.8)
+        r.req_pool_idx, r.cached_tokens, r.queue_time = i, rng.randint(0, 5), rng.random()
+        return r
+
+    batch = ScheduleBatch([new() for _ in range(20)])
+    for _ in range(400):
+        op = rng.randrange(5)
+        if op == 0:
+            batch.extend([new() for _ in range(rng.randint(0, 4))])
+        elif op == 1:
+            for r in rng.sample(batch.reqs, min(len(batch.reqs), rng.randint(0, 3))):
+                r.finished_reason = FINISH_LENGTH(1)
+            batch.drop_finished()
+        elif op == 2 and batch.reqs:  # a retraction: popped in place
+            batch.reqs.pop(rng.randrange(len(batch.reqs)))
+        elif op == 3:
+            snap = batch.snapshot()
+            before = [list(c) for c in snap.columns.get(snap.reqs)]
+            batch.extend([new()])
+            batch.drop_finished()
+            assert snap.columns.get(snap.reqs) == before
+        assert batch.columns.get(batch.reqs) == build_columns(batch.reqs)
