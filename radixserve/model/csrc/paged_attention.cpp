@@ -1,0 +1,448 @@
+// Paged decode attention on CPU: each decode row attends over its request's KV slots, read in place
+// from the pool through req_to_token (no gather copy).
+//
+//   q            [B, H, D]        float32 or bfloat16, one new token per request
+//   k_buf, v_buf [S, KVH, D]      the pool of one layer, float32 or bfloat16 (row = one KV slot)
+//   req_to_token [R, C] int64     req_to_token[req_pool_indices[b], t] = slot of token t of row b
+//   seq_lens     [B] int64        tokens row b attends to (its new token included)
+//   returns      [B, H * D]       in q's dtype
+//
+// Work is cut into items (row, kv head, token range). The G = H / KVH query heads of one KV head
+// are attended together, so each K/V vector is loaded once for G queries (grouped-query attention).
+// Each item runs an online softmax in float32 over blocks of kBlock tokens: scores for the block,
+// a new running max, rescale of the running sum and accumulator, then P x V. Long contexts are
+// split over several items (split-K) so that batch 1 keeps every thread busy; the items of a
+// split row leave (max, sum, unnormalised acc) partials that a second pass merges exactly:
+//
+//   m = max_s m_s;   out = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s
+//
+// Items go to threads as contiguous runs of equal token cost (one run per thread), not by count:
+// a ragged batch would otherwise leave one thread with all the long rows.
+//
+// With AVX-512 the inner loops are intrinsics specialised on G and D; anything else (another
+// CPU, an unusual head shape) runs the plain C++ loops below, which compute the same thing.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    !defined(RADIXSERVE_NO_AVX512)
+#include <immintrin.h>
+#define RADIXSERVE_AVX512 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 16;        // tokens per online-softmax step (one AVX-512 vector of scores)
+constexpr int64_t kMinSplit = 256;    // never split a row into pieces shorter than this
+constexpr int64_t kItemsPerThread = 8;  // split long rows until there are about this many items per thread
+constexpr int64_t kItemOverhead = 16;  // fixed cost of an item, in token equivalents, for the balance
+
+struct Item {
+  int64_t row;    // decode row b
+  int64_t head;   // KV head
+  int64_t begin;  // token range [begin, end) of the row
+  int64_t end;
+  int64_t part;   // index of its partial result, or -1: the row is not split, write the output
+};
+
+struct Problem {
+  const float* q;         // [B, H, D], float32, already multiplied by the softmax scale
+  const void* k;          // [S, KVH, D]
+  const void* v;
+  const int64_t* r2t;     // [R, C]
+  int64_t r2t_stride;
+  const int64_t* rpi;     // [B]
+  int64_t num_slots;      // S
+  int64_t H, KVH, G, D;
+  float* out;             // [B, H, D] float32
+  float* part_acc;        // [P, G, D]
+  float* part_m;          // [P, G]
+  float* part_l;          // [P, G]
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// Where an item's result goes: straight into the output, normalised, or into its partial slot.
+template <typename Store>
+inline void finish_item(const Problem& p, const Item& it, Store&& value, const float* m, const float* l) {
+  const int64_t G = p.G, D = p.D;
+  if (it.part < 0) {
+    float* o = p.out + (it.row * p.H + it.head * G) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+      for (int64_t d = 0; d < D; ++d) o[g * D + d] = value(g, d) * inv;
+    }
+  } else {
+    float* a = p.part_acc + it.part * G * D;
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t d = 0; d < D; ++d) a[g * D + d] = value(g, d);
+      p.part_m[it.part * G + g] = m[g];
+      p.part_l[it.part * G + g] = l[g];
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Portable path: plain loops (the compiler vectorises what it can). Any G, any D.
+// ------------------------------------------------------------------------------------------------
+template <typename kv_t>
+bool attend_item_generic(const Problem& p, const Item& it) {
+  const int64_t G = p.G, D = p.D;
+  const kv_t* K = static_cast<const kv_t*>(p.k);
+  const kv_t* V = static_cast<const kv_t*>(p.v);
+  const int64_t* slots = p.r2t + p.rpi[it.row] * p.r2t_stride;
+  const float* q = p.q + (it.row * p.H + it.head * G) * D;
+  std::vector<float> acc(G * D, 0.f), m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f);
+  std::vector<float> s(G * kBlock);
+  bool ok = true;
+  for (int64_t t0 = it.begin; t0 < it.end; t0 += kBlock) {
+    const int64_t n = std::min(kBlock, it.end - t0);
+    int64_t rows[kBlock];
+    for (int64_t j = 0; j < n; ++j) {
+      int64_t slot = slots[t0 + j];
+      if (slot < 0 || slot >= p.num_slots) {
+        ok = false;
+        slot = 0;
+      }
+      rows[j] = (slot * p.KVH + it.head) * D;
+      const kv_t* kp = K + rows[j];
+      for (int64_t g = 0; g < G; ++g) {
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * to_float(kp[d]);
+        s[g * kBlock + j] = dot;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = &s[g * kBlock];
+      float bm = sg[0];
+      for (int64_t j = 1; j < n; ++j) bm = std::max(bm, sg[j]);
+      const float mn = std::max(m[g], bm);
+      const float alpha = std::exp(m[g] - mn);  // 0 on the first block (m = -inf)
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        sg[j] = std::exp(sg[j] - mn);
+        sum += sg[j];
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = mn;
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const kv_t* vp = V + rows[j];
+      for (int64_t g = 0; g < G; ++g) {
+        const float w = s[g * kBlock + j];
+        for (int64_t d = 0; d < D; ++d) acc[g * D + d] += w * to_float(vp[d]);
+      }
+    }
+  }
+  finish_item(p, it, [&](int64_t g, int64_t d) { return acc[g * D + d]; }, m.data(), l.data());
+  return ok;
+}
+
+#ifdef RADIXSERVE_AVX512
+// ------------------------------------------------------------------------------------------------
+// AVX-512 path: G and D known at compile time so q and the accumulators live in registers.
+// ------------------------------------------------------------------------------------------------
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  // bfloat16 is the top half of a float32: widen to 32 bits and shift into place
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp for x <= 0 (scores minus their running max), about 1 ulp: exp(x) = 2^n exp(r) with
+// n = round(x / ln 2), |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 (error < 1e-8 there).
+// Inputs under -87 are clamped (exp(-87) ~ 1.6e-38, nothing next to the block's max term of 1).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, split in two
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);  // for an exact n*ln2
+  __m512 y = _mm512_set1_ps(1.f / 5040.f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 720.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 120.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 24.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 6.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Sixteen horizontal sums at once: lane j of the result is the sum of the 16 lanes of x[j].
+// A butterfly of lane shuffles (15 adds + 30 shuffles/blends) instead of 16 separate reductions.
+inline __m512 hsum16x16(const __m512* x) {
+  __m512 a[8], b[4], c[2];
+  // level 1: pair (2i, 2i+1); each half of a 128-bit lane pair keeps partial sums of both
+  for (int i = 0; i < 8; ++i) {
+    const __m512 lo = _mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+    const __m512 hi = _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]);
+    a[i] = _mm512_add_ps(lo, hi);  // per 128-bit lane: [x0a+x0c, x1a+x1c, x0b+x0d, x1b+x1d]
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512 lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1])));
+    const __m512 hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1])));
+    b[i] = _mm512_add_ps(lo, hi);  // per 128-bit lane: one partial sum for each of 4 inputs
+  }
+  // now b[i] lane k (k = 128-bit lane) holds sums of quarter k of inputs 4i..4i+3
+  for (int i = 0; i < 2; ++i) {
+    const __m512 lo = _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88);  // lanes 0,2 | 0,2
+    const __m512 hi = _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD);  // lanes 1,3 | 1,3
+    c[i] = _mm512_add_ps(lo, hi);
+  }
+  const __m512 lo = _mm512_shuffle_f32x4(c[0], c[1], 0x88);
+  const __m512 hi = _mm512_shuffle_f32x4(c[0], c[1], 0xDD);
+  return _mm512_add_ps(lo, hi);
+}
+
+template <typename kv_t, int G, int NC>
+bool attend_item_avx512(const Problem& p, const Item& it) {
+  constexpr int64_t D = NC * 16;
+  const kv_t* K = static_cast<const kv_t*>(p.k);
+  const kv_t* V = static_cast<const kv_t*>(p.v);
+  const int64_t* slots = p.r2t + p.rpi[it.row] * p.r2t_stride;
+  const float* q = p.q + (it.row * p.H + it.head * G) * D;
+  const int64_t row_stride = p.KVH * D;
+  __m512 qv[G][NC], acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) {
+      qv[g][c] = _mm512_loadu_ps(q + g * D + c * 16);
+      acc[g][c] = _mm512_setzero_ps();
+    }
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  bool ok = true;
+  alignas(64) float prob[G][kBlock];
+  int64_t rows[kBlock];  // element offset of each token's head vector, the same in K and V
+  for (int64_t t0 = it.begin; t0 < it.end; t0 += kBlock) {
+    const int64_t n = std::min(kBlock, it.end - t0);
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+    for (int64_t j = 0; j < n; ++j) {
+      int64_t slot = slots[t0 + j];
+      if (slot < 0 || slot >= p.num_slots) {
+        ok = false;
+        slot = 0;
+      }
+      rows[j] = slot * row_stride + it.head * D;
+    }
+    // scores: one 16-lane partial vector per (g, token), reduced 16 tokens at a time
+    __m512 sc[G];
+    {
+      __m512 part[G][kBlock];
+      for (int64_t j = 0; j < kBlock; ++j) {
+        if (j < n) {
+          __m512 kc[NC];
+          for (int c = 0; c < NC; ++c) kc[c] = load16(K + rows[j] + c * 16);
+          for (int g = 0; g < G; ++g) {
+            __m512 a = _mm512_mul_ps(qv[g][0], kc[0]);
+            for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[g][c], kc[c], a);
+            part[g][j] = a;
+          }
+        } else {
+          for (int g = 0; g < G; ++g) part[g][j] = _mm512_setzero_ps();
+        }
+      }
+      for (int g = 0; g < G; ++g) sc[g] = hsum16x16(part[g]);
+    }
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int g = 0; g < G; ++g) {
+      const __m512 s = _mm512_mask_mov_ps(neg_inf, live, sc[g]);
+      const float mn = std::max(m[g], _mm512_reduce_max_ps(s));
+      const float alpha = std::exp(m[g] - mn);  // 0 on the first block (m = -inf)
+      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
+      l[g] = l[g] * alpha + _mm512_reduce_add_ps(e);
+      m[g] = mn;
+      _mm512_store_ps(prob[g], e);
+      if (alpha != 1.f) {
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], av);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const kv_t* vp = V + rows[j];
+      __m512 vc[NC];
+      for (int c = 0; c < NC; ++c) vc[c] = load16(vp + c * 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(prob[g][j]);
+        for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(w, vc[c], acc[g][c]);
+      }
+    }
+  }
+  alignas(64) float accs[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_store_ps(&accs[g][c * 16], acc[g][c]);
+  finish_item(p, it, [&](int64_t g, int64_t d) { return accs[g][d]; }, m, l);
+  return ok;
+}
+#endif  // RADIXSERVE_AVX512
+
+using ItemFn = bool (*)(const Problem&, const Item&);
+
+template <typename kv_t>
+ItemFn pick_kernel(int64_t G, int64_t D) {
+#ifdef RADIXSERVE_AVX512
+#define RADIXSERVE_CASE(g, nc) \
+  if (G == g && D == nc * 16) return &attend_item_avx512<kv_t, g, nc>;
+  RADIXSERVE_CASE(1, 4) RADIXSERVE_CASE(2, 4) RADIXSERVE_CASE(3, 4) RADIXSERVE_CASE(4, 4)
+  RADIXSERVE_CASE(6, 4) RADIXSERVE_CASE(8, 4)
+  RADIXSERVE_CASE(1, 8) RADIXSERVE_CASE(2, 8) RADIXSERVE_CASE(3, 8) RADIXSERVE_CASE(4, 8)
+#undef RADIXSERVE_CASE
+#endif
+  return &attend_item_generic<kv_t>;
+}
+
+// Cut the work into items and the items into one contiguous run per thread of about equal cost.
+void plan(const int64_t* lens, int64_t B, int64_t KVH, int64_t threads, std::vector<Item>& items,
+          std::vector<int64_t>& cuts, int64_t& num_parts) {
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += lens[b];
+  const int64_t want_items = threads * kItemsPerThread;
+  int64_t split = (total * KVH + want_items - 1) / std::max<int64_t>(want_items, 1);
+  split = std::max(kMinSplit, (split + kBlock - 1) / kBlock * kBlock);
+  num_parts = 0;
+  items.clear();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = lens[b];
+    const int64_t pieces = std::max<int64_t>(1, (len + split - 1) / split);
+    // equal pieces, each a multiple of kBlock, so no piece is a short tail
+    const int64_t step = ((len + pieces - 1) / pieces + kBlock - 1) / kBlock * kBlock;
+    for (int64_t h = 0; h < KVH; ++h) {
+      for (int64_t s = 0; s < pieces; ++s) {
+        const int64_t begin = std::min(len, s * step), end = std::min(len, (s + 1) * step);
+        items.push_back({b, h, begin, end, pieces > 1 ? num_parts++ : -1});
+      }
+    }
+  }
+  cuts.assign(threads + 1, static_cast<int64_t>(items.size()));
+  cuts[0] = 0;
+  int64_t cost = 0, all = 0;
+  for (const Item& it : items) all += it.end - it.begin + kItemOverhead;
+  int64_t t = 1;
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()) && t < threads; ++i) {
+    cost += items[i].end - items[i].begin + kItemOverhead;
+    while (t < threads && cost * threads >= all * t) cuts[t++] = i + 1;
+  }
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
+                                     torch::Tensor req_to_token, torch::Tensor req_pool_indices,
+                                     torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_buf.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
+  TORCH_CHECK(k_buf.dim() == 3 && k_buf.sizes() == v_buf.sizes(), "k_buf and v_buf must be [S, KVH, D] alike");
+  TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), "k_buf and v_buf must share a dtype");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous(), "the KV pool must be contiguous");
+  TORCH_CHECK(k_buf.scalar_type() == at::kFloat || k_buf.scalar_type() == at::kBFloat16,
+              "KV pool dtype must be float32 or bfloat16");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
+              "req_to_token must be an int64 [R, C] table with contiguous rows");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t S = k_buf.size(0), KVH = k_buf.size(1);
+  TORCH_CHECK(k_buf.size(2) == D, "q and the pool disagree on head_dim");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of KV heads");
+  auto rpi = req_pool_indices.to(at::kLong).contiguous();
+  auto lens = seq_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(rpi.numel() == B && lens.numel() == B, "one req_pool_index and one seq_len per row of q");
+  const int64_t* rpi_p = rpi.data_ptr<int64_t>();
+  const int64_t* lens_p = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(rpi_p[b] >= 0 && rpi_p[b] < req_to_token.size(0), "req_pool_index out of range");
+    TORCH_CHECK(lens_p[b] >= 0 && lens_p[b] <= req_to_token.size(1), "seq_len longer than req_to_token");
+  }
+
+  // the softmax scale is folded into q once, instead of into every score
+  auto qf = (q.to(at::kFloat) * scale).contiguous();
+  auto out = at::zeros({B, H, D}, q.options().dtype(at::kFloat));
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<Item> items;
+  std::vector<int64_t> cuts;
+  int64_t P = 0;
+  plan(lens_p, B, KVH, threads, items, cuts, P);
+  const int64_t G = H / KVH;
+  auto part_acc = at::empty({std::max<int64_t>(P, 1), G, D}, qf.options());
+  auto part_ml = at::empty({2, std::max<int64_t>(P, 1), G}, qf.options());
+
+  Problem p{qf.data_ptr<float>(), k_buf.data_ptr(), v_buf.data_ptr(), req_to_token.data_ptr<int64_t>(),
+            req_to_token.stride(0), rpi_p, S, H, KVH, G, D, out.data_ptr<float>(),
+            part_acc.data_ptr<float>(), part_ml.data_ptr<float>(), part_ml.data_ptr<float>() + part_ml.size(1) * G};
+  const ItemFn fn = k_buf.scalar_type() == at::kFloat ? pick_kernel<float>(G, D) : pick_kernel<c10::BFloat16>(G, D);
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
+    bool mine = true;
+    for (int64_t t = t_begin; t < t_end; ++t)
+      for (int64_t i = cuts[t]; i < cuts[t + 1]; ++i)
+        if (items[i].end > items[i].begin) mine &= fn(p, items[i]);
+    if (!mine) ok = false;
+  });
+  TORCH_CHECK(ok.load(), "req_to_token holds a slot outside the KV pool");
+
+  if (P > 0) {
+    // merge the partials of split rows: items of one (row, head) are consecutive, parts in order
+    std::vector<int64_t> heads;  // first item of each split (row, head)
+    for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i)
+      if (items[i].part >= 0 && (i == 0 || items[i - 1].part < 0 || items[i - 1].head != items[i].head ||
+                                 items[i - 1].row != items[i].row))
+        heads.push_back(i);
+    at::parallel_for(0, static_cast<int64_t>(heads.size()), 1, [&](int64_t h_begin, int64_t h_end) {
+      for (int64_t hi = h_begin; hi < h_end; ++hi) {
+        const int64_t first = heads[hi];
+        int64_t last = first;
+        while (last + 1 < static_cast<int64_t>(items.size()) && items[last + 1].part >= 0 &&
+               items[last + 1].row == items[first].row && items[last + 1].head == items[first].head)
+          ++last;
+        const Item& it = items[first];
+        float* o = p.out + (it.row * H + it.head * G) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t i = first; i <= last; ++i)
+            if (items[i].end > items[i].begin) mx = std::max(mx, p.part_m[items[i].part * G + g]);
+          float denom = 0.f;
+          float* og = o + g * D;
+          for (int64_t i = first; i <= last; ++i) {
+            if (items[i].end <= items[i].begin) continue;  // an empty piece left no partial
+            const int64_t part = items[i].part;
+            const float w = std::exp(p.part_m[part * G + g] - mx);
+            denom += w * p.part_l[part * G + g];
+            const float* a = p.part_acc + (part * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) og[d] += w * a[d];
+          }
+          const float inv = denom > 0.f ? 1.f / denom : 0.f;
+          for (int64_t d = 0; d < D; ++d) og[d] *= inv;
+        }
+      }
+    });
+  }
+  return out.view({B, H * D}).to(q.scalar_type());
+}
+
+bool has_avx512_path() {
+#ifdef RADIXSERVE_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode attention reading K/V in place from a paged pool through req_to_token");
+  m.def("has_avx512_path", &has_avx512_path, "Whether this build has the AVX-512 inner loops");
+}

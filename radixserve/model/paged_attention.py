@@ -1,0 +1,167 @@
+"""``cpu_paged``: decode attention that reads K/V in place from the paged pool (a C++ kernel).
+
+``TorchNativeAttention`` gathers every decode request's K and V out of the pool into contiguous
+tensors and then runs SDPA over them: the KV is read, written and read again, and on this CPU that
+memory traffic is most of a decode step. ``csrc/paged_attention.cpp`` walks each request's slots
+through ``req_to_token[req_pool_idx, :seq_len]`` instead and reads K/V where they are, once, with
+an online softmax in float32 (the file's header has the algorithm). Prefill and extend rows keep
+the torch path (their SDPA calls are GEMM-bound, not gather-bound).
+
+Shared prefixes: the kernel attends every decode row, grouped or not, and the torch
+``cascade.py`` grouping is off for this backend (``share_prefixes = False``). Measured
+(docs/benchmarks.md, "Paged decode kernel"): a shared prefix read once per member by the kernel
+is still faster than the cascade's gather-once + GEMM, since the rows of a group run one after
+the other on a thread and the prefix is in cache for all but the first.
+
+The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (``-O3
+-march=native``) into ``.build/`` at the repository root (``RADIXSERVE_BUILD_DIR`` overrides);
+``scripts/setup.sh`` builds it ahead. If it cannot be built (no compiler), importing this module
+still works: the backend is listed, and choosing it raises an error that says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixserve.model.attention import (
+    TorchNativeAttention,
+    _DecodeGroup,
+    register_attention_backend,
+)
+
+_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno"]
+
+
+def _cpu_tag() -> str:
+    """A short hash of the CPU's feature flags: ``-march=native`` code built on one CPU may not
+    run on another, so builds for different CPUs (a shared home, a copied tree) never mix."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def build_dir() -> Path:
+    env = os.environ.get("RADIXSERVE_BUILD_DIR")
+    if env:
+        return Path(env)
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").exists():  # a source checkout (editable install)
+        return root / ".build"
+    return Path.home() / ".cache" / "radixserve" / "build"
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[Any, str | None]:
+    """(the extension module, None), or (None, why it could not be built). Built once per process."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        # the ninja that pip installed sits next to this interpreter's scripts, which need not be on
+        # PATH (a venv run without activating it); torch looks it up on PATH, even for a cached build
+        scripts = sysconfig.get_path("scripts")
+        if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+        name = f"radixserve_paged_attention_{_cpu_tag()}"
+        directory = build_dir() / name
+        directory.mkdir(parents=True, exist_ok=True)
+        ext = load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, build_directory=str(directory),
+                   verbose=False)
+        return ext, None
+    except Exception as e:  # noqa: BLE001 -- any build failure means "unavailable", with its reason
+        return None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+
+
+def extension() -> Any:
+    """The compiled extension; raises ``RuntimeError`` saying why if it cannot be built."""
+    ext, err = _load()
+    if ext is None:
+        raise RuntimeError(
+            f"attention backend 'cpu_paged' is unavailable: its C++ extension could not be built ({err}). "
+            "It needs g++ and ninja (bash scripts/setup.sh installs both); --attention-backend torch_native "
+            "works without them."
+        )
+    return ext
+
+
+def extension_error() -> str | None:
+    """None when the extension builds, else the reason it does not."""
+    return _load()[1]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``q: [B, H, D]`` (one new token per row) attends over ``seq_lens[b]`` tokens whose KV slots
+    are ``req_to_token[req_pool_indices[b], :seq_lens[b]]`` in ``k_buf, v_buf: [S, KVH, D]``.
+    Returns ``[B, H * D]`` in ``q``'s dtype."""
+    out: torch.Tensor = extension().paged_decode_attention(
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, float(scale)
+    )
+    return out
+
+
+@dataclass
+class _PagedDecode(_DecodeGroup):
+    """The decode rows of a batch as the kernel takes them: no gather indices, only where to look."""
+
+    req_to_token: torch.Tensor | None = None  # the whole [R, C] table
+    req_pool_indices: torch.Tensor | None = None  # [n]
+    seq_lens: torch.Tensor | None = None  # [n]
+
+
+@register_attention_backend("cpu_paged")
+class CpuPagedAttention(TorchNativeAttention):
+    """``TorchNativeAttention`` with its decode path replaced by the paged C++ kernel.
+
+    Prefill / extend rows (and the KV write) are the parent's. Decode rows, grouped by a shared
+    prefix or not, go to the kernel in one call per layer (see the module docstring for why the
+    cascade grouping is off)."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scaling)
+        extension()  # fail at construction, with the reason, not at the first decode step
+        self.share_prefixes = False
+
+    def _decode_group(
+        self, r2t: torch.Tensor, rows_rpi: torch.Tensor, lens: list[int], token_idx: torch.Tensor | None
+    ) -> _DecodeGroup:
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        return _PagedDecode(token_idx, len(lens), [], 0, r2t, rows_rpi.to(torch.int64), lens_t)
+
+    def _decode(
+        self, q: torch.Tensor, dec: _DecodeGroup, k_buf: torch.Tensor, v_buf: torch.Tensor
+    ) -> torch.Tensor:
+        assert isinstance(dec, _PagedDecode)
+        assert dec.req_to_token is not None and dec.req_pool_indices is not None and dec.seq_lens is not None
+        return paged_decode_attention(
+            q, k_buf, v_buf, dec.req_to_token, dec.req_pool_indices, dec.seq_lens, self.scaling
+        )
+
+
+if __name__ == "__main__":  # python -m radixserve.model.paged_attention: build it now (scripts/setup.sh)
+    import sys
+
+    err = extension_error()
+    print(f"cpu_paged extension: {'built in ' + str(build_dir()) if err is None else 'unavailable: ' + err}")
+    sys.exit(0 if err is None else 1)
