@@ -73,6 +73,12 @@ def _bench_offline(ns: argparse.Namespace) -> int:
     return main(ns)
 
 
+def _bench_attention(ns: argparse.Namespace) -> int:
+    from radixserve.bench.attention import main
+
+    return main(ns)
+
+
 def _router(ns: argparse.Namespace) -> int:
     from radixserve.router.app import run_router
     from radixserve.router.config import RouterArgs
@@ -181,6 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     _bench_router_args(br)
     br.set_defaults(func=_bench_router)
+    ba = bsub.add_parser("attention", help="One layer of decode attention per backend (torch_native vs cpu_paged) "
+                         "at several batch sizes and contexts, with the kernel's effective memory bandwidth.",
+                         description="Times one layer of decode attention of the model's shape per backend, "
+                         "alternating the backends, and prints the last backend's effective bandwidth (the K/V "
+                         "and slot-table bytes it must read over its time) next to a STREAM-style copy measured "
+                         "in the same run.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from radixserve.bench.attention import add_args as _bench_attention_args
+
+    _bench_attention_args(ba)
+    ba.set_defaults(func=_bench_attention)
 
     from radixserve.router.config import RouterArgs
     from radixserve.router.launch import add_launch_args

@@ -38,7 +38,10 @@ from radixserve.model.attention import (
 )
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno"]
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+# NOTE: at::parallel_for is a header template that runs serially unless the extension itself is
+# compiled with OpenMP; linking libgomp by its soname makes the loader reuse the one torch loaded.
+_LDFLAGS = ["-fopenmp"]
 
 
 def _cpu_tag() -> str:
@@ -77,7 +80,7 @@ def _load() -> tuple[Any, str | None]:
         name = f"radixserve_paged_attention_{_cpu_tag()}"
         directory = build_dir() / name
         directory.mkdir(parents=True, exist_ok=True)
-        ext = load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, build_directory=str(directory),
+        ext = load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, build_directory=str(directory),
                    verbose=False)
         return ext, None
     except Exception as e:  # noqa: BLE001 -- any build failure means "unavailable", with its reason

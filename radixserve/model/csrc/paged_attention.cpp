@@ -7,12 +7,17 @@
 //   seq_lens     [B] int64        tokens row b attends to (its new token included)
 //   returns      [B, H * D]       in q's dtype
 //
-// Work is cut into items (row, kv head, token range). The G = H / KVH query heads of one KV head
-// are attended together, so each K/V vector is loaded once for G queries (grouped-query attention).
-// Each item runs an online softmax in float32 over blocks of kBlock tokens: scores for the block,
-// a new running max, rescale of the running sum and accumulator, then P x V. Long contexts are
-// split over several items (split-K) so that batch 1 keeps every thread busy; the items of a
-// split row leave (max, sum, unnormalised acc) partials that a second pass merges exactly:
+// Work is cut into items (row, token range). An item walks its tokens in blocks of kBlock and, for
+// each block, attends every KV head in turn: a token's K (and V) row of all heads is contiguous in
+// the pool (KVH * D elements), so a block reads whole rows once, in order, and the next block's
+// rows are prefetched while this one computes. (Items of one (row, KV head) each were measured
+// slower: each read a third of every row, and the three passes over a row's pages left the
+// hardware prefetcher less to work with.) The G = H / KVH query heads of one KV head are attended
+// together, so each K/V vector is loaded once for G queries (grouped-query attention). Each head
+// runs an online softmax in float32: scores for the block, a new running max, rescale of the
+// running sum and accumulator, then P x V. Long contexts are split over several items (split-K) so
+// that batch 1 keeps every thread busy; the items of a split row leave (max, sum, unnormalised
+// acc) partials per head that a second pass merges exactly:
 //
 //   m = max_s m_s;   out = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s
 //
@@ -43,13 +48,15 @@
 namespace {
 
 constexpr int64_t kBlock = 16;        // tokens per online-softmax step (one AVX-512 vector of scores)
-constexpr int64_t kMinSplit = 256;    // never split a row into pieces shorter than this
+constexpr int64_t kMinSplit = 128;    // never split a row into pieces shorter than this
 constexpr int64_t kItemsPerThread = 8;  // split long rows until there are about this many items per thread
 constexpr int64_t kItemOverhead = 16;  // fixed cost of an item, in token equivalents, for the balance
+// Below this many tokens per thread a problem runs on fewer threads: waking a thread costs a few
+// microseconds, and on a busy machine far more (about 13 ns per token and KV head here).
+constexpr int64_t kMinTokensPerThread = 512;
 
 struct Item {
   int64_t row;    // decode row b
-  int64_t head;   // KV head
   int64_t begin;  // token range [begin, end) of the row
   int64_t end;
   int64_t part;   // index of its partial result, or -1: the row is not split, write the output
@@ -65,31 +72,28 @@ struct Problem {
   int64_t num_slots;      // S
   int64_t H, KVH, G, D;
   float* out;             // [B, H, D] float32
-  float* part_acc;        // [P, G, D]
-  float* part_m;          // [P, G]
-  float* part_l;          // [P, G]
+  float* part_acc;        // [P, H, D]
+  float* part_m;          // [P, H]
+  float* part_l;          // [P, H]
 };
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 // Where an item's result goes: straight into the output, normalised, or into its partial slot.
-template <typename Store>
-inline void finish_item(const Problem& p, const Item& it, Store&& value, const float* m, const float* l) {
-  const int64_t G = p.G, D = p.D;
+// acc: [H, D] unnormalised, m and l: [H].
+inline void finish_item(const Problem& p, const Item& it, const float* acc, const float* m, const float* l) {
+  const int64_t H = p.H, D = p.D;
   if (it.part < 0) {
-    float* o = p.out + (it.row * p.H + it.head * G) * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-      for (int64_t d = 0; d < D; ++d) o[g * D + d] = value(g, d) * inv;
+    float* o = p.out + it.row * H * D;
+    for (int64_t r = 0; r < H; ++r) {
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      for (int64_t d = 0; d < D; ++d) o[r * D + d] = acc[r * D + d] * inv;
     }
   } else {
-    float* a = p.part_acc + it.part * G * D;
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t d = 0; d < D; ++d) a[g * D + d] = value(g, d);
-      p.part_m[it.part * G + g] = m[g];
-      p.part_l[it.part * G + g] = l[g];
-    }
+    std::copy(acc, acc + H * D, p.part_acc + it.part * H * D);
+    std::copy(m, m + H, p.part_m + it.part * H);
+    std::copy(l, l + H, p.part_l + it.part * H);
   }
 }
 
@@ -98,12 +102,12 @@ inline void finish_item(const Problem& p, const Item& it, Store&& value, const f
 // ------------------------------------------------------------------------------------------------
 template <typename kv_t>
 bool attend_item_generic(const Problem& p, const Item& it) {
-  const int64_t G = p.G, D = p.D;
+  const int64_t H = p.H, KVH = p.KVH, G = p.G, D = p.D;
   const kv_t* K = static_cast<const kv_t*>(p.k);
   const kv_t* V = static_cast<const kv_t*>(p.v);
   const int64_t* slots = p.r2t + p.rpi[it.row] * p.r2t_stride;
-  const float* q = p.q + (it.row * p.H + it.head * G) * D;
-  std::vector<float> acc(G * D, 0.f), m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f);
+  const float* q = p.q + it.row * H * D;
+  std::vector<float> acc(H * D, 0.f), m(H, -std::numeric_limits<float>::infinity()), l(H, 0.f);
   std::vector<float> s(G * kBlock);
   bool ok = true;
   for (int64_t t0 = it.begin; t0 < it.end; t0 += kBlock) {
@@ -115,38 +119,45 @@ bool attend_item_generic(const Problem& p, const Item& it) {
         ok = false;
         slot = 0;
       }
-      rows[j] = (slot * p.KVH + it.head) * D;
-      const kv_t* kp = K + rows[j];
-      for (int64_t g = 0; g < G; ++g) {
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * to_float(kp[d]);
-        s[g * kBlock + j] = dot;
-      }
+      rows[j] = slot * KVH * D;
     }
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = &s[g * kBlock];
-      float bm = sg[0];
-      for (int64_t j = 1; j < n; ++j) bm = std::max(bm, sg[j]);
-      const float mn = std::max(m[g], bm);
-      const float alpha = std::exp(m[g] - mn);  // 0 on the first block (m = -inf)
-      float sum = 0.f;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float* qh = q + h * G * D;
+      float* acc_h = &acc[h * G * D];
       for (int64_t j = 0; j < n; ++j) {
-        sg[j] = std::exp(sg[j] - mn);
-        sum += sg[j];
+        const kv_t* kp = K + rows[j] + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qh[g * D + d] * to_float(kp[d]);
+          s[g * kBlock + j] = dot;
+        }
       }
-      l[g] = l[g] * alpha + sum;
-      m[g] = mn;
-      for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const kv_t* vp = V + rows[j];
       for (int64_t g = 0; g < G; ++g) {
-        const float w = s[g * kBlock + j];
-        for (int64_t d = 0; d < D; ++d) acc[g * D + d] += w * to_float(vp[d]);
+        float* sg = &s[g * kBlock];
+        float& mg = m[h * G + g];
+        float bm = sg[0];
+        for (int64_t j = 1; j < n; ++j) bm = std::max(bm, sg[j]);
+        const float mn = std::max(mg, bm);
+        const float alpha = std::exp(mg - mn);  // 0 on the first block (m = -inf)
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          sg[j] = std::exp(sg[j] - mn);
+          sum += sg[j];
+        }
+        l[h * G + g] = l[h * G + g] * alpha + sum;
+        mg = mn;
+        for (int64_t d = 0; d < D; ++d) acc_h[g * D + d] *= alpha;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const kv_t* vp = V + rows[j] + h * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = s[g * kBlock + j];
+          for (int64_t d = 0; d < D; ++d) acc_h[g * D + d] += w * to_float(vp[d]);
+        }
       }
     }
   }
-  finish_item(p, it, [&](int64_t g, int64_t d) { return acc[g * D + d]; }, m.data(), l.data());
+  finish_item(p, it, acc.data(), m.data(), l.data());
   return ok;
 }
 
@@ -207,28 +218,42 @@ inline __m512 hsum16x16(const __m512* x) {
   return _mm512_add_ps(lo, hi);
 }
 
+// Pull the next block's K and V rows (all heads) into L1 while this block computes: with small
+// pages (page size 1) consecutive tokens sit anywhere in the pool and the hardware prefetcher
+// cannot guess the next row.
+template <typename kv_t>
+inline void prefetch_rows(const Problem& p, const int64_t* slots, int64_t from, int64_t to) {
+  const char* K = static_cast<const char*>(p.k);
+  const char* V = static_cast<const char*>(p.v);
+  const int64_t row_bytes = p.KVH * p.D * static_cast<int64_t>(sizeof(kv_t));
+  for (int64_t t = from; t < to; ++t) {
+    const int64_t off = slots[t] * row_bytes;  // a bad slot is caught when its block is read
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(K + off + b, _MM_HINT_T0);
+      _mm_prefetch(V + off + b, _MM_HINT_T0);
+    }
+  }
+}
+
 template <typename kv_t, int G, int NC>
 bool attend_item_avx512(const Problem& p, const Item& it) {
   constexpr int64_t D = NC * 16;
+  const int64_t H = p.H, KVH = p.KVH;
   const kv_t* K = static_cast<const kv_t*>(p.k);
   const kv_t* V = static_cast<const kv_t*>(p.v);
   const int64_t* slots = p.r2t + p.rpi[it.row] * p.r2t_stride;
-  const float* q = p.q + (it.row * p.H + it.head * G) * D;
-  const int64_t row_stride = p.KVH * D;
-  __m512 qv[G][NC], acc[G][NC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) {
-      qv[g][c] = _mm512_loadu_ps(q + g * D + c * 16);
-      acc[g][c] = _mm512_setzero_ps();
-    }
-  float m[G], l[G];
-  for (int g = 0; g < G; ++g) {
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.f;
-  }
+  const float* q = p.q + it.row * H * D;
+  // running state of every head; a head's accumulators are in registers only while it is attended
+  thread_local std::vector<float> state;
+  state.assign(H * D + 2 * H, 0.f);
+  float* acc_all = state.data();
+  float* m = acc_all + H * D;
+  float* l = m + H;
+  std::fill(m, m + H, -std::numeric_limits<float>::infinity());
   bool ok = true;
   alignas(64) float prob[G][kBlock];
-  int64_t rows[kBlock];  // element offset of each token's head vector, the same in K and V
+  int64_t rows[kBlock];  // element offset of each token's row (all heads), the same in K and V
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t0 = it.begin; t0 < it.end; t0 += kBlock) {
     const int64_t n = std::min(kBlock, it.end - t0);
     const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
@@ -238,55 +263,65 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
         ok = false;
         slot = 0;
       }
-      rows[j] = slot * row_stride + it.head * D;
+      rows[j] = slot * KVH * D;
     }
-    // scores: one 16-lane partial vector per (g, token), reduced 16 tokens at a time
-    __m512 sc[G];
-    {
-      __m512 part[G][kBlock];
-      for (int64_t j = 0; j < kBlock; ++j) {
-        if (j < n) {
-          __m512 kc[NC];
-          for (int c = 0; c < NC; ++c) kc[c] = load16(K + rows[j] + c * 16);
-          for (int g = 0; g < G; ++g) {
-            __m512 a = _mm512_mul_ps(qv[g][0], kc[0]);
-            for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[g][c], kc[c], a);
-            part[g][j] = a;
+    prefetch_rows<kv_t>(p, slots, t0 + n, std::min(it.end, t0 + n + kBlock));
+    for (int64_t h = 0; h < KVH; ++h) {
+      __m512 qv[G][NC], acc[G][NC];
+      float* acc_h = acc_all + h * G * D;
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NC; ++c) {
+          qv[g][c] = _mm512_loadu_ps(q + (h * G + g) * D + c * 16);
+          acc[g][c] = _mm512_loadu_ps(acc_h + g * D + c * 16);
+        }
+      // scores: one 16-lane partial vector per (g, token), reduced 16 tokens at a time
+      __m512 sc[G];
+      {
+        __m512 part[G][kBlock];
+        for (int64_t j = 0; j < kBlock; ++j) {
+          if (j < n) {
+            const kv_t* kp = K + rows[j] + h * D;
+            __m512 kc[NC];
+            for (int c = 0; c < NC; ++c) kc[c] = load16(kp + c * 16);
+            for (int g = 0; g < G; ++g) {
+              __m512 a = _mm512_mul_ps(qv[g][0], kc[0]);
+              for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[g][c], kc[c], a);
+              part[g][j] = a;
+            }
+          } else {
+            for (int g = 0; g < G; ++g) part[g][j] = _mm512_setzero_ps();
           }
-        } else {
-          for (int g = 0; g < G; ++g) part[g][j] = _mm512_setzero_ps();
+        }
+        for (int g = 0; g < G; ++g) sc[g] = hsum16x16(part[g]);
+      }
+      for (int g = 0; g < G; ++g) {
+        float& mg = m[h * G + g];
+        const __m512 sv = _mm512_mask_mov_ps(neg_inf, live, sc[g]);
+        const float mn = std::max(mg, _mm512_reduce_max_ps(sv));
+        const float alpha = std::exp(mg - mn);  // 0 on the first block (m = -inf)
+        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mn))));
+        l[h * G + g] = l[h * G + g] * alpha + _mm512_reduce_add_ps(e);
+        mg = mn;
+        _mm512_store_ps(prob[g], e);
+        if (alpha != 1.f) {
+          const __m512 av = _mm512_set1_ps(alpha);
+          for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], av);
         }
       }
-      for (int g = 0; g < G; ++g) sc[g] = hsum16x16(part[g]);
-    }
-    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int g = 0; g < G; ++g) {
-      const __m512 s = _mm512_mask_mov_ps(neg_inf, live, sc[g]);
-      const float mn = std::max(m[g], _mm512_reduce_max_ps(s));
-      const float alpha = std::exp(m[g] - mn);  // 0 on the first block (m = -inf)
-      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
-      l[g] = l[g] * alpha + _mm512_reduce_add_ps(e);
-      m[g] = mn;
-      _mm512_store_ps(prob[g], e);
-      if (alpha != 1.f) {
-        const __m512 av = _mm512_set1_ps(alpha);
-        for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], av);
+      for (int64_t j = 0; j < n; ++j) {
+        const kv_t* vp = V + rows[j] + h * D;
+        __m512 vc[NC];
+        for (int c = 0; c < NC; ++c) vc[c] = load16(vp + c * 16);
+        for (int g = 0; g < G; ++g) {
+          const __m512 w = _mm512_set1_ps(prob[g][j]);
+          for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(w, vc[c], acc[g][c]);
+        }
       }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const kv_t* vp = V + rows[j];
-      __m512 vc[NC];
-      for (int c = 0; c < NC; ++c) vc[c] = load16(vp + c * 16);
-      for (int g = 0; g < G; ++g) {
-        const __m512 w = _mm512_set1_ps(prob[g][j]);
-        for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(w, vc[c], acc[g][c]);
-      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_h + g * D + c * 16, acc[g][c]);
     }
   }
-  alignas(64) float accs[G][D];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) _mm512_store_ps(&accs[g][c * 16], acc[g][c]);
-  finish_item(p, it, [&](int64_t g, int64_t d) { return accs[g][d]; }, m, l);
+  finish_item(p, it, acc_all, m, l);
   return ok;
 }
 #endif  // RADIXSERVE_AVX512
@@ -307,12 +342,14 @@ ItemFn pick_kernel(int64_t G, int64_t D) {
 }
 
 // Cut the work into items and the items into one contiguous run per thread of about equal cost.
-void plan(const int64_t* lens, int64_t B, int64_t KVH, int64_t threads, std::vector<Item>& items,
-          std::vector<int64_t>& cuts, int64_t& num_parts) {
+// Returns the number of threads to use (cuts has that many runs).
+int64_t plan(const int64_t* lens, int64_t B, int64_t threads, std::vector<Item>& items, std::vector<int64_t>& cuts,
+             int64_t& num_parts) {
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) total += lens[b];
+  threads = std::max<int64_t>(1, std::min(threads, total / kMinTokensPerThread));
   const int64_t want_items = threads * kItemsPerThread;
-  int64_t split = (total * KVH + want_items - 1) / std::max<int64_t>(want_items, 1);
+  int64_t split = (total + want_items - 1) / want_items;
   split = std::max(kMinSplit, (split + kBlock - 1) / kBlock * kBlock);
   num_parts = 0;
   items.clear();
@@ -321,11 +358,9 @@ void plan(const int64_t* lens, int64_t B, int64_t KVH, int64_t threads, std::vec
     const int64_t pieces = std::max<int64_t>(1, (len + split - 1) / split);
     // equal pieces, each a multiple of kBlock, so no piece is a short tail
     const int64_t step = ((len + pieces - 1) / pieces + kBlock - 1) / kBlock * kBlock;
-    for (int64_t h = 0; h < KVH; ++h) {
-      for (int64_t s = 0; s < pieces; ++s) {
-        const int64_t begin = std::min(len, s * step), end = std::min(len, (s + 1) * step);
-        items.push_back({b, h, begin, end, pieces > 1 ? num_parts++ : -1});
-      }
+    for (int64_t s = 0; s < pieces; ++s) {
+      const int64_t begin = std::min(len, s * step), end = std::min(len, (s + 1) * step);
+      items.push_back({b, begin, end, pieces > 1 ? num_parts++ : -1});
     }
   }
   cuts.assign(threads + 1, static_cast<int64_t>(items.size()));
@@ -337,6 +372,7 @@ void plan(const int64_t* lens, int64_t B, int64_t KVH, int64_t threads, std::vec
     cost += items[i].end - items[i].begin + kItemOverhead;
     while (t < threads && cost * threads >= all * t) cuts[t++] = i + 1;
   }
+  return threads;
 }
 
 }  // namespace
@@ -371,18 +407,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch
   // the softmax scale is folded into q once, instead of into every score
   auto qf = (q.to(at::kFloat) * scale).contiguous();
   auto out = at::zeros({B, H, D}, q.options().dtype(at::kFloat));
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t max_threads = std::max<int64_t>(1, at::get_num_threads());
   std::vector<Item> items;
   std::vector<int64_t> cuts;
   int64_t P = 0;
-  plan(lens_p, B, KVH, threads, items, cuts, P);
+  const int64_t threads = plan(lens_p, B, max_threads, items, cuts, P);
   const int64_t G = H / KVH;
-  auto part_acc = at::empty({std::max<int64_t>(P, 1), G, D}, qf.options());
-  auto part_ml = at::empty({2, std::max<int64_t>(P, 1), G}, qf.options());
+  auto part_acc = at::empty({std::max<int64_t>(P, 1), H, D}, qf.options());
+  auto part_ml = at::empty({2, std::max<int64_t>(P, 1), H}, qf.options());
 
   Problem p{qf.data_ptr<float>(), k_buf.data_ptr(), v_buf.data_ptr(), req_to_token.data_ptr<int64_t>(),
             req_to_token.stride(0), rpi_p, S, H, KVH, G, D, out.data_ptr<float>(),
-            part_acc.data_ptr<float>(), part_ml.data_ptr<float>(), part_ml.data_ptr<float>() + part_ml.size(1) * G};
+            part_acc.data_ptr<float>(), part_ml.data_ptr<float>(), part_ml.data_ptr<float>() + part_ml.size(1) * H};
   const ItemFn fn = k_buf.scalar_type() == at::kFloat ? pick_kernel<float>(G, D) : pick_kernel<c10::BFloat16>(G, D);
   std::atomic<bool> ok{true};
   at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
@@ -395,33 +431,31 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch
   TORCH_CHECK(ok.load(), "req_to_token holds a slot outside the KV pool");
 
   if (P > 0) {
-    // merge the partials of split rows: items of one (row, head) are consecutive, parts in order
-    std::vector<int64_t> heads;  // first item of each split (row, head)
-    for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i)
-      if (items[i].part >= 0 && (i == 0 || items[i - 1].part < 0 || items[i - 1].head != items[i].head ||
-                                 items[i - 1].row != items[i].row))
-        heads.push_back(i);
-    at::parallel_for(0, static_cast<int64_t>(heads.size()), 1, [&](int64_t h_begin, int64_t h_end) {
-      for (int64_t hi = h_begin; hi < h_end; ++hi) {
-        const int64_t first = heads[hi];
-        int64_t last = first;
-        while (last + 1 < static_cast<int64_t>(items.size()) && items[last + 1].part >= 0 &&
-               items[last + 1].row == items[first].row && items[last + 1].head == items[first].head)
-          ++last;
-        const Item& it = items[first];
-        float* o = p.out + (it.row * H + it.head * G) * D;
-        for (int64_t g = 0; g < G; ++g) {
+    // merge the partials of split rows: the items of one row are consecutive, in token order
+    std::vector<std::pair<int64_t, int64_t>> runs;  // [first, last] item of each split row
+    for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+      if (items[i].part < 0) continue;
+      if (!runs.empty() && items[runs.back().first].row == items[i].row)
+        runs.back().second = i;
+      else
+        runs.push_back({i, i});
+    }
+    at::parallel_for(0, static_cast<int64_t>(runs.size()), 8, [&](int64_t r_begin, int64_t r_end) {
+      for (int64_t ri = r_begin; ri < r_end; ++ri) {
+        const auto [first, last] = runs[ri];
+        float* o = p.out + items[first].row * H * D;
+        for (int64_t r = 0; r < H; ++r) {
           float mx = -std::numeric_limits<float>::infinity();
           for (int64_t i = first; i <= last; ++i)
-            if (items[i].end > items[i].begin) mx = std::max(mx, p.part_m[items[i].part * G + g]);
+            if (items[i].end > items[i].begin) mx = std::max(mx, p.part_m[items[i].part * H + r]);
           float denom = 0.f;
-          float* og = o + g * D;
+          float* og = o + r * D;
           for (int64_t i = first; i <= last; ++i) {
             if (items[i].end <= items[i].begin) continue;  // an empty piece left no partial
             const int64_t part = items[i].part;
-            const float w = std::exp(p.part_m[part * G + g] - mx);
-            denom += w * p.part_l[part * G + g];
-            const float* a = p.part_acc + (part * G + g) * D;
+            const float w = std::exp(p.part_m[part * H + r] - mx);
+            denom += w * p.part_l[part * H + r];
+            const float* a = p.part_acc + (part * H + r) * D;
             for (int64_t d = 0; d < D; ++d) og[d] += w * a[d];
           }
           const float inv = denom > 0.f ? 1.f / denom : 0.f;

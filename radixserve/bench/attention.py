@@ -1,0 +1,165 @@
+"""``radixserve bench attention``: one layer of decode attention, backend against backend.
+
+For each batch size and context length, a KV pool of one layer of the model's shape is filled with
+random K/V in shuffled pages (a pool after some churn: each request's pages are scattered), every
+request decodes one token, and each backend's ``forward`` for that layer (the new K/V written to
+the pool, then attention over the whole context) is timed. The backends alternate for ``--rounds``
+rounds (the machine drifts) and the median per layer is printed.
+
+The figure a decode kernel is judged by is its effective bandwidth: the bytes it cannot avoid
+reading (every request's K and V, plus its slot-table row) over its time, next to what this machine
+can move: a STREAM-style copy of a large tensor measured in the same run (bytes read + written over
+the time of ``dst.copy_(src)``, both cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo
+from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
+from radixserve.model.attention import AttentionBackend, create_attention_backend
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-sizes", default="1,32,64,128",
+                   help="Comma-separated numbers of decoding requests.")
+    p.add_argument("--contexts", default="256,1024",
+                   help="Comma-separated context lengths: tokens each request attends to (its new one included).")
+    p.add_argument("--backends", default="torch_native,cpu_paged",
+                   help="Comma-separated attention backends; the first is the baseline of the speed-up column.")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="dtype of q and of the KV pool (bfloat16 is what --dtype auto picks on this CPU).")
+    p.add_argument("--page-size", type=int, default=16,
+                   help="Tokens per KV page: each request's pages are scattered over the pool at random.")
+    p.add_argument("--num-heads", type=int, default=None, help="Query heads; unset: the model's.")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="KV heads; unset: the model's.")
+    p.add_argument("--head-dim", type=int, default=None, help="Head dimension; unset: the model's.")
+    p.add_argument("--model-path", default=None,
+                   help="Model whose attention shape is used; unset: the bundled SmolLM2 (9 heads, 3 KV heads, "
+                        "head_dim 64). Only its config is read.")
+    p.add_argument("--iters", type=int, default=20, help="Timed layer calls per backend per round.")
+    p.add_argument("--rounds", type=int, default=3, help="Alternated rounds per backend.")
+    p.add_argument("--stat", default="median", choices=["median", "min"],
+                   help="Figure printed per backend over all its timed calls: the median, or the minimum (steadier "
+                        "on a shared machine, where other work preempts some calls).")
+    p.add_argument("--stream-mb", type=int, default=512, help="Size of each tensor of the STREAM-style copy, MiB.")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads; unset: torch's choice.")
+    p.add_argument("--output", default=None, help="Write the results as JSON here.")
+
+
+def stream_copy_gbs(mib: int, iters: int = 5) -> float:
+    """Best bandwidth of ``dst.copy_(src)`` over ``iters`` tries, counting bytes read + written."""
+    n = mib * (1 << 20) // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.zeros(n, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best / 1e9
+
+
+class Layer:
+    """One layer's pool, slot table and decode batch of ``batch`` requests at ``ctx`` tokens."""
+
+    def __init__(self, batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch.dtype, page: int,
+                 seed: int = 0) -> None:
+        H, KVH, D = heads
+        g = torch.Generator().manual_seed(seed)
+        pages_per_req = -(-ctx // page)
+        n_pages = batch * pages_per_req
+        self.kv = KVPool(n_pages * page, page, 1, KVH, D, dtype)
+        self.kv.k_buffers[0].normal_(generator=g)
+        self.kv.v_buffers[0].normal_(generator=g)
+        self.r2t = ReqToTokenPool(batch, pages_per_req * page)
+        pages = torch.randperm(n_pages, generator=g) + 1  # page 0 is the reserved padding page
+        slots = (pages.view(-1, 1) * page + torch.arange(page)).view(batch, -1)
+        self.r2t.req_to_token[:, : slots.shape[1]] = slots
+        self.fb = ForwardBatch(
+            input_ids=torch.zeros(batch, dtype=torch.int64),
+            positions=torch.full((batch,), ctx - 1, dtype=torch.int64),
+            out_cache_loc=self.r2t.req_to_token[:, ctx - 1].clone(),
+            req_pool_indices=torch.arange(batch),
+            seq_lens=torch.full((batch,), ctx, dtype=torch.int64),
+            extend_prefix_lens=[ctx - 1] * batch,
+            extend_seq_lens=[1] * batch,
+            sampling=SamplingBatchInfo.greedy(batch),
+        )
+        self.q = torch.randn(batch, H, D, generator=g).to(dtype)
+        self.k = torch.randn(batch, KVH, D, generator=g).to(dtype)
+        self.v = torch.randn(batch, KVH, D, generator=g).to(dtype)
+        elem = self.kv.k_buffers[0].element_size()
+        # what any decode kernel must read: K and V of every token, and the token's slot id
+        self.bytes = batch * ctx * (2 * KVH * D * elem + 8)
+
+    def run(self, backend: AttentionBackend) -> torch.Tensor:
+        return backend.forward(self.q, self.k, self.v, 0, self.fb, self.kv, self.r2t)
+
+
+def time_ms(fn: Callable[[], object], iters: int) -> list[float]:
+    """Milliseconds of each of ``iters`` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def main(ns: argparse.Namespace) -> int:
+    if ns.num_threads:
+        torch.set_num_threads(ns.num_threads)
+    heads = (ns.num_heads, ns.num_kv_heads, ns.head_dim)
+    if None in heads:
+        from radixserve.model.loader import load_config
+
+        mc = load_config(ns.model_path)
+        heads = (ns.num_heads or mc.num_heads, ns.num_kv_heads or mc.num_kv_heads, ns.head_dim or mc.head_dim)
+    H, KVH, D = heads
+    dtype = torch.bfloat16 if ns.dtype == "bfloat16" else torch.float32
+    names = [n for n in ns.backends.split(",") if n]
+    stat: Callable[[list[float]], float] = statistics.median if ns.stat == "median" else min
+    backends = {n: create_attention_backend(n, H, KVH, D) for n in names}
+    stream = stream_copy_gbs(ns.stream_mb)
+    print(f"one layer of decode attention: {H} heads, {KVH} KV heads, head_dim {D}, {ns.dtype}, page size "
+          f"{ns.page_size}, {torch.get_num_threads()} threads; {ns.stat} of {ns.rounds} alternated rounds x {ns.iters} calls")
+    print(f"STREAM-style copy: {stream:.1f} GB/s (read + write)")
+    cols = "".join(f"{n + ' ms':>18}" for n in names)
+    print(f"{'batch':>6}{'ctx':>6}{'MB read':>9}{cols}{'speed-up':>10}{'GB/s':>8}{'of copy':>9}")
+    rows: list[dict[str, Any]] = []
+    with torch.inference_mode():
+        for ctx in (int(c) for c in ns.contexts.split(",")):
+            for batch in (int(b) for b in ns.batch_sizes.split(",")):
+                layer = Layer(batch, ctx, heads, dtype, ns.page_size)
+                got: dict[str, list[float]] = {n: [] for n in names}
+                for _ in range(ns.rounds):
+                    for n, be in backends.items():
+                        be.init_forward_metadata(layer.fb, layer.r2t)
+                        got[n] += time_ms(functools.partial(layer.run, be), ns.iters)
+                med = {n: stat(v) for n, v in got.items()}
+                last = names[-1]
+                gbs = layer.bytes / (med[last] * 1e-3) / 1e9
+                speed = med[names[0]] / med[last]
+                times = "".join(f"{med[n]:>18.3f}" for n in names)
+                print(f"{batch:>6}{ctx:>6}{layer.bytes / 1e6:>9.1f}{times}{speed:>9.2f}x{gbs:>8.1f}"
+                      f"{gbs / stream:>8.0%}")
+                rows.append({"batch": batch, "ctx": ctx, "bytes": layer.bytes, "ms": med,
+                             "speedup": speed, "effective_gbs": gbs})
+                del layer
+    print(f"speed-up: {names[0]} / {names[-1]}; GB/s and 'of copy': {names[-1]}'s bytes read over its time, "
+          "against the copy's bandwidth")
+    if ns.output:
+        with open(ns.output, "w") as f:
+            json.dump({"stream_copy_gbs": stream, "dtype": ns.dtype, "stat": ns.stat, "heads": heads, "rows": rows}, f, indent=2)
+    return 0
