@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--model-path", default=None, help="Model (default: the bundled SmolLM2).")
     bo.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="Model dtype.")
     bo.add_argument("--schedule-policy", default="fcfs", help="Waiting-queue policy.")
+    bo.add_argument("--attention-backend", default="torch_native", choices=["torch_native", "cpu_paged"],
+                    help="Attention implementation (see radixserve serve --help).")
     bo.add_argument("--scheduler", default="sglang", choices=["sglang", "unified"], help="Scheduler.")
     bo.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens.")
     bo.add_argument("--max-running-requests", type=int, default=None,
@@ -154,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--compare-loops", type=int, default=0, metavar="ROUNDS",
                     help="With --decode-batch: time the whole decode step under the overlap loop and the normal "
                          "loop (--disable-overlap-schedule), alternated this many rounds each, and print the ratio.")
+    bo.add_argument("--compare-attention", type=int, default=0, metavar="ROUNDS",
+                    help="With --decode-batch: time the whole decode step with the torch_native and the cpu_paged "
+                         "attention backends, swapped into the one loaded model and alternated this many rounds "
+                         "each, and print the ratio.")
     bo.add_argument("--disable-overlap-schedule", action="store_true",
                     help="Run the engine's normal loop instead of the overlap loop (see radixserve serve --help).")
     bo.add_argument("--output", default=None, help="Write the results as JSON here.")

@@ -187,6 +187,31 @@ def compare_loops(engine: Engine, batch: int, rounds: int) -> dict[str, float]:
     return {"step_ms_overlap": med["overlap"], "step_ms_normal": med["normal"]}
 
 
+def compare_attention(engine: Engine, batch: int, rounds: int, backends: tuple[str, ...]) -> dict[str, float]:
+    """The whole decode step at ``batch`` with each attention backend, swapped into the one loaded
+    model and alternated ``rounds`` times (the machine drifts); prints the medians and the ratio."""
+    from radixserve.model.attention import create_attention_backend
+
+    model = engine.runner.model
+    base = model.attn_backend
+    made = {n: create_attention_backend(n, base.num_heads, base.num_kv_heads, base.head_dim) for n in backends}
+    got: dict[str, list[float]] = {n: [] for n in backends}
+    try:
+        for _ in range(rounds):
+            for n in backends:
+                model.attn_backend = made[n]
+                engine.flush_cache()
+                got[n].append(decode_step_ms(engine, batch)[0])
+    finally:
+        model.attn_backend = base
+    med = {n: statistics.median(v) for n, v in got.items()}
+    first, last = backends[0], backends[-1]
+    print(f"whole decode step at batch {batch}, {rounds} alternated rounds: "
+          + ", ".join(f"{n} {med[n]:.1f} ms" for n in backends)
+          + f" ({first} / {last} {med[first] / med[last]:.2f}x)")
+    return {f"step_ms_{n}": med[n] for n in backends}
+
+
 def _median_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1000 if xs else float("nan")
 
@@ -201,6 +226,8 @@ def main(args: Any) -> int:
         kw["scheduler"] = args.scheduler
     if args.disable_overlap_schedule:
         kw["disable_overlap_schedule"] = True
+    if args.attention_backend != "torch_native":
+        kw["attention_backend"] = args.attention_backend
     engine = Engine(args.model_path, dtype=args.dtype, schedule_policy=args.schedule_policy, **kw)
     wl_kw: dict[str, int] = {"seed": args.seed}
     if args.num_prompts:
@@ -233,7 +260,9 @@ def main(args: Any) -> int:
               f"model matmuls alone: {mm:.1f} ms (step / matmuls {step / mm:.2f}x)")
     if args.decode_batch and args.compare_loops:
         extra.update(compare_loops(engine, args.decode_batch, args.compare_loops))
-    print(f"dtype: {engine.runner.dtype}")
+    if args.decode_batch and args.compare_attention:
+        extra.update(compare_attention(engine, args.decode_batch, args.compare_attention, ("torch_native", "cpu_paged")))
+    print(f"dtype: {engine.runner.dtype}, attention backend: {args.attention_backend}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"results": [asdict(r) for r in results], **extra, "dtype": str(engine.runner.dtype)}, f, indent=2)
