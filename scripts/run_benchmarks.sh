@@ -16,6 +16,11 @@ radixserve bench offline --workload random --dtype float32 --compare-hf --decode
     --output "$OUT/random_fp32.json"
 radixserve bench offline --workload shared-prefix --compare-hf --output "$OUT/shared_prefix.json"
 
+# the cpu_paged decode kernel: one layer per backend, then the whole decode step with each
+radixserve bench attention --output "$OUT/attention.json"
+radixserve bench offline --workload random --num-prompts 8 --decode-batch 64 --compare-attention 3 \
+    --output "$OUT/attention_step.json"
+
 # issue: policies -- fcfs, lpm, dfs-weight and the unified scheduler on the shared-prefix workload
 for p in fcfs lpm dfs-weight; do
     radixserve bench offline --workload shared-prefix --schedule-policy "$p" --output "$OUT/sched_$p.json"

@@ -1,10 +1,13 @@
 """``radixserve bench attention``: one layer of decode attention, backend against backend.
 
-For each batch size and context length, a KV pool of one layer of the model's shape is filled with
-random K/V in shuffled pages (a pool after some churn: each request's pages are scattered), every
-request decodes one token, and each backend's ``forward`` for that layer (the new K/V written to
-the pool, then attention over the whole context) is timed. The backends alternate for ``--rounds``
-rounds (the machine drifts) and the median per layer is printed.
+For each batch size and context length, a KV pool of the model's shape is filled with random K/V
+in shuffled pages (a pool after some churn: each request's pages are scattered), every request
+decodes one token, and each backend's ``forward`` for one layer (the new K/V written to the pool,
+then attention over the whole context) is timed. Successive calls go to successive layers, as in a
+model forward: timing one layer over and over would let its KV sit in the last-level cache (this
+VM reports 480 MiB of L3), which a real step, reading every layer once, never sees. So the pool
+has the model's layers, or as many as fit in ``--max-pool-mib``. The backends alternate for
+``--rounds`` rounds (the machine drifts).
 
 The figure a decode kernel is judged by is its effective bandwidth: the bytes it cannot avoid
 reading (every request's K and V, plus its slot-table row) over its time, next to what this machine
@@ -46,7 +49,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None,
                    help="Model whose attention shape is used; unset: the bundled SmolLM2 (9 heads, 3 KV heads, "
                         "head_dim 64). Only its config is read.")
-    p.add_argument("--iters", type=int, default=20, help="Timed layer calls per backend per round.")
+    p.add_argument("--iters", type=int, default=30, help="Timed layer calls per backend per round (one layer each).")
+    p.add_argument("--max-pool-mib", type=int, default=1536,
+                   help="Most KV pool memory per configuration: the pool has the model's number of layers, or "
+                        "fewer when they would not fit in this.")
     p.add_argument("--rounds", type=int, default=3, help="Alternated rounds per backend.")
     p.add_argument("--stat", default="median", choices=["median", "min"],
                    help="Figure printed per backend over all its timed calls: the median, or the minimum (steadier "
@@ -69,18 +75,21 @@ def stream_copy_gbs(mib: int, iters: int = 5) -> float:
     return 2 * src.nbytes / best / 1e9
 
 
-class Layer:
-    """One layer's pool, slot table and decode batch of ``batch`` requests at ``ctx`` tokens."""
+class Layers:
+    """``layers`` layers of KV pool, a slot table and a decode batch of ``batch`` requests at ``ctx``
+    tokens; ``run`` attends the next layer each call."""
 
     def __init__(self, batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch.dtype, page: int,
-                 seed: int = 0) -> None:
+                 layers: int, seed: int = 0) -> None:
         H, KVH, D = heads
         g = torch.Generator().manual_seed(seed)
         pages_per_req = -(-ctx // page)
         n_pages = batch * pages_per_req
-        self.kv = KVPool(n_pages * page, page, 1, KVH, D, dtype)
-        self.kv.k_buffers[0].normal_(generator=g)
-        self.kv.v_buffers[0].normal_(generator=g)
+        self.layers = layers
+        self.next = 0
+        self.kv = KVPool(n_pages * page, page, layers, KVH, D, dtype)
+        for buf in self.kv.k_buffers + self.kv.v_buffers:
+            buf.normal_(generator=g)
         self.r2t = ReqToTokenPool(batch, pages_per_req * page)
         pages = torch.randperm(n_pages, generator=g) + 1  # page 0 is the reserved padding page
         slots = (pages.view(-1, 1) * page + torch.arange(page)).view(batch, -1)
@@ -99,11 +108,17 @@ class Layer:
         self.k = torch.randn(batch, KVH, D, generator=g).to(dtype)
         self.v = torch.randn(batch, KVH, D, generator=g).to(dtype)
         elem = self.kv.k_buffers[0].element_size()
-        # what any decode kernel must read: K and V of every token, and the token's slot id
+        # what any decode kernel must read per layer: K and V of every token, and the token's slot id
         self.bytes = batch * ctx * (2 * KVH * D * elem + 8)
 
+    @staticmethod
+    def layer_bytes(batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch.dtype, page: int) -> int:
+        _, KVH, D = heads
+        return batch * -(-ctx // page) * page * 2 * KVH * D * torch.tensor([], dtype=dtype).element_size()
+
     def run(self, backend: AttentionBackend) -> torch.Tensor:
-        return backend.forward(self.q, self.k, self.v, 0, self.fb, self.kv, self.r2t)
+        layer, self.next = self.next, (self.next + 1) % self.layers
+        return backend.forward(self.q, self.k, self.v, layer, self.fb, self.kv, self.r2t)
 
 
 def time_ms(fn: Callable[[], object], iters: int) -> list[float]:
@@ -121,27 +136,31 @@ def main(ns: argparse.Namespace) -> int:
     if ns.num_threads:
         torch.set_num_threads(ns.num_threads)
     heads = (ns.num_heads, ns.num_kv_heads, ns.head_dim)
+    num_layers = 30
     if None in heads:
         from radixserve.model.loader import load_config
 
         mc = load_config(ns.model_path)
         heads = (ns.num_heads or mc.num_heads, ns.num_kv_heads or mc.num_kv_heads, ns.head_dim or mc.head_dim)
+        num_layers = mc.num_layers
     H, KVH, D = heads
     dtype = torch.bfloat16 if ns.dtype == "bfloat16" else torch.float32
     names = [n for n in ns.backends.split(",") if n]
     stat: Callable[[list[float]], float] = statistics.median if ns.stat == "median" else min
     backends = {n: create_attention_backend(n, H, KVH, D) for n in names}
     stream = stream_copy_gbs(ns.stream_mb)
-    print(f"one layer of decode attention: {H} heads, {KVH} KV heads, head_dim {D}, {ns.dtype}, page size "
+    print(f"decode attention, per layer: {H} heads, {KVH} KV heads, head_dim {D}, {ns.dtype}, page size "
           f"{ns.page_size}, {torch.get_num_threads()} threads; {ns.stat} of {ns.rounds} alternated rounds x {ns.iters} calls")
     print(f"STREAM-style copy: {stream:.1f} GB/s (read + write)")
     cols = "".join(f"{n + ' ms':>18}" for n in names)
-    print(f"{'batch':>6}{'ctx':>6}{'MB read':>9}{cols}{'speed-up':>10}{'GB/s':>8}{'of copy':>9}")
+    print(f"{'batch':>6}{'ctx':>6}{'layers':>7}{'MB read':>9}{cols}{'speed-up':>10}{'GB/s':>8}{'of copy':>9}")
     rows: list[dict[str, Any]] = []
     with torch.inference_mode():
         for ctx in (int(c) for c in ns.contexts.split(",")):
             for batch in (int(b) for b in ns.batch_sizes.split(",")):
-                layer = Layer(batch, ctx, heads, dtype, ns.page_size)
+                per_layer = Layers.layer_bytes(batch, ctx, heads, dtype, ns.page_size)
+                n_layers = max(1, min(num_layers, (ns.max_pool_mib << 20) // per_layer))
+                layer = Layers(batch, ctx, heads, dtype, ns.page_size, n_layers)
                 got: dict[str, list[float]] = {n: [] for n in names}
                 for _ in range(ns.rounds):
                     for n, be in backends.items():
@@ -152,13 +171,14 @@ def main(ns: argparse.Namespace) -> int:
                 gbs = layer.bytes / (med[last] * 1e-3) / 1e9
                 speed = med[names[0]] / med[last]
                 times = "".join(f"{med[n]:>18.3f}" for n in names)
-                print(f"{batch:>6}{ctx:>6}{layer.bytes / 1e6:>9.1f}{times}{speed:>9.2f}x{gbs:>8.1f}"
+                print(f"{batch:>6}{ctx:>6}{n_layers:>7}{layer.bytes / 1e6:>9.1f}{times}{speed:>9.2f}x{gbs:>8.1f}"
                       f"{gbs / stream:>8.0%}")
-                rows.append({"batch": batch, "ctx": ctx, "bytes": layer.bytes, "ms": med,
+                rows.append({"batch": batch, "ctx": ctx, "layers": n_layers, "bytes": layer.bytes, "ms": med,
                              "speedup": speed, "effective_gbs": gbs})
                 del layer
-    print(f"speed-up: {names[0]} / {names[-1]}; GB/s and 'of copy': {names[-1]}'s bytes read over its time, "
-          "against the copy's bandwidth")
+    print(f"speed-up: {names[0]} / {names[-1]}; MB read: K, V and slot ids of one layer; GB/s and 'of copy': "
+          f"{names[-1]}'s bytes read over its time, against the copy's bandwidth; layers: how many the calls cycle "
+          "through")
     if ns.output:
         with open(ns.output, "w") as f:
             json.dump({"stream_copy_gbs": stream, "dtype": ns.dtype, "stat": ns.stat, "heads": heads, "rows": rows}, f, indent=2)

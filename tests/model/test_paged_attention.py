@@ -192,3 +192,21 @@ def test_engine_greedy_parity(fp32_runner: Any) -> None:
     finally:
         model.attn_backend = old
     assert got == ref
+
+
+@needs_ext
+def test_bench_attention_runs(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``radixserve bench attention`` on tiny sizes: a row per configuration, backends timed."""
+    import json
+
+    from radixserve.cli import main
+
+    out = tmp_path / "att.json"
+    assert main(["bench", "attention", "--batch-sizes", "1,3", "--contexts", "40", "--iters", "2", "--rounds", "1",
+                 "--stream-mb", "8", "--num-heads", "9", "--num-kv-heads", "3", "--head-dim", "64",
+                 "--output", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["batch"], r["ctx"], r["layers"]) for r in res["rows"]] == [(1, 40, 30), (3, 40, 30)]
+    assert all(set(r["ms"]) == {"torch_native", "cpu_paged"} for r in res["rows"])
+    assert res["rows"][1]["bytes"] == 3 * 40 * (2 * 3 * 64 * 2 + 8)
+    assert "STREAM-style copy" in capsys.readouterr().out
