@@ -25,7 +25,9 @@
 // a ragged batch would otherwise leave one thread with all the long rows.
 //
 // With AVX-512 the inner loops are intrinsics specialised on G and D; anything else (another
-// CPU, an unusual head shape) runs the plain C++ loops below, which compute the same thing.
+// CPU, an unusual head shape, a build with -DRADIXSERVE_NO_AVX512) runs the plain C++ loops below,
+// which compute the same thing. bfloat16 dot products (vdpbf16ps) for the scores were measured no
+// faster than widening to float32 here (docs/benchmarks.md), so they are not used.
 
 #include <torch/extension.h>
 
@@ -51,8 +53,9 @@ constexpr int64_t kBlock = 16;        // tokens per online-softmax step (one AVX
 constexpr int64_t kMinSplit = 128;    // never split a row into pieces shorter than this
 constexpr int64_t kItemsPerThread = 8;  // split long rows until there are about this many items per thread
 constexpr int64_t kItemOverhead = 16;  // fixed cost of an item, in token equivalents, for the balance
-// Below this many tokens per thread a problem runs on fewer threads: waking a thread costs a few
-// microseconds, and on a busy machine far more (about 13 ns per token and KV head here).
+// Below this many tokens per thread a problem runs on fewer threads: 512 tokens x 3 KV heads are
+// about 20 us of work (~13 ns per token and KV head), while waking a thread costs a few us on a
+// quiet machine and milliseconds on a busy one.
 constexpr int64_t kMinTokensPerThread = 512;
 
 struct Item {
