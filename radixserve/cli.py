@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--model-path", default=None, help="Model (default: the bundled SmolLM2).")
     bo.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="Model dtype.")
     bo.add_argument("--schedule-policy", default="fcfs", help="Waiting-queue policy.")
-    bo.add_argument("--attention-backend", default="torch_native", choices=["torch_native", "cpu_paged"],
+    bo.add_argument("--attention-backend", default="auto", choices=["auto", "torch_native", "cpu_paged"],
                     help="Attention implementation (see radixserve serve --help).")
     bo.add_argument("--scheduler", default="sglang", choices=["sglang", "unified"], help="Scheduler.")
     bo.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens.")

@@ -226,8 +226,7 @@ def main(args: Any) -> int:
         kw["scheduler"] = args.scheduler
     if args.disable_overlap_schedule:
         kw["disable_overlap_schedule"] = True
-    if args.attention_backend != "torch_native":
-        kw["attention_backend"] = args.attention_backend
+    kw["attention_backend"] = args.attention_backend
     engine = Engine(args.model_path, dtype=args.dtype, schedule_policy=args.schedule_policy, **kw)
     wl_kw: dict[str, int] = {"seed": args.seed}
     if args.num_prompts:

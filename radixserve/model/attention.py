@@ -15,6 +15,7 @@ compiles on first use).
 from __future__ import annotations
 
 import importlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 from radixserve.mem.forward_batch import ForwardBatch
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model.cascade import SharedPrefixGroup, attend_shared, build_group, find_shared_prefixes
+
+logger = logging.getLogger(__name__)
 
 
 class AttentionBackend(ABC):
@@ -72,11 +75,25 @@ def available_attention_backends() -> list[str]:
     return sorted(set(_BACKENDS) | set(_LAZY_BACKENDS))
 
 
+def resolve_auto_backend() -> str:
+    """What ``auto`` means here: the paged kernel if its extension builds, else the torch path."""
+    from radixserve.model import paged_attention
+
+    err = paged_attention.extension_error()
+    if err is None:
+        return "cpu_paged"
+    logger.warning("attention backend auto: the cpu_paged kernel is unavailable (%s); using torch_native", err)
+    return "torch_native"
+
+
 def create_attention_backend(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
 ) -> AttentionBackend:
     """Raises ``ValueError`` for an unknown name; a backend that cannot run here (``cpu_paged``
-    without its compiled extension) raises ``RuntimeError`` saying why."""
+    without its compiled extension) raises ``RuntimeError`` saying why. ``auto``: ``cpu_paged``
+    where its kernel builds, else ``torch_native`` (with a warning saying why)."""
+    if name == "auto":
+        name = resolve_auto_backend()
     if name not in _BACKENDS and name in _LAZY_BACKENDS:
         importlib.import_module(_LAZY_BACKENDS[name])
     if name not in _BACKENDS:

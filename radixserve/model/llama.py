@@ -242,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         config: ModelConfig,
         dtype: torch.dtype = torch.float32,
-        attention_backend: str | AttentionBackend = "torch_native",
+        attention_backend: str | AttentionBackend = "auto",
         tp: TPGroup | None = None,
     ) -> None:
         """``tp``: build this rank's shard only (the vocabulary rows of the embedding and LM head,
@@ -278,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
         config: ModelConfig,
         state_dict: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
-        attention_backend: str | AttentionBackend = "torch_native",
+        attention_backend: str | AttentionBackend = "auto",
         tp: TPGroup | None = None,
     ) -> LlamaForCausalLM:
         model = cls(config, dtype, attention_backend, tp)

@@ -106,7 +106,7 @@ class ModelRunner:
         self,
         model_path: str | None = None,
         dtype: str | torch.dtype = "auto",
-        attention_backend: str = "torch_native",
+        attention_backend: str = "auto",
         *,
         num_threads: int | None = None,
         seed: int | None = None,
