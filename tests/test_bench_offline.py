@@ -40,6 +40,10 @@ def test_engine_and_hf_runs_count_the_same_tokens(engine: Engine) -> None:
 def test_decode_step_probe_times_exactly_the_asked_batch(engine: Engine) -> None:
     step, forward = decode_step_ms(engine, batch=4, input_len=16, steps=4)
     assert math.isfinite(step) and math.isfinite(forward)
-    assert 0 < forward <= step  # the whole engine step contains the runner forward
+    # the whole engine step contains the runner forward; under the overlap loop (the default) a
+    # step's interval is about its forward, the scheduling hidden under it, so the two medians may
+    # cross by a little
+    slack = 1.1 if engine.scheduler.overlap_enabled() else 1.0
+    assert 0 < forward <= step * slack
     assert matmul_only_ms(engine, 4, iters=1) > 0
     engine.check_memory_invariant()
