@@ -100,6 +100,22 @@ inline void finish_item(const Problem& p, const Item& it, const float* acc, cons
   }
 }
 
+// The element offsets of tokens [t0, t0 + n) of a row (its slots) in the K/V buffers, one pool row
+// (all KV heads) each. A slot outside the pool reads slot 0 and makes it return false: the caller
+// reports the error after the loop instead of reading out of bounds.
+inline bool slot_rows(const Problem& p, const int64_t* slots, int64_t t0, int64_t n, int64_t* rows) {
+  bool ok = true;
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t slot = slots[t0 + j];
+    if (slot < 0 || slot >= p.num_slots) {
+      ok = false;
+      slot = 0;
+    }
+    rows[j] = slot * p.KVH * p.D;
+  }
+  return ok;
+}
+
 // ------------------------------------------------------------------------------------------------
 // Portable path: plain loops (the compiler vectorises what it can). Any G, any D.
 // ------------------------------------------------------------------------------------------------
@@ -116,14 +132,7 @@ bool attend_item_generic(const Problem& p, const Item& it) {
   for (int64_t t0 = it.begin; t0 < it.end; t0 += kBlock) {
     const int64_t n = std::min(kBlock, it.end - t0);
     int64_t rows[kBlock];
-    for (int64_t j = 0; j < n; ++j) {
-      int64_t slot = slots[t0 + j];
-      if (slot < 0 || slot >= p.num_slots) {
-        ok = false;
-        slot = 0;
-      }
-      rows[j] = slot * KVH * D;
-    }
+    ok = slot_rows(p, slots, t0, n, rows) && ok;
     for (int64_t h = 0; h < KVH; ++h) {
       const float* qh = q + h * G * D;
       float* acc_h = &acc[h * G * D];
@@ -260,14 +269,7 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
   for (int64_t t0 = it.begin; t0 < it.end; t0 += kBlock) {
     const int64_t n = std::min(kBlock, it.end - t0);
     const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
-    for (int64_t j = 0; j < n; ++j) {
-      int64_t slot = slots[t0 + j];
-      if (slot < 0 || slot >= p.num_slots) {
-        ok = false;
-        slot = 0;
-      }
-      rows[j] = slot * KVH * D;
-    }
+    ok = slot_rows(p, slots, t0, n, rows) && ok;
     prefetch_rows<kv_t>(p, slots, t0 + n, std::min(it.end, t0 + n + kBlock));
     for (int64_t h = 0; h < KVH; ++h) {
       __m512 qv[G][NC], acc[G][NC];
