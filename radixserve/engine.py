@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from radixserve.config import ServerArgs
+from radixserve.grammar import GrammarCompiler
 from radixserve.mem.kv_pool import JournaledReqToTokenPool, ReqToTokenPool
 from radixserve.model.detokenize import IncrementalDetokenizer
 from radixserve.model.model_runner import ModelRunner
@@ -353,8 +354,10 @@ def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int) -> 
     kv = build_kv(args, total, context_len, pool_cls=JournaledReqToTokenPool if args.tp_size > 1 else ReqToTokenPool)
     runner.attach_pools(runner.make_kv_pool(total, args.page_size), kv.req_to_token_pool)
     tok = runner.tokenizer
+    vocab = runner.model_config.vocab_size
     return build_sched(
         args, runner, kv, context_len=context_len,
-        vocab_size=runner.model_config.vocab_size, eos_token_ids=list(tok.stop_token_ids),
+        vocab_size=vocab, eos_token_ids=list(tok.stop_token_ids),
         detokenize=lambda ids: tok.decode(ids, True),
+        grammar_compiler=GrammarCompiler(lambda: tok.backend.to_str(), vocab, list(tok.stop_token_ids)),
     )

@@ -22,7 +22,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -68,6 +68,9 @@ class SamplingBatchInfo:
     # per request, its penalties or None; None: no request in the batch has any (the sampler's fast path)
     penalties: list[RowPenalties | None] | None = None
     input_ids: torch.Tensor | None = None  # with penalties: the forward's input ids (pending tokens)
+    # per request, the grammar matcher that constrains the token it samples now (radixserve.grammar),
+    # or None; None: no request in the batch samples under a grammar this step
+    grammars: list[Any | None] | None = None
 
     @property
     def is_all_greedy(self) -> bool:
@@ -110,6 +113,9 @@ class ForwardOutput:
     logprobs: list[float] | None = None  # log-probability of the sampled token, where asked
     top_logprobs: list[list[tuple[int, float]]] | None = None
     logits: torch.Tensor | None = None  # [B, vocab] float32 when capture_logits
+    # rows whose grammar ended with the token sampled now: "" complete (only EOS may follow), else
+    # the matcher's error; None: no grammar ended
+    grammar_ended: dict[int, str] | None = None
 
 
 class Runner(Protocol):

@@ -224,6 +224,7 @@ class ModelRunner:
             logprobs=sampled.logprobs,
             top_logprobs=sampled.top_logprobs,
             logits=logits if batch.capture_logits else None,
+            grammar_ended=sampled.grammar_ended,
         )
 
     # ------------------------------------------------------------------ tensor parallelism

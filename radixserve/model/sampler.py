@@ -22,6 +22,10 @@
   4. ``min_new_tokens``: while fewer tokens than that are generated, EOS and the stop token ids are
      masked (-inf), so the request cannot finish by a token (a stop *string* still ends it).
   Counts are rebuilt each step from the token history (a scatter over the penalized rows' tokens).
+- grammars (structured output, ``radixserve.grammar``), after the penalties: the tokens a row's
+  grammar refuses are masked (-inf), and once the token is drawn the row's matcher consumes it
+  (here, on the thread that runs the forward: the overlap loop's next step is built before this
+  token is known, and its mask must come from the matcher after it).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.grammar import advance, live_rows, mask_logits
 from radixserve.mem.forward_batch import RowPenalties, SamplingBatchInfo
 
 _GREEDY_EPS = 1e-6
@@ -50,6 +55,7 @@ class SampleOutput:
     next_token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    grammar_ended: dict[int, str] | None = None  # ForwardOutput.grammar_ended
 
 
 class Sampler:
@@ -70,11 +76,16 @@ class Sampler:
         if len(info.temperatures) != B:
             raise ValueError(f"sampling info is for {len(info.temperatures)} requests, logits for {B}")
         scores = logits if info.penalties is None else apply_penalties(logits, info)
+        grammar_rows = live_rows(info.grammars) if info.grammars is not None else []
+        if grammar_rows:
+            scores = mask_logits(scores, info.grammars, grammar_rows)  # type: ignore[arg-type]
         if info.is_all_greedy:
             tokens = scores.argmax(dim=-1)
         else:
             tokens = self._sample_mixed(scores, info)
         out = SampleOutput(next_token_ids=tokens.tolist())
+        if grammar_rows:
+            out.grammar_ended = advance(info.grammars, grammar_rows, out.next_token_ids) or None  # type: ignore[arg-type]
         want_lp = bool(info.return_logprob) and any(info.return_logprob)
         top_ns = info.top_logprobs_nums or [0] * B
         want_top = any(n > 0 for n in top_ns)

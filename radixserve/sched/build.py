@@ -15,6 +15,7 @@ from radixserve.mem.forward_batch import Runner
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.core import SchedulerCore
+from radixserve.sched.grammar_queue import Compiler
 from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.unified_scheduler import UnifiedScheduler
@@ -49,9 +50,9 @@ def build_kv(
 def build_scheduler(
     args: ServerArgs, runner: Runner, kv: KVManager, *, context_len: int, vocab_size: int | None = None,
     eos_token_ids: Sequence[int] = (), detokenize: Callable[[list[int]], str] | None = None,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Callable[[], float] = time.monotonic, grammar_compiler: Compiler | None = None,
 ) -> SchedulerCore:
     """The scheduler ``--scheduler`` names (sglang: ``Scheduler``, unified: ``UnifiedScheduler``)."""
     cls = UnifiedScheduler if args.scheduler == "unified" else Scheduler
     return cls(args, runner, kv, context_len=context_len, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
-               detokenize=detokenize, clock=clock)
+               detokenize=detokenize, clock=clock, grammar_compiler=grammar_compiler)

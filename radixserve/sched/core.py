@@ -32,6 +32,7 @@ from radixserve.config import ServerArgs
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, Runner
 from radixserve.sched.deadline import DeadlineAdmission
 from radixserve.sched.finish import FINISH_ABORT, FinishReason
+from radixserve.sched.grammar_queue import Compiler, GrammarQueue
 from radixserve.sched.intake import Intake
 from radixserve.sched.io import BatchOut
 from radixserve.sched.kv_manager import KVManager
@@ -46,6 +47,7 @@ from radixserve.sched.state import Queues
 from radixserve.sched.stats import SchedStats
 
 logger = logging.getLogger(__name__)
+_GRAMMAR_WAIT = 0.005  # seconds the loop waits on a grammar's compile when it has nothing else to do
 
 Command = tuple[str, str]  # ("abort", rid)
 
@@ -72,7 +74,10 @@ class SchedulerCore:
         eos_token_ids: Sequence[int] = (),
         detokenize: Callable[[list[int]], str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        grammar_compiler: Compiler | None = None,
     ) -> None:
+        """``grammar_compiler`` (``radixserve.grammar.GrammarCompiler``): builds the matchers of
+        requests with a grammar; without one such requests are refused."""
         self.runner = runner
         self.kv = kv
         self._clock = clock
@@ -84,8 +89,10 @@ class SchedulerCore:
         self.stats = SchedStats()
         self.outputs = Outputs(kv, self.stats, self.queues.by_rid, clock, context_len, detokenize)
         self.deadlines = DeadlineAdmission(self.settings, self.queues, kv, self.stats, clock)
+        self.grammars = GrammarQueue(grammar_compiler, self.outputs.end)
         self.intake = Intake(self.settings, self.queues, kv, self.outputs, self.deadlines, clock,
-                             context_len=context_len, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
+                             context_len=context_len, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
+                             grammars=self.grammars)
         self.victims = ReturnedVictims()
         self.ordering = Ordering(self.settings, kv, self.victims, random.Random(args.random_seed))
         self.preemption = Preemption(self.settings, self.queues, kv, self.stats, self.outputs, self.ordering,
@@ -179,12 +186,15 @@ class SchedulerCore:
         raise NotImplementedError
 
     def step(self) -> BatchOut:
+        self.intake.poll_grammars()
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         if batch is not None:
             out = self.run_batch(batch)
             if out is not None:
                 self.process_batch_result(batch, out)
+        elif self.grammars.pending:
+            self.grammars.wait(_GRAMMAR_WAIT)  # nothing to run until a grammar is compiled: no spinning
         elif not self._idle_checked and not self.has_work():
             self.on_idle()
         self.last_batch = batch
@@ -210,6 +220,7 @@ class SchedulerCore:
         launch it, then process step N's results (one step late). A request that step N finishes
         is in step N+1 too; the token it gets there is dropped, so outputs equal the normal loop's.
         Falls back to the normal order for a step that ``can_build_ahead`` refuses."""
+        self.intake.poll_grammars()
         prev = self.in_flight
         if prev is not None and not self.can_build_ahead(prev):
             self.in_flight = None
@@ -224,7 +235,9 @@ class SchedulerCore:
         if prev is not None:
             self._collect(prev)
         self.outputs.release_held()  # those only the collected step included
-        if self.in_flight is None and batch is None and not self._idle_checked and not self.has_work():
+        if self.in_flight is None and batch is None and self.grammars.pending:
+            self.grammars.wait(_GRAMMAR_WAIT)
+        elif self.in_flight is None and batch is None and not self._idle_checked and not self.has_work():
             self.on_idle()
         self.last_batch = batch
         return self.outputs.take()
@@ -411,6 +424,7 @@ class SchedulerCore:
         return {
             "num_reqs": len(q.by_rid),
             "num_waiting_reqs": len(q.waiting),
+            "num_grammar_queue_reqs": len(self.grammars),  # waiting for their grammar to compile
             "num_tokens": self.kv.total_tokens - self.kv.reclaimable_size(),
             "num_waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in q.waiting),
             "prefill_tokens_per_s": round(self.deadlines.throughput.tokens_per_s, 1),

@@ -8,6 +8,8 @@
   latest queued among equals): that one is aborted (429) and the newcomer queued.
 - Without priority scheduling a priority is accepted and ignored, or refused (400) with
   ``--abort-on-priority-when-disabled``.
+- a request with a grammar waits in the ``GrammarQueue`` until it is compiled, then joins the
+  waiting queue (``poll_grammars``, each step); it counts against ``--max-queued-requests``.
 - ``abort``: a waiting request is finished at once; a running or chunked one is flagged and
   released at the start of the next step (``apply_aborts``), wherever it is by then.
 - ``--queue-timeout``: a request not scheduled within that many seconds of queueing is aborted
@@ -20,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 from radixserve.sched.deadline import DeadlineAdmission
 from radixserve.sched.finish import FINISH_ABORT
+from radixserve.sched.grammar_queue import GrammarQueue
 from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.output import Outputs
 from radixserve.sched.req import Req
@@ -31,6 +34,7 @@ class Intake:
     def __init__(
         self, settings: SchedSettings, queues: Queues, kv: KVManager, outputs: Outputs, deadlines: DeadlineAdmission,
         clock: Callable[[], float], *, context_len: int, vocab_size: int | None, eos_token_ids: Sequence[int],
+        grammars: GrammarQueue | None = None,
     ) -> None:
         self.settings = settings
         self.queues = queues
@@ -42,6 +46,7 @@ class Intake:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.flagged: dict[Req, None] = {}  # running requests ``abort`` flagged, in order
+        self.grammars = grammars if grammars is not None else GrammarQueue(None, outputs.end)
 
     # --- arrival -------------------------------------------------------------------------------
     def add(self, req: Req) -> bool:
@@ -54,8 +59,15 @@ class Intake:
             return False
         self.queues.by_rid[req.rid] = req
         req.queue_entry_time = self.clock()
+        if self.grammars.park(req):  # waits for its grammar (or ended: no grammar engine here)
+            return not req.finished()
         self.queues.waiting.append(req)
         return True
+
+    def poll_grammars(self) -> None:
+        """Move the requests whose grammar is compiled now to the waiting queue."""
+        if self.grammars.pending:
+            self.queues.waiting.extend(self.grammars.poll())
 
     def validate(self, req: Req) -> FINISH_ABORT | None:
         if req.rid in self.queues.by_rid:
@@ -81,6 +93,11 @@ class Intake:
                 f"below the KV pool size {self.kv.total_tokens}",
                 code="context_length_exceeded", param="max_tokens",
             )
+        spec = sp.grammar
+        if spec is not None and self.settings.args.disaggregation_mode != "null":
+            return FINISH_ABORT(f"{spec[0]}: structured output does not work with prefill/decode disaggregation "
+                                "(the decode side would need the prefill side's grammar state)",
+                                code="unsupported", param=spec[0])
         return self.check_priority(req) or self.deadlines.check(req) or self.check_queue_cap(req)
 
     def check_priority(self, req: Req) -> FINISH_ABORT | None:
@@ -105,7 +122,7 @@ class Intake:
         """Room in the waiting queue for ``req``: refuse it, or abort a less important queued one."""
         cap = self.settings.args.max_queued_requests
         queue = self.queues.waiting
-        if cap is None or len(queue) < cap:
+        if cap is None or len(queue) + len(self.grammars) < cap:
             return None
         prio = self.settings.prio
         if prio.enabled and queue:
@@ -132,7 +149,9 @@ class Intake:
         if req is None:
             return False
         reason = FINISH_ABORT(message, status_code=status_code, code="aborted")
-        if req in self.queues.waiting:
+        if self.grammars.remove(req):
+            self.outputs.end(req, reason)
+        elif req in self.queues.waiting:
             self.queues.waiting.remove(req)
             self.outputs.end(req, reason)
         else:

@@ -50,8 +50,10 @@ class Outputs:
     def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
         now = self.clock()
         is_extend = batch.forward_mode.is_extend()
-        if not is_extend and out.logprobs is None and out.top_logprobs is None and self.process_decode_result(batch, out):
+        if (not is_extend and out.logprobs is None and out.top_logprobs is None and out.grammar_ended is None
+                and self.process_decode_result(batch, out)):
             return
+        grammar_ended = out.grammar_ended or {}
         for i, req in enumerate(batch.reqs):
             if req.num_computed_tokens < req.num_tokens:  # a prompt chunk: no token yet
                 self.kv.cache_unfinished(req)
@@ -67,6 +69,8 @@ class Outputs:
                 req.first_token_time = now
             self.stats.generated_tokens += 1
             reason = self.check_finished(req)
+            if reason is None and i in grammar_ended:
+                reason = grammar_finish(grammar_ended[i])
             if reason is not None:
                 self.end(req, reason)
             else:
@@ -239,3 +243,12 @@ _get_max_new = attrgetter("sampling_params.max_new_tokens")
 _get_finish_ids = attrgetter("finish_token_ids")
 _get_stop = attrgetter("sampling_params.stop")
 _get_stream = attrgetter("stream")
+
+
+def grammar_finish(error: str) -> FinishReason:
+    """How a request ends when its grammar does (``ForwardOutput.grammar_ended``): complete is a
+    ``stop``; a matcher error (the sampler drew a token the grammar refused) aborts the request."""
+    if not error:
+        return FINISH_STOP()
+    return FINISH_ABORT(f"internal error: the output broke its grammar: {error}", status_code=500,
+                        err_type="server_error", code="internal_error")

@@ -88,6 +88,9 @@ class Req:
         self.deadline: float | None = None  # TTFT deadline, absolute, on the scheduler clock (edf)
         self.tpot_slo: float | None = None  # TPOT deadline, seconds per output token after the first
         self.penalized = self.sampling_params.has_penalties  # ScheduleBatch hands the sampler its history
+        # the matcher of its grammar once compiled (radixserve.grammar; the sampler advances it on the
+        # thread that runs the forward), None without one
+        self.grammar: Any = None
 
     # --- derived counters --------------------------------------------------------------------
     @cached_property

@@ -11,16 +11,22 @@ Penalties (docs/api.md): ``frequency_penalty`` / ``presence_penalty`` (OpenAI, i
 [-100, 100]) and ``min_new_tokens`` (EOS and stop token ids masked until that many are generated).
 A request with any of them set (``has_penalties``) hands the sampler a ``RowPenalties`` each step
 (``penalty_row``); every other request costs the sampler nothing.
+
+Structured output (SGLang's names): at most one of ``json_schema`` (a JSON schema, as a string or
+an object), ``regex`` and ``ebnf`` (GBNF or Lark); checked here (``radixserve.grammar.validate_grammar``),
+compiled by the scheduler, applied by the sampler as a token mask.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
 
+from radixserve.grammar import GRAMMAR_KINDS, validate_grammar
 from radixserve.mem.forward_batch import RowPenalties
 
 
@@ -51,6 +57,9 @@ class SamplingParams(msgspec.Struct):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # from JSON: token-id string keys, made ints by verify()
     min_new_tokens: int = 0
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, vocab_size: int | None = None) -> SamplingParams:
@@ -68,6 +77,8 @@ class SamplingParams(msgspec.Struct):
             d.pop("stop", None)
         if d.get("stop_token_ids") is None:
             d.pop("stop_token_ids", None)
+        if isinstance(d.get("json_schema"), dict):  # SGLang takes a string; an object is what people send
+            d["json_schema"] = json.dumps(d["json_schema"])
         p = cls(**d)
         p.verify(vocab_size)
         return p
@@ -115,6 +126,34 @@ class SamplingParams(msgspec.Struct):
                       f"got {self.min_new_tokens!r}", "min_new_tokens")
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias, vocab_size)
+        self._verify_grammar()
+
+    def _verify_grammar(self) -> None:
+        named = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if not named:
+            return
+        if len(named) > 1:
+            raise InvalidRequest(f"at most one of json_schema, regex and ebnf, got {' and '.join(named)}",
+                                 param=named[1])
+        kind = named[0]
+        text = getattr(self, kind)
+        if not isinstance(text, str) or not text:
+            raise InvalidRequest(f"{kind} must be a non-empty string", param=kind, code="invalid_value")
+        if self.min_new_tokens > 0:
+            raise InvalidRequest(f"min_new_tokens cannot be combined with {kind}: the grammar decides where "
+                                 "the output may end", param="min_new_tokens")
+        err = validate_grammar(kind, text)
+        if err is not None:
+            raise InvalidRequest(f"invalid {kind}: {err}", param=kind, code="invalid_value")
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """``(kind, text)`` of the request's grammar, or None."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def is_greedy(self) -> bool:

@@ -119,6 +119,8 @@ class ScheduleBatch:
         cols = self.columns.get(self.reqs)
         pool_rows, temperatures, top_ps, top_ks, min_ps, seeds, logprobs, top_logprobs_nums = cols[_SAMPLING]
         penalized = list(compress(range(len(self.reqs)), cols[_PENALIZED])) if any(cols[_PENALIZED]) else []
+        grammars = cols[_GRAMMAR]
+        constrained = grammars.count(None) != len(grammars)
         input_ids = int64_tensor(ids)  # = torch.tensor(..., dtype=torch.int64), faster
         return ForwardBatch(
             input_ids=input_ids,
@@ -139,11 +141,20 @@ class ScheduleBatch:
                 top_logprobs_nums=top_logprobs_nums,
                 penalties=self._penalties(penalized, ids) if penalized else None,
                 input_ids=input_ids if penalized else None,
+                grammars=self._grammars(grammars) if constrained else None,
             ),
             capture_logits=capture_logits,
             rids=list(cols[_RIDS]),
         )
 
+
+    def _grammars(self, matchers: list) -> list:
+        """The matchers of the rows that sample a token this step: every row of a decode step; in an
+        extend, not the rows of a prompt chunk that does not reach the end of its tokens."""
+        if self.forward_mode is ForwardMode.DECODE:
+            return list(matchers)
+        return [m if m is not None and start + n >= req.num_tokens else None
+                for m, req, start, n in zip(matchers, self.reqs, self.prefix_lens, self.extend_lens, strict=True)]
 
     def _penalties(self, penalized: list[int], ids: list[int]) -> list[RowPenalties | None]:
         """Each row's penalty inputs (None for the rows without any). A row's history is its output
@@ -173,6 +184,7 @@ _get_stream = attrgetter("stream")
 _SAMPLING_FIELDS = tuple(map(attrgetter, ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
                                            "top_logprobs_num")))
 _get_finished_reason = attrgetter("finished_reason")
+_get_grammar = attrgetter("grammar")
 
 
 def build_columns(reqs: list[Req]) -> list[list]:
@@ -181,15 +193,17 @@ def build_columns(reqs: list[Req]) -> list[list]:
     return [list(map(_get_pool_idx, reqs)), *(list(map(get, sp)) for get in _SAMPLING_FIELDS),
             list(map(_get_penalized, reqs)), list(map(_get_rid, reqs)), list(map(len, map(_get_input_ids, reqs))),
             list(map(_get_cached, reqs)), list(map(_get_queue_time, reqs)), list(map(_get_retractions, reqs)),
-            list(map(_get_stream, reqs))]
+            list(map(_get_stream, reqs)), list(map(_get_grammar, reqs))]
 
 
 # the columns: pool row and sampling params (the forward batch's), penalized flag, then what an
-# output row repeats (rid, prompt length, cached tokens, queue time, retractions, stream flag)
+# output row repeats (rid, prompt length, cached tokens, queue time, retractions, stream flag), then
+# the grammar matcher (None for most)
 _SAMPLING = slice(0, 8)
 _PENALIZED = 8
 _RIDS = 9
 _OUT = slice(9, 15)
+_GRAMMAR = 15
 
 
 class RowColumns:

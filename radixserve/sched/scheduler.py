@@ -38,7 +38,8 @@ class Scheduler(SchedulerCore):
     def has_work(self) -> bool:
         q, last = self.queues, self.last_batch
         unmerged = last is not None and last.forward_mode.is_extend() and any(not r.finished() for r in last.reqs)
-        return bool(q.waiting or q.running.reqs or q.chunked or unmerged or self.in_flight or self.outputs.held)
+        return bool(q.waiting or q.running.reqs or q.chunked or unmerged or self.in_flight or self.outputs.held
+                    or self.grammars.pending)
 
     def can_build_ahead(self, running: InFlight) -> bool:
         """Also not while a prompt is being chunked (its next chunk starts from the cache entry its

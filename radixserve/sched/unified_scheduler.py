@@ -161,7 +161,8 @@ class UnifiedScheduler(SchedulerCore):
         return batch
 
     def has_work(self) -> bool:
-        return bool(self.queues.waiting or self.queues.running.reqs or self.in_flight or self.outputs.held)
+        return bool(self.queues.waiting or self.queues.running.reqs or self.in_flight or self.outputs.held
+                    or self.grammars.pending)
 
     def can_build_ahead(self, running: InFlight) -> bool:
         """Never: every step may preempt, and a victim could be a request in flight. The overlap

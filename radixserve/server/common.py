@@ -24,7 +24,8 @@ from radixserve.server.tokenizer_manager import (
 )
 
 # SamplingParams field -> the OpenAI parameter a client wrote
-_OPENAI_PARAM = {"max_new_tokens": "max_tokens", "top_logprobs_num": "top_logprobs"}
+_OPENAI_PARAM = {"max_new_tokens": "max_tokens", "top_logprobs_num": "top_logprobs", "json_schema": "response_format",
+                 "min_new_tokens": "min_tokens"}
 
 
 def parse_sampling_params(sp: dict[str, Any], vocab_size: int | None, openai: bool) -> SamplingParams:

@@ -14,6 +14,7 @@ is a 400 ``unsupported``.
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
@@ -95,9 +96,18 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = Field(None, description="Accepted; no obfuscation padding is sent.")
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="Absent: any JSON object.")
+    strict: bool | None = Field(None, description="Accepted: the output always follows the schema.")
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class _SamplingFields(_Body):
@@ -128,6 +138,31 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    response_format: ResponseFormat | None = Field(
+        None, description="Structured output: json_object (any JSON object) or json_schema (the output follows it).")
+    regex: str | None = Field(None, description="SGLang's: the output matches this regular expression.")
+    ebnf: str | None = Field(None, description="SGLang's: the output follows this grammar (GBNF or Lark).")
+
+    def grammar_params(self) -> dict[str, Any]:
+        """``response_format``, ``regex`` and ``ebnf`` as SamplingParams fields (which allow one)."""
+        out: dict[str, Any] = {}
+        rf = self.response_format
+        if rf is not None and rf.type != "json_schema" and rf.json_schema is not None:
+            raise APIError(f"response_format.json_schema is only allowed with type json_schema, not {rf.type}",
+                           param="response_format.json_schema", code="invalid_value")
+        if rf is not None and rf.type == "json_object":
+            out["json_schema"] = '{"type": "object"}'
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise APIError("response_format of type json_schema needs a json_schema object",
+                               param="response_format.json_schema", code="missing_required_parameter")
+            schema = rf.json_schema.schema_
+            out["json_schema"] = json.dumps(schema if schema is not None else {"type": "object"})
+        if self.regex is not None:
+            out["regex"] = self.regex
+        if self.ebnf is not None:
+            out["ebnf"] = self.ebnf
+        return out
 
     def sampling_params(self, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> dict[str, Any]:
         if self.min_tokens > max_new_tokens:
@@ -152,6 +187,7 @@ class _SamplingFields(_Body):
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
             "logit_bias": dict(self.logit_bias) if self.logit_bias else None,
             "min_new_tokens": self.min_tokens,
+            **self.grammar_params(),
         }
 
     def check(self) -> None:
@@ -216,9 +252,6 @@ _CHAT_UNSUPPORTED = {
     "web_search_options": "web search is not supported",
     "reasoning_effort": "this model does not reason (reasoning_effort is for reasoning models)",
     "verbosity": "verbosity is not supported by this model",
-    "regex": "structured output (regex) is not supported yet",
-    "json_schema": "structured output (json_schema) is not supported yet",
-    "ebnf": "structured output (ebnf) is not supported yet",
 }
 
 
@@ -228,8 +261,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = Field(
-        None, description="Only {\"type\": \"text\"}: json_object and json_schema are refused (400) for now.")
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported: refused (400).")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only \"none\" (without tools).")
     parallel_tool_calls: bool | None = Field(None, description="Refused: only meaningful with tools.")
@@ -253,9 +284,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise unsupported("tool_choice", "tool calling is not supported")
         if self.parallel_tool_calls is not None:
             raise unsupported("parallel_tool_calls", "tool calling is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise unsupported("response_format", f"response_format {self.response_format.type} (structured output) "
-                              "is not supported yet; only {\"type\": \"text\"}")
         if self.modalities is not None and self.modalities != ["text"]:
             raise unsupported("modalities", 'only ["text"] is supported')
         if self.store:

@@ -250,16 +250,12 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ({"tools": [TOOL]}, "tools"),
     ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
-     "response_format"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"store": True}, "store"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"service_tier": "flex"}, "service_tier"),
     ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
-    ({"extra_body": {"regex": "a+"}}, "regex"),
 ])
 def test_unsupported_features_are_refused(client: openai.OpenAI, kw: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
