@@ -40,6 +40,8 @@ class Fleet:
         self._checking: set[str] = set()
         key = args.worker_api_key or args.api_key
         self.auth = {"Authorization": f"Bearer {key}"} if key else {}
+        admin = args.worker_admin_api_key or args.admin_api_key
+        self.admin_auth = {"Authorization": f"Bearer {admin}"} if admin else self.auth  # the admin calls passed on
 
     async def start(self) -> None:
         """Open the keep-alive pool, add the configured workers (waiting for them up to

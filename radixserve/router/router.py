@@ -321,10 +321,12 @@ class Router:
                 continue
         return error_response("No healthy worker is available.", 503, "no_healthy_worker")
 
-    async def fan_out(self, method: str, path: str, body: bytes | None = None) -> dict[str, tuple[int, Any]]:
-        """Call every worker; {url: (status or 0 when unreachable, JSON body or error text)}."""
+    async def fan_out(self, method: str, path: str, body: bytes | None = None,
+                      admin: bool = False) -> dict[str, tuple[int, Any]]:
+        """Call every worker; {url: (status or 0 when unreachable, JSON body or error text)}.
+        ``admin``: an admin call, sent with the workers' admin key."""
         assert self.session is not None
-        headers = {**self.fleet.auth, "Content-Type": "application/json"}
+        headers = {**(self.fleet.admin_auth if admin else self.fleet.auth), "Content-Type": "application/json"}
 
         async def one(w: Worker) -> tuple[str, tuple[int, Any]]:
             try:

@@ -289,3 +289,70 @@ def test_admin_calls_reach_every_worker() -> None:
             assert r.status == 404  # these stubs have no such route: the worker's answer passes through
 
     run(scenario)
+
+
+def test_admin_api_key_guards_admin_and_fleet_routes() -> None:
+    """--admin-api-key: the admin routes and the fleet's changes want that key (the ordinary key is
+    a 401); it opens every other route too; the admin calls reach the workers with the workers'
+    admin key, the rest with their ordinary key."""
+    seen: list[tuple[str, str]] = []
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append((request.path, request.headers.get("Authorization", "")))
+        return web.json_response({"success": True})
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"dp_size": 1})
+
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        app = web.Application()
+        for path in ("/flush_cache", "/abort_request", "/set_schedule_policy"):
+            app.router.add_post(path, record)
+        app.router.add_get("/get_load", record)
+        app.router.add_get("/get_server_info", info)
+        w = await fleet.stub(app)
+        await fleet.start_router([w], api_key="user", admin_api_key="root", worker_api_key="w-user",
+                                 worker_admin_api_key="w-root")
+        user, root = {"Authorization": "Bearer user"}, {"Authorization": "Bearer root"}
+        admin_calls = [("POST", "/flush_cache", None), ("POST", "/abort_request", {"rid": "x"}),
+                       ("POST", "/set_schedule_policy", {"schedule_policy": "fcfs"}),
+                       ("POST", "/workers", {"url": "http://127.0.0.1:9"}),
+                       ("DELETE", "/workers", {"url": "http://127.0.0.1:9"}),
+                       ("POST", "/add_worker", {"url": "http://127.0.0.1:9"}),
+                       ("POST", "/remove_worker", {"url": "http://127.0.0.1:9"})]
+        for method, path, body in admin_calls:
+            for headers in ({}, user, {"X-API-Key": "user"}, {"Authorization": "Bearer wrong"}):
+                async with client.request(method, fleet.url + path, json=body, headers=headers) as r:
+                    err = (await r.json())["error"]
+                    assert r.status == 401 and err["code"] == "invalid_api_key", (path, headers)
+                    assert "--admin-api-key" in err["message"]
+        assert seen == []  # nothing refused reached a worker
+        for method, path, body in admin_calls:
+            async with client.request(method, fleet.url + path, json=body, headers=root) as r:
+                assert r.status == 200, (path, await r.text())
+        assert seen == [("/flush_cache", "Bearer w-root"), ("/abort_request", "Bearer w-root"),
+                        ("/set_schedule_policy", "Bearer w-root")]
+        # an ordinary route: the ordinary key or the admin key, never none; /health stays open
+        for headers, status in (({}, 401), (user, 200), (root, 200)):
+            async with client.get(f"{fleet.url}/get_loads", headers=headers) as r:
+                assert r.status == status, headers
+            async with client.get(f"{fleet.url}/workers", headers=headers) as r:
+                assert r.status == status, headers
+        assert seen[-1] == ("/get_load", "Bearer w-user")
+        async with client.get(f"{fleet.url}/health") as r:
+            assert r.status == 200
+
+    run(scenario)
+
+
+def test_admin_api_key_alone_leaves_the_data_routes_open() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        w = await fleet.stub()
+        await fleet.start_router([w], admin_api_key="root")
+        assert (await post(client, f"{fleet.url}/generate", {"text": "x"}))[0] == 200
+        async with client.post(f"{fleet.url}/flush_cache") as r:
+            assert r.status == 401
+        async with client.post(f"{fleet.url}/flush_cache", headers={"Authorization": "Bearer root"}) as r:
+            assert r.status == 200  # no --worker-admin-api-key: the stub, which wants none, got "root"
+
+    run(scenario)

@@ -1,6 +1,6 @@
-"""A server of its own: --api-key, --max-queued-requests, and what happens when the scheduler or
-the detokenizer process dies (/health fails, the server exits non-zero, nothing hangs, nothing is
-orphaned)."""
+"""A server of its own: --api-key and --admin-api-key, a burst far past --max-queued-requests, and
+what happens when the scheduler or the detokenizer process dies (/health fails, the server exits
+non-zero, nothing hangs, nothing is orphaned)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,13 @@ import pytest
 
 from tests.server.helpers import API_KEY, ServerProcess, assert_memory_ok, pid_alive, started, wait_idle
 
+ADMIN_KEY = "sk-radixserve-admin"
+
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    yield from started(ServerProcess("--max-queued-requests", "2", "--max-running-requests", "2", api_key=API_KEY))
+    yield from started(ServerProcess("--max-queued-requests", "2", "--max-running-requests", "2",
+                                     "--admin-api-key", ADMIN_KEY, api_key=API_KEY))
 
 
 @pytest.fixture
@@ -43,12 +46,28 @@ def test_api_key(server: ServerProcess) -> None:
     assert r2.usage is not None and r2.usage.completion_tokens <= 2
 
 
-def test_set_schedule_policy_needs_api_key(server: ServerProcess) -> None:
-    body = {"schedule_policy": "fcfs"}
-    r = httpx.post(f"{server.url}/set_schedule_policy", json=body)
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    r = httpx.post(f"{server.url}/set_schedule_policy", json=body, headers=server.headers)
+def test_admin_endpoints_need_the_admin_key(server: ServerProcess) -> None:
+    """--admin-api-key: the admin endpoints refuse no key, a wrong key and the ordinary --api-key
+    (401, OpenAI's shape); the admin key works there and on every other endpoint too."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    calls = [("/set_schedule_policy", {"schedule_policy": "fcfs"}), ("/abort_request", {"rid": "nobody"}),
+             ("/flush_cache", None)]
+    for path, body in calls:
+        for headers in ({}, server.headers, {"X-API-Key": API_KEY}, {"Authorization": "Bearer wrong"}):
+            r = httpx.post(f"{server.url}{path}", json=body, headers=headers)
+            err = r.json()["error"]
+            assert r.status_code == 401 and err["code"] == "invalid_api_key", (path, headers, r.text)
+            assert err["type"] == "invalid_request_error" and "--admin-api-key" in err["message"]
+    assert httpx.get(f"{server.url}/flush_cache", headers=server.headers).status_code == 401  # any method
+    r = httpx.post(f"{server.url}/set_schedule_policy", json=calls[0][1], headers=admin)
     assert r.status_code == 200 and r.json()["success"] is True
+    assert httpx.post(f"{server.url}/abort_request", json=calls[1][1], headers={"X-API-Key": ADMIN_KEY}).json() == \
+        {"success": False, "aborted": []}
+    assert httpx.post(f"{server.url}/flush_cache", headers=admin).json()["success"] is True
+    assert httpx.get(f"{server.url}/get_load", headers=admin).status_code == 200
+    assert httpx.get(f"{server.url}/dashboard/state", headers=admin).status_code == 200
+    info = httpx.get(f"{server.url}/get_server_info", headers=server.headers).json()
+    assert info["api_key"] == "***" and info["admin_api_key"] == "***"  # never echoed
 
 
 def test_max_queued_requests(server: ServerProcess) -> None:
