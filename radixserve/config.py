@@ -163,6 +163,10 @@ class ServerArgs:
     api_key: str | None = option(
         None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.", group="server"
     )
+    admin_api_key: str | None = option(
+        None, "Require this key (not --api-key) on the admin endpoints: /flush_cache, /abort_request, "
+        "/set_schedule_policy (with radixserve launch, also the router's worker management). It opens every "
+        "other endpoint too. Default: the admin endpoints take --api-key like the rest.", group="server")
     enable_metrics: bool = option(False, "Serve Prometheus metrics at /metrics.", group="server")
     max_request_body_bytes: int = option(
         16 * 1024 * 1024, "Largest HTTP request body accepted; a larger one is answered 413 (default 16 MiB).",

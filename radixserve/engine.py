@@ -355,9 +355,10 @@ def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int) -> 
     runner.attach_pools(runner.make_kv_pool(total, args.page_size), kv.req_to_token_pool)
     tok = runner.tokenizer
     vocab = runner.model_config.vocab_size
+    grammars = GrammarCompiler(lambda: tok.backend.to_str(), vocab, list(tok.stop_token_ids))
+    grammars.warm_up()
     return build_sched(
         args, runner, kv, context_len=context_len,
         vocab_size=vocab, eos_token_ids=list(tok.stop_token_ids),
-        detokenize=lambda ids: tok.decode(ids, True),
-        grammar_compiler=GrammarCompiler(lambda: tok.backend.to_str(), vocab, list(tok.stop_token_ids)),
+        detokenize=lambda ids: tok.decode(ids, True), grammar_compiler=grammars,
     )

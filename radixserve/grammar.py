@@ -84,8 +84,10 @@ class GrammarCompiler:
     """Builds a matcher per request for one tokenizer, on a background thread, and keeps the last
     ``cache_size`` compiled grammars (a request for a grammar seen before gets a copy at once).
 
-    ``tokenizer_json``: a callable returning the HF ``tokenizer.json`` text of the model's tokenizer
-    (called once, on the compile thread: building llguidance's tokenizer takes about a second)."""
+    ``tokenizer_json``: a callable returning the HF ``tokenizer.json`` text of the model's tokenizer,
+    called once on the compile thread. Building llguidance's tokenizer from it takes 0.5-2 s here and
+    holds the GIL all along, so ``warm_up`` starts it when the engine starts, not under the first
+    request with a grammar (it would stall the scheduler loop for as long)."""
 
     def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: Sequence[int],
                  cache_size: int = _CACHE_SIZE) -> None:
@@ -98,6 +100,10 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
 
+    def warm_up(self) -> Future:
+        """Build llguidance's tokenizer now, on the compile thread."""
+        return self._executor().submit(self._lltokenizer)
+
     def cached(self, kind: str, text: str) -> Any | None:
         """A fresh matcher for a grammar compiled before, or None."""
         with self._lock:
@@ -109,9 +115,20 @@ class GrammarCompiler:
 
     def submit(self, kind: str, text: str) -> Future:
         """A future of a fresh matcher (``GrammarError`` when the grammar does not compile)."""
+        return self._executor().submit(self._compile, kind, text)
+
+    def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        return self._pool.submit(self._compile, kind, text)
+        return self._pool
+
+    def _lltokenizer(self) -> Any:
+        import llguidance
+
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
+                                                     eos_token=self.eos_token_ids)
+        return self._tokenizer
 
     def _compile(self, kind: str, text: str) -> Any:
         import llguidance
@@ -119,10 +136,7 @@ class GrammarCompiler:
         hit = self.cached(kind, text)
         if hit is not None:
             return hit
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
-                                                     eos_token=self.eos_token_ids)
-        proto = llguidance.LLMatcher(self._tokenizer, grammar_text(kind, text), log_level=0)
+        proto = llguidance.LLMatcher(self._lltokenizer(), grammar_text(kind, text), log_level=0)
         if proto.is_error():
             raise GrammarError(proto.get_error())
         with self._lock:

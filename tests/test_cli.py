@@ -40,6 +40,20 @@ def test_launch_passes_engine_options_to_workers_and_router_options_to_the_route
     assert "--no-idle-self-check" in cmd and "--enable-metrics" in cmd
 
 
+def test_launch_gives_the_keys_to_the_workers_and_the_router_and_logs_neither() -> None:
+    from radixserve.router.launch import fleet_args, masked, worker_command
+
+    ns = build_parser().parse_args(["launch", "--num-workers", "2", "--port", "31000", "--api-key", "sk-user-7c1",
+                                    "--admin-api-key", "sk-root-9d2"])
+    sargs, rargs = fleet_args(ns)
+    assert rargs.worker_urls == ("http://127.0.0.1:31001", "http://127.0.0.1:31002")
+    assert (rargs.api_key, rargs.admin_api_key) == ("sk-user-7c1", "sk-root-9d2")
+    cmd = worker_command(sargs, 31001, threads=1)
+    assert cmd[cmd.index("--api-key") + 1] == "sk-user-7c1" and cmd[cmd.index("--admin-api-key") + 1] == "sk-root-9d2"
+    logged = " ".join(masked(cmd))
+    assert "sk-user" not in logged and "sk-root" not in logged and "--admin-api-key ***" in logged
+
+
 @pytest.mark.parametrize("command", ["generate", "serve", "router", "launch", "simulate"])
 def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:

@@ -8,7 +8,9 @@ through as it comes); ``/v1/models``, ``/get_model_info``, ``/get_server_info``,
 worker); ``/get_loads`` (every worker's ``/get_load``); ``GET/POST/DELETE /workers`` (the fleet at
 run time); ``/health`` (200 while every pool has an eligible worker); ``/metrics`` (Prometheus);
 ``/dashboard`` (the live page, router/dashboard.py). With ``--api-key`` every route but ``/health``
-and the dashboard's page and static files wants ``Authorization: Bearer <key>``.
+and the dashboard's page and static files wants ``Authorization: Bearer <key>``; with
+``--admin-api-key`` the admin routes (``ADMIN_PATHS``, and adding or removing a worker) want that
+key instead (radixserve/auth.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from radixserve import dashboard
+from radixserve.auth import SERVER_ADMIN_PATHS, Access
 from radixserve.router.config import RouterArgs
 from radixserve.router.dashboard import router_state
 from radixserve.router.router import Router, error_response, routed_paths
@@ -31,15 +34,24 @@ logger = logging.getLogger("radixserve.router")
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router", Router)
 
 
-def _auth_middleware(api_key: str | None) -> Any:
+# worker management: changing the fleet is an admin call, listing it (GET /workers) is not
+_FLEET_ADMIN = frozenset({("POST", "/workers"), ("DELETE", "/workers"), ("POST", "/add_worker"),
+                          ("POST", "/remove_worker")})
+
+
+def router_admin_route(method: str, path: str) -> bool:
+    return path in SERVER_ADMIN_PATHS or (method, path) in _FLEET_ADMIN
+
+
+def _auth_middleware(access: Access) -> Any:
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
-        if api_key and request.path != "/health" and not dashboard.is_public(request.path):
-            auth = request.headers.get("Authorization", "")
-            key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
-            if key != api_key:
-                return error_response("Incorrect API key provided.", 401, "invalid_api_key")
+        headers = {"authorization": request.headers.get("Authorization", ""),
+                   "x-api-key": request.headers.get("X-API-Key", "")}
+        refused = access.refusal(request.method, request.path, headers)
+        if refused is not None:
+            return error_response(refused, 401, "invalid_api_key")
         try:
             return await handler(request)
         except web.HTTPException as e:  # unknown route, wrong method, body too large: OpenAI's error shape
@@ -63,7 +75,8 @@ async def _worker_url(request: web.Request) -> str | None:
 
 
 def create_app(router: Router) -> web.Application:
-    app = web.Application(middlewares=[_auth_middleware(router.args.api_key)], client_max_size=64 * 1024 * 1024)
+    access = Access(router.args.api_key, router.args.admin_api_key, router_admin_route)
+    app = web.Application(middlewares=[_auth_middleware(access)], client_max_size=64 * 1024 * 1024)
     app[ROUTER_KEY] = router
 
     def routed(path: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -91,7 +104,7 @@ def create_app(router: Router) -> web.Application:
         """An admin call that each worker gets. ``all_must``: success means every worker said so (a
         policy switch); else one is enough (an abort: the request lives on one worker)."""
         async def handler(request: web.Request) -> web.StreamResponse:
-            results = await router.fan_out("POST", path, await request.read())
+            results = await router.fan_out("POST", path, await request.read(), admin=True)
             said = [s == 200 and isinstance(b, dict) and b.get("success", True) is not False
                     for s, b in results.values()]
             ok = all(said) if all_must else any(said)
@@ -109,7 +122,7 @@ def create_app(router: Router) -> web.Application:
         return error_response("No healthy worker is available.", 503, "no_healthy_worker")
 
     async def flush_cache(request: web.Request) -> web.Response:
-        results = await router.fan_out("POST", "/flush_cache")
+        results = await router.fan_out("POST", "/flush_cache", admin=True)
         ok = all(status == 200 for status, _ in results.values())
         return web.json_response({"success": ok, "workers": {u: {"status": s, "body": b}
                                                               for u, (s, b) in results.items()}},

@@ -25,6 +25,10 @@ class RouterArgs:
         "ranks, sent as data_parallel_rank.", group="fleet")
     worker_api_key: str | None = option(
         None, "Bearer key the router sends to the workers (default: --api-key).", group="fleet")
+    worker_admin_api_key: str | None = option(
+        None, "Bearer key the router sends with the admin calls it passes on to the workers (/flush_cache, "
+        "/abort_request, /set_schedule_policy), for workers started with --admin-api-key (default: "
+        "--admin-api-key, else the --worker-api-key).", group="fleet")
     pd_disaggregation: bool = option(
         False, "Prefill/decode disaggregation: every request goes to a --prefill worker and a --decode "
         "worker at once, with a bootstrap_room naming the KV hand-over; the client gets the decode "
@@ -126,6 +130,10 @@ class RouterArgs:
     port: int = option(30000, "HTTP port to bind.", group="server")
     api_key: str | None = option(
         None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.", group="server")
+    admin_api_key: str | None = option(
+        None, "Require this key (not --api-key) on the admin endpoints: /flush_cache, /abort_request, "
+        "/set_schedule_policy and the worker management (POST/DELETE /workers, /add_worker, /remove_worker). "
+        "It opens every other endpoint too. Default: they take --api-key like the rest.", group="server")
     log_level: str = option("info", "Log level.", ("debug", "info", "warning", "error"), group="server")
 
     def __post_init__(self) -> None:

@@ -5,7 +5,8 @@
   prefill worker, its bootstrap port. A worker not reachable at start stays out of rotation until
   its health checks pass, and is read again then.
 - Health: every ``--health-check-interval-secs`` each worker's ``/health`` (``worker.Health``); a
-  connection error on the request path checks at once (``check_worker``). A worker back from the
+  connection error on the request path checks at once (``check_worker``), and if that check finds
+  nothing listening (connection refused: the process is gone) the worker leaves rotation at once. A worker back from the
   dead gets a closed breaker, a fresh read of its info and an empty part of the prefix tree.
 - Loads: with ``power_of_two`` and ``deadline_aware``, each worker's ``/get_load`` every
   ``LOAD_REFRESH_S``.
@@ -40,6 +41,8 @@ class Fleet:
         self._checking: set[str] = set()
         key = args.worker_api_key or args.api_key
         self.auth = {"Authorization": f"Bearer {key}"} if key else {}
+        admin = args.worker_admin_api_key or args.admin_api_key
+        self.admin_auth = {"Authorization": f"Bearer {admin}"} if admin else self.auth  # the admin calls passed on
 
     async def start(self) -> None:
         """Open the keep-alive pool, add the configured workers (waiting for them up to
@@ -166,13 +169,20 @@ class Fleet:
             await asyncio.gather(*(self.check_worker(w) for w in list(self.workers.values())))
             await asyncio.sleep(self.args.health_check_interval_secs)
 
-    async def check_worker(self, w: Worker) -> None:
+    async def check_worker(self, w: Worker, after_error: BaseException | None = None) -> None:
+        """One health check of ``w``. ``after_error``: a request to it just failed; if nothing even
+        listens on its port now (connection refused), the process is gone: it leaves rotation at
+        once instead of after --health-failure-threshold checks."""
         if w.url in self._checking:
             return
         self._checking.add(w.url)
         try:
-            ok = await self._probe(w)
-            if w.health.record(ok):
+            ok, refused = await self._probe(w)
+            if after_error is not None and refused and w.health.healthy:
+                w.health.eject()
+                logger.warning("worker %s is gone (%s, then connection refused): no traffic", w.url,
+                               type(after_error).__name__)
+            elif w.health.record(ok):
                 logger.warning("worker %s is %s", w.url, "healthy again" if ok else "unhealthy: no traffic")
                 if ok:  # back from the dead: a fresh process, so its old failures say nothing now
                     w.breaker.reset()
@@ -180,15 +190,18 @@ class Fleet:
         finally:
             self._checking.discard(w.url)
 
-    async def _probe(self, w: Worker) -> bool:
+    async def _probe(self, w: Worker) -> tuple[bool, bool]:
+        """(passed, refused): refused when nothing listens on the worker's port."""
         assert self.session is not None
         try:
             async with self.session.get(w.url + self.args.health_check_endpoint, headers=self.auth,
                                         timeout=aiohttp.ClientTimeout(total=self.args.health_check_timeout_secs)) as r:
                 await r.read()
-                return r.status == 200
+                return r.status == 200, False
+        except aiohttp.ClientConnectorError as e:
+            return False, isinstance(e.os_error, ConnectionRefusedError)
         except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False
+            return False, False
 
     async def _rediscover(self, w: Worker) -> None:
         """A worker came back (maybe restarted, maybe with another dp_size): read its info again."""

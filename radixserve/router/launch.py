@@ -55,24 +55,31 @@ def worker_command(args: ServerArgs, port: int, threads: int) -> list[str]:
     return cmd
 
 
+def fleet_args(ns: argparse.Namespace) -> tuple[ServerArgs, RouterArgs]:
+    """The workers' options and the router's (its workers on the ports after its own)."""
+    sargs = ServerArgs.from_cli_args(ns)
+    rkw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(RouterArgs)
+           if f.name not in (*SHARED, "worker_urls") and getattr(ns, f.name, None) is not None}
+    if ns.num_workers < 1:
+        raise ValueError("--num-workers must be >= 1")
+    ports = [sargs.port + 1 + i for i in range(ns.num_workers)]
+    rargs = RouterArgs(worker_urls=tuple(f"http://127.0.0.1:{p}" for p in ports), host=sargs.host,
+                       port=sargs.port, api_key=sargs.api_key, log_level=sargs.log_level, **rkw)
+    return sargs, rargs
+
+
 def launch_fleet(ns: argparse.Namespace) -> int:
     from radixserve.router.app import run_router
 
     logging.basicConfig(level=(ns.log_level or "info").upper(), format="[%(asctime)s %(name)s] %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per start-up poll otherwise
     try:
-        sargs = ServerArgs.from_cli_args(ns)
-        rkw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(RouterArgs)
-               if f.name not in (*SHARED, "worker_urls") and getattr(ns, f.name, None) is not None}
-        n = ns.num_workers
-        if n < 1:
-            raise ValueError("--num-workers must be >= 1")
-        ports = [sargs.port + 1 + i for i in range(n)]
-        rargs = RouterArgs(worker_urls=tuple(f"http://127.0.0.1:{p}" for p in ports), host=sargs.host,
-                           port=sargs.port, api_key=sargs.api_key, log_level=sargs.log_level, **rkw)
+        sargs, rargs = fleet_args(ns)
     except ValueError as e:
         logger.error("%s", e)
         return 2
+    n = len(rargs.worker_urls)
+    ports = [sargs.port + 1 + i for i in range(n)]
     threads = max(1, (os.cpu_count() or 1) // (n * sargs.dp_size))
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -81,7 +88,7 @@ def launch_fleet(ns: argparse.Namespace) -> int:
             if sargs.cache_events_port is not None:  # one publisher port per rank of each worker
                 wargs = wargs.replace(cache_events_port=sargs.cache_events_port + (p - ports[0]) * sargs.dp_size)
             cmd = worker_command(wargs, p, threads)
-            logger.info("worker on :%d: %s", p, " ".join(cmd[2:]))
+            logger.info("worker on :%d: %s", p, " ".join(masked(cmd[2:])))
             # NOTE: their own process group, so a terminal's Ctrl-C reaches the router alone and the
             # workers are stopped in order by us.
             procs.append(subprocess.Popen(cmd, start_new_session=True))
@@ -90,6 +97,11 @@ def launch_fleet(ns: argparse.Namespace) -> int:
         return run_router(rargs)
     finally:
         _stop(procs)
+
+
+def masked(cmd: list[str]) -> list[str]:
+    """The command as logged: keys replaced by ***."""
+    return ["***" if i and cmd[i - 1] in ("--api-key", "--admin-api-key") else a for i, a in enumerate(cmd)]
 
 
 def _wait_started(procs: list[subprocess.Popen[bytes]], rargs: RouterArgs) -> bool:

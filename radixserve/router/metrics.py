@@ -53,6 +53,9 @@ class RouterMetrics:
                                  ["policy", "branch"], registry=r)
         self.retries = Counter("radixserve_router_retries", "Requests retried on another worker, by cause.",
                                ["reason"], registry=r)
+        self.stream_failures = Counter(
+            "radixserve_router_stream_failures", "Streams cut by their worker failing after the client had "
+            "bytes (ended with an error event).", registry=r)
         self.rejected = Counter("radixserve_router_rejected", "Requests refused by the router with 429 or 503.",
                                 ["reason"], registry=r)
         self.overhead = Histogram(

@@ -141,9 +141,7 @@ async def _prefill(router: Router, worker: Worker, target: Target, path: str, pa
                                     headers={"Content-Type": r.headers.get("Content-Type", "application/json")})
             return None
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        worker.breaker.record_failure(time.monotonic())
-        asyncio.get_running_loop().create_task(router.fleet.check_worker(worker))
-        router.log_failure(worker, e)
+        router.count_failure(worker, e)
         return "prefill_connection_error"
     except asyncio.CancelledError:
         raise

@@ -242,8 +242,10 @@ class Router:
             self.metrics.retries.labels(outcome).inc()
             await self.backoff(attempt)
 
-    @staticmethod
-    def log_failure(worker: Worker, e: BaseException) -> None:
+    def count_failure(self, worker: Worker, e: BaseException) -> None:
+        """A connection error or time-out at ``worker``: against its breaker, and a health check now."""
+        worker.breaker.record_failure(time.monotonic())
+        asyncio.get_running_loop().create_task(self.fleet.check_worker(worker, after_error=e))
         logger.warning("worker %s: %s: %s", worker.url, type(e).__name__, e)
 
     def upstream_headers(self, request: web.Request) -> dict[str, str]:
@@ -270,12 +272,7 @@ class Router:
             try:
                 upstream = await self.session.post(worker.url + path, data=payload, headers=headers)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                worker.breaker.record_failure(time.monotonic())
-                asyncio.get_running_loop().create_task(self.fleet.check_worker(worker))
-                self.log_failure(worker, e)
-                if not last:
-                    return "connection_error"
-                return error_response(f"worker {worker.url} failed: {type(e).__name__}", 502, "bad_gateway")
+                return self.worker_failed(worker, e, last)
             async with upstream:
                 status = upstream.status
                 if status >= 500 or status == 429:
@@ -288,20 +285,57 @@ class Router:
                         return "status_429" if status == 429 else "status_5xx"
                 else:
                     worker.breaker.record_success()
+                headers = {k: upstream.headers[k] for k in _KEEP_RESP if k in upstream.headers}
+                if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    self.metrics.responses.labels(str(status)).inc()
+                    return await self._relay_stream(request, upstream, worker, headers)
+                try:
+                    body = await upstream.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # died while sending its answer
+                    return self.worker_failed(worker, e, last)
                 self.metrics.responses.labels(str(status)).inc()
-                return await self._relay(request, upstream)
+                return web.Response(body=body, status=status, headers=headers)
         finally:
             target.load -= 1
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
-        headers = {k: upstream.headers[k] for k in _KEEP_RESP if k in upstream.headers}
-        if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-            return web.Response(body=await upstream.read(), status=upstream.status, headers=headers)
+    def worker_failed(self, worker: Worker, e: BaseException, last: bool) -> web.Response | str:
+        """A connection error or time-out at ``worker`` before the client was sent anything: count
+        it against the worker, check its health now, and retry elsewhere (or answer 502 if ``last``)."""
+        self.count_failure(worker, e)
+        if not last:
+            return "connection_error"
+        return error_response(f"worker {worker.url} failed: {type(e).__name__}", 502, "bad_gateway")
+
+    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, worker: Worker,
+                            headers: dict[str, str]) -> web.StreamResponse:
+        """Pass the worker's SSE events on as they come, whole events only (a chunk can end inside
+        one). If the worker fails mid-stream, the client gets an error event in OpenAI's shape and
+        ``[DONE]`` in place of the event that was cut, so it never hangs or parses half an event."""
         resp = web.StreamResponse(status=upstream.status, headers=headers)
         request[STREAMED] = True  # from here on a failure cannot be retried: the client has bytes
         await resp.prepare(request)
-        async for chunk in upstream.content.iter_any():
-            await resp.write(chunk)
+        pending = b""
+        chunks = upstream.content.iter_any()
+        while True:
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self.count_failure(worker, e)
+                self.metrics.stream_failures.inc()
+                err = error_body(f"the worker serving this stream failed ({type(e).__name__}); the output "
+                                 "above is incomplete", 502, "worker_failed")
+                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+                pending = b""
+                break
+            pending += chunk
+            cut = pending.rfind(b"\n\n") + 2
+            if cut >= 2:
+                await resp.write(pending[:cut])
+                pending = pending[cut:]
+        if pending:
+            await resp.write(pending)
         await resp.write_eof()
         return resp
 
@@ -321,10 +355,12 @@ class Router:
                 continue
         return error_response("No healthy worker is available.", 503, "no_healthy_worker")
 
-    async def fan_out(self, method: str, path: str, body: bytes | None = None) -> dict[str, tuple[int, Any]]:
-        """Call every worker; {url: (status or 0 when unreachable, JSON body or error text)}."""
+    async def fan_out(self, method: str, path: str, body: bytes | None = None,
+                      admin: bool = False) -> dict[str, tuple[int, Any]]:
+        """Call every worker; {url: (status or 0 when unreachable, JSON body or error text)}.
+        ``admin``: an admin call, sent with the workers' admin key."""
         assert self.session is not None
-        headers = {**self.fleet.auth, "Content-Type": "application/json"}
+        headers = {**(self.fleet.admin_auth if admin else self.fleet.auth), "Content-Type": "application/json"}
 
         async def one(w: Worker) -> tuple[str, tuple[int, Any]]:
             try:

@@ -99,6 +99,10 @@ class Health:
                 self.healthy = False
         return before != self.healthy
 
+    def eject(self) -> None:
+        """Unhealthy now, as after ``failure_threshold`` failed checks (the process is known gone)."""
+        self.healthy, self.passes, self.fails = False, 0, self.failure_threshold
+
 
 @dataclass(eq=False)
 class Worker:

@@ -428,6 +428,8 @@ class SchedulerCore:
             "num_tokens": self.kv.total_tokens - self.kv.reclaimable_size(),
             "num_waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in q.waiting),
             "prefill_tokens_per_s": round(self.deadlines.throughput.tokens_per_s, 1),
+            # steps run since start: how far the engine got between two reads (an abort's latency)
+            "forward_steps": self.stats.forward_steps,
         }
 
 

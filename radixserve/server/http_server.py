@@ -6,7 +6,9 @@ Three pieces of plain ASGI sit in front of the app (``_Guard``):
 - with ``--api-key``, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``
   (``/openapi.json`` included), or
   ``X-API-Key``, except the dashboard's page and static files, which hold no data: the page
-  sends the key with its ``/dashboard/state`` calls (server/dashboard.py);
+  sends the key with its ``/dashboard/state`` calls (server/dashboard.py); with
+  ``--admin-api-key``, ``/flush_cache``, ``/abort_request`` and ``/set_schedule_policy`` want that
+  key instead (radixserve/auth.py);
 - a request body over ``--max-request-body-bytes`` gets a 413: at once from its Content-Length,
   or, chunked, as soon as what arrived passes the limit.
 
@@ -37,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve import dashboard
+from radixserve.auth import Access
 from radixserve.sched.sampling_params import SamplingParams
 from radixserve.server.cache_events import advertised_endpoints
 from radixserve.server.common import (
@@ -83,9 +86,9 @@ def body_too_large(limit: int) -> APIError:
 
 
 class _Guard:
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int = DEFAULT_MAX_BODY) -> None:
+    def __init__(self, app: ASGIApp, access: Access, max_body: int = DEFAULT_MAX_BODY) -> None:
         self.app = app
-        self.api_key = api_key
+        self.access = access
         self.max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -95,12 +98,13 @@ class _Guard:
                                "http2_not_supported")
                 await _send_json(send, 505, err.to_json(), close=True)
                 return
-            path = scope.get("path", "")
-            if self.api_key and path != "/health" and not dashboard.is_public(path) and not self._authorized(scope):
-                err = APIError("Incorrect API key provided.", 401, "invalid_request_error", "invalid_api_key")
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or []}
+            refused = self.access.refusal(scope.get("method", ""), scope.get("path", ""), headers)
+            if refused is not None:
+                err = APIError(refused, 401, "invalid_request_error", "invalid_api_key")
                 await _send_json(send, 401, err.to_json())
                 return
-            length = dict(scope.get("headers") or []).get(b"content-length")
+            length = headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > self.max_body:
                 await _send_json(send, 413, body_too_large(self.max_body).to_json(), close=True)
                 return
@@ -122,12 +126,6 @@ class _Guard:
             return msg
 
         return limited
-
-    def _authorized(self, scope: Scope) -> bool:
-        headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get(b"x-api-key", b"").decode("latin-1")
-        return key == self.api_key
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any], close: bool = False) -> None:
@@ -225,8 +223,9 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
 
     async def server_info() -> dict[str, Any]:
         cfg = dataclasses.asdict(tm.args)
-        if cfg.get("api_key"):
-            cfg["api_key"] = "***"
+        for secret in ("api_key", "admin_api_key"):
+            if cfg.get(secret):
+                cfg[secret] = "***"
         info = {
             **cfg,
             "model_path": model_path,
@@ -336,7 +335,8 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
                 "ranks": ranks, "requests": tm.recent_requests.summary()}
 
     started = time.time()
-    return _Guard(app, args.api_key, getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY))
+    access = Access(args.api_key, getattr(args, "admin_api_key", None))
+    return _Guard(app, access, getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY))
 
 
 # the routes whose handlers parse their bodies themselves (parse_body): their request schemas

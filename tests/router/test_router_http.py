@@ -4,6 +4,7 @@ errors and disconnects, retries, backpressure, DP-aware ranks, health ejection, 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -69,14 +70,18 @@ def test_out_of_retries_passes_the_workers_answer_through() -> None:
     run(scenario)
 
 
-def test_no_retry_once_streaming_started() -> None:
+def test_no_retry_once_streaming_started_and_the_stream_ends_with_an_error_event() -> None:
+    """A worker that dies mid-stream, in the middle of an event: the client gets the whole events
+    before it, never the half one, then an error event in OpenAI's shape and [DONE]; no retry (the
+    client had bytes already), and the load count goes back to zero."""
     calls = {"n": 0}
 
     async def breaks_mid_stream(request: web.Request) -> web.StreamResponse:
         calls["n"] += 1
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        await resp.write(b'data: {"text": "partial"}\n\n')
+        await resp.write(b'data: {"text": "whole"}\n\ndata: {"text": "ha')
+        await asyncio.sleep(0.05)
         assert request.transport is not None
         request.transport.close()  # the worker dies mid-stream
         return resp
@@ -90,17 +95,17 @@ def test_no_retry_once_streaming_started() -> None:
         app.router.add_get("/get_server_info", info)
         w, other = await fleet.stub(app), await fleet.stub()
         await fleet.start_router([w, other], policy="round_robin")
-        got = b""
-        try:
-            async with client.post(f"{fleet.url}/generate", json={"text": "x", "stream": True}) as r:
-                assert r.status == 200
-                got = await r.content.read()
-        except aiohttp.ClientPayloadError:
-            pass
+        async with client.post(f"{fleet.url}/generate", json={"text": "x", "stream": True}) as r:
+            assert r.status == 200
+            events = [e for e in (await r.content.read()).split(b"\n\n") if e]
         assert calls["n"] == 1  # not retried: the client had its first bytes already
-        assert b"partial" in got or got == b""
+        assert events[0] == b'data: {"text": "whole"}' and events[-1] == b"data: [DONE]" and len(events) == 3
+        err = json.loads(events[1][len(b"data: "):])["error"]
+        assert err["code"] == "worker_failed" and err["type"] == "server_error"
         await asyncio.sleep(0.05)
         assert fleet.loads() == [0, 0]
+        metrics = await (await client.get(f"{fleet.url}/metrics")).text()
+        assert "radixserve_router_stream_failures_total 1.0" in metrics
 
     run(scenario)
 
@@ -182,6 +187,27 @@ def test_health_checks_eject_and_readmit_and_workers_api() -> None:
             assert r.status == 409
         async with client.post(f"{fleet.url}/workers", json={"url": "ftp://x"}) as r:
             assert r.status == 400
+
+    run(scenario)
+
+
+def test_a_worker_whose_port_refuses_after_a_failed_request_leaves_at_once() -> None:
+    """Default health settings (3 failed checks, 60 s apart): a request that fails on a worker whose
+    port then refuses connections (the process is gone) ejects it at once, and the request succeeds
+    on the other worker."""
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        a, b = await fleet.stub(), await fleet.stub()
+        router = await fleet.start_router([a, b], policy="round_robin", health_check_interval_secs=60.0)
+        await fleet.stop_stub(b)
+        for _ in range(2):
+            status, out = await post(client, f"{fleet.url}/generate", {"text": "x"})
+            assert status == 200 and out["worker"] == int(a.rsplit(":", 1)[1])
+        for _ in range(100):
+            if not router.workers[b].health.healthy:
+                break
+            await asyncio.sleep(0.01)
+        assert not router.workers[b].health.healthy and router.workers[a].health.healthy
+        assert router.workers[b].health.fails == router.args.health_failure_threshold
 
     run(scenario)
 
@@ -287,5 +313,72 @@ def test_admin_calls_reach_every_worker() -> None:
         assert status == 200 and out["success"] is True and sorted(seen) == ["a:r1", "b:r1"]
         async with client.get(f"{fleet.url}/v1/models/default") as r:
             assert r.status == 404  # these stubs have no such route: the worker's answer passes through
+
+    run(scenario)
+
+
+def test_admin_api_key_guards_admin_and_fleet_routes() -> None:
+    """--admin-api-key: the admin routes and the fleet's changes want that key (the ordinary key is
+    a 401); it opens every other route too; the admin calls reach the workers with the workers'
+    admin key, the rest with their ordinary key."""
+    seen: list[tuple[str, str]] = []
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append((request.path, request.headers.get("Authorization", "")))
+        return web.json_response({"success": True})
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"dp_size": 1})
+
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        app = web.Application()
+        for path in ("/flush_cache", "/abort_request", "/set_schedule_policy"):
+            app.router.add_post(path, record)
+        app.router.add_get("/get_load", record)
+        app.router.add_get("/get_server_info", info)
+        w = await fleet.stub(app)
+        await fleet.start_router([w], api_key="user", admin_api_key="root", worker_api_key="w-user",
+                                 worker_admin_api_key="w-root")
+        user, root = {"Authorization": "Bearer user"}, {"Authorization": "Bearer root"}
+        admin_calls = [("POST", "/flush_cache", None), ("POST", "/abort_request", {"rid": "x"}),
+                       ("POST", "/set_schedule_policy", {"schedule_policy": "fcfs"}),
+                       ("POST", "/workers", {"url": "http://127.0.0.1:9"}),
+                       ("DELETE", "/workers", {"url": "http://127.0.0.1:9"}),
+                       ("POST", "/add_worker", {"url": "http://127.0.0.1:9"}),
+                       ("POST", "/remove_worker", {"url": "http://127.0.0.1:9"})]
+        for method, path, body in admin_calls:
+            for headers in ({}, user, {"X-API-Key": "user"}, {"Authorization": "Bearer wrong"}):
+                async with client.request(method, fleet.url + path, json=body, headers=headers) as r:
+                    err = (await r.json())["error"]
+                    assert r.status == 401 and err["code"] == "invalid_api_key", (path, headers)
+                    assert "--admin-api-key" in err["message"]
+        assert seen == []  # nothing refused reached a worker
+        for method, path, body in admin_calls:
+            async with client.request(method, fleet.url + path, json=body, headers=root) as r:
+                assert r.status == 200, (path, await r.text())
+        assert seen == [("/flush_cache", "Bearer w-root"), ("/abort_request", "Bearer w-root"),
+                        ("/set_schedule_policy", "Bearer w-root")]
+        # an ordinary route: the ordinary key or the admin key, never none; /health stays open
+        for headers, status in (({}, 401), (user, 200), (root, 200)):
+            async with client.get(f"{fleet.url}/get_loads", headers=headers) as r:
+                assert r.status == status, headers
+            async with client.get(f"{fleet.url}/workers", headers=headers) as r:
+                assert r.status == status, headers
+        assert seen[-1] == ("/get_load", "Bearer w-user")
+        async with client.get(f"{fleet.url}/health") as r:
+            assert r.status == 200
+
+    run(scenario)
+
+
+def test_admin_api_key_alone_leaves_the_data_routes_open() -> None:
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        w = await fleet.stub()
+        await fleet.start_router([w], admin_api_key="root")
+        assert (await post(client, f"{fleet.url}/generate", {"text": "x"}))[0] == 200
+        async with client.post(f"{fleet.url}/flush_cache") as r:
+            assert r.status == 401
+        async with client.post(f"{fleet.url}/flush_cache", headers={"Authorization": "Bearer root"}) as r:
+            assert r.status == 200  # no --worker-admin-api-key: the stub, which wants none, got "root"
 
     run(scenario)

@@ -7,7 +7,8 @@
 //
 // With --api-key, the key comes from the page's URL: /dashboard#api_key=KEY (a fragment never
 // reaches the server's or a proxy's logs) or ?api_key=KEY, else from the box the page shows after
-// a 401; it is sent as "Authorization: Bearer KEY".
+// a 401; it is sent as "Authorization: Bearer KEY". With --admin-api-key the policy switch wants
+// the admin key, which also opens /dashboard/state: open the page with that key to switch.
 //
 // Every figure is drawn into an element with a data-k attribute (data-k="running" ...), which
 // is also what the browser test reads.
@@ -231,6 +232,7 @@
       } else {
         status.textContent = (body.error && body.error.message) || `failed (HTTP ${r.status})`;
         status.className = "bad";
+        if (r.status === 401) $("auth").hidden = false; // --admin-api-key: the admin key opens the switch
       }
     } catch (e) {
       status.textContent = `failed: ${e.message}`;
