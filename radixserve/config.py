@@ -41,7 +41,8 @@ class ServerArgs:
         "int4 (groups of 32 with a scale and a minimum, GGUF Q4_1's own format). Fewer bytes per step; "
         "tolerance and figures in docs/model.md.", ("none", "int8", "int4"), group="model")
     quantization_max_batch: int = option(
-        16, "Most rows (tokens) of a forward that uses the quantized weights.", group="model")
+        8, "Most rows (tokens) of a forward that uses the quantized weights; above it the float weights run "
+        "(faster there: docs/benchmarks.md).", group="model")
     random_seed: int = option(0, "Seed of the global sampler generator.", group="model")
     num_threads: int | None = option(None, "torch intra-op threads (default: torch's choice).", group="model")
 

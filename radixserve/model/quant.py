@@ -30,7 +30,7 @@ import torch
 QUANTIZATIONS: Final = ("none", "int8", "int4")
 INT4_GROUP: Final = 32  # GGUF Q4_0/Q4_1 block size
 # Rows up to which the quantized kernel beats the float GEMM (measured: docs/benchmarks.md).
-DEFAULT_MAX_ROWS: Final = 16
+DEFAULT_MAX_ROWS: Final = 8
 COMPUTE_DTYPE: Final = torch.bfloat16
 
 
