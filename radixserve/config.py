@@ -35,6 +35,14 @@ class ServerArgs:
         "(compiled by scripts/setup.sh, or on first use; needs g++ and ninja: if it cannot be built, choosing it "
         "fails at start with the reason). auto: cpu_paged when its kernel builds here, else torch_native.",
         ("auto", "torch_native", "cpu_paged"), group="model")
+    quantization: str = option(
+        "none", "Weight-only quantized copies of the linear weights, read by decode steps of at most "
+        "--quantization-max-batch rows (larger steps keep the float weights): int8 (one scale per row) or "
+        "int4 (groups of 32 with a scale and a minimum, GGUF Q4_1's own format). Fewer bytes per step; "
+        "tolerance and figures in docs/model.md.", ("none", "int8", "int4"), group="model")
+    quantization_max_batch: int = option(
+        8, "Most rows (tokens) of a forward that uses the quantized weights; above it the float weights run "
+        "(faster there: docs/benchmarks.md).", group="model")
     random_seed: int = option(0, "Seed of the global sampler generator.", group="model")
     num_threads: int | None = option(None, "torch intra-op threads (default: torch's choice).", group="model")
 
@@ -234,7 +242,7 @@ class ServerArgs:
                      "prefill_max_requests", "num_threads"):
             positive(name)
         for name in ("page_size", "max_prefill_tokens", "new_token_ratio_decay_steps", "clip_max_new_tokens",
-                     "max_request_body_bytes"):
+                     "max_request_body_bytes", "quantization_max_batch"):
             positive(name, allow_none=False)
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size <= 0:
             errors.append("chunked_prefill_size must be positive or -1 (disabled)")

@@ -98,7 +98,8 @@ class Engine:
             args = self.server_args
         self.runner = runner or ModelRunner(
             args.model_path, dtype=args.dtype, attention_backend=args.attention_backend,
-            seed=args.random_seed, num_threads=args.num_threads,
+            seed=args.random_seed, num_threads=args.num_threads, quantization=args.quantization,
+            quant_max_rows=args.quantization_max_batch,
         )
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.tokenizer

@@ -171,6 +171,8 @@ def main() -> None:
     ap.add_argument("--slots", choices=["paged", "random", "contiguous"], default="paged")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--attention-backend", default="torch_native", help="torch_native or cpu_paged")
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                    help="weight-only quantized linears, used at every batch measured here (docs/model.md)")
     ap.add_argument("--no-tune-malloc", action="store_true", help="leave glibc malloc at its defaults")
     args = ap.parse_args()
 
@@ -196,6 +198,8 @@ def bench_dtype(args: argparse.Namespace, name: str) -> None:
         num_threads=args.threads,
         tune_malloc_arena=not args.no_tune_malloc,
         progress=False,
+        quantization=args.quantization,
+        quant_max_rows=max(args.batch, args.prefill) if args.quantization != "none" else 0,
     )
     dtype = runner.dtype
     res: dict[str, float] = {}
@@ -212,7 +216,8 @@ def bench_dtype(args: argparse.Namespace, name: str) -> None:
         kv2, r2t2 = runner.kv_pool, runner.req_to_token_pool
         assert kv2 is not None and r2t2 is not None
         t_pf = timeit(lambda: runner.model(pf, kv2, r2t2), max(2, args.iters // 3), warmup=1)
-    print(f"\n[{dtype}, {args.attention_backend}] packed linears: {runner.packed_linears}")
+    print(f"\n[{dtype}, {args.attention_backend}, quantization {args.quantization}] packed linears: "
+          f"{runner.packed_linears}")
     print(f"  {'':<18} {'median':>9}    {'min':>6}")
     for k, v in res.items():
         print(f"  {k:<18} {v:9.1f} ms {MINS.get(k, float('nan')):6.1f} ms")

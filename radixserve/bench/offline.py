@@ -227,6 +227,7 @@ def main(args: Any) -> int:
     if args.disable_overlap_schedule:
         kw["disable_overlap_schedule"] = True
     kw["attention_backend"] = args.attention_backend
+    kw["quantization"] = args.quantization
     engine = Engine(args.model_path, dtype=args.dtype, schedule_policy=args.schedule_policy, **kw)
     wl_kw: dict[str, int] = {"seed": args.seed}
     if args.num_prompts:
@@ -261,7 +262,8 @@ def main(args: Any) -> int:
         extra.update(compare_loops(engine, args.decode_batch, args.compare_loops))
     if args.decode_batch and args.compare_attention:
         extra.update(compare_attention(engine, args.decode_batch, args.compare_attention, ("torch_native", "cpu_paged")))
-    print(f"dtype: {engine.runner.dtype}, attention backend: {args.attention_backend}")
+    print(f"dtype: {engine.runner.dtype}, attention backend: {args.attention_backend}, "
+          f"quantization: {args.quantization}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"results": [asdict(r) for r in results], **extra, "dtype": str(engine.runner.dtype)}, f, indent=2)

@@ -22,6 +22,7 @@ from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model.attention import AttentionBackend, create_attention_backend
 from radixserve.model.config import ModelConfig
 from radixserve.model.parallel import TPGroup
+from radixserve.model.quant import DEFAULT_MAX_ROWS, QuantizedWeight, quantize_weight
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -33,6 +34,10 @@ class Linear(nn.Module):
 
     ``pack()`` switches to oneDNN's pre-packed weight layout when the build has it (fp32 only: that
     is ~1.3-2x faster for the LM head and for small batches on AVX2 CPUs); ``F.linear`` otherwise.
+
+    ``quantize()`` adds a weight-only quantized copy (quant.py) that inputs of at most
+    ``quant_max_rows`` rows use (decode at small batches, bound by reading the weights); larger
+    inputs keep the float path, where the GEMM is compute-bound and oneDNN is faster.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
@@ -42,8 +47,13 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self._packed: torch.Tensor | None = None
+        self._quant: QuantizedWeight | None = None
+        self.quant_max_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._quant is not None and x.shape[0] <= self.quant_max_rows:
+            y = self._quant(x)
+            return y if self.bias is None else y + self.bias
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -64,6 +74,18 @@ class Linear(nn.Module):
         self._packed = packed
         return True
 
+    def quantize(self, method: str, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+        """Keep a ``method`` copy of the weight (quant.py) for inputs of at most ``max_rows`` rows."""
+        w = self.weight if self.weight.numel() else None
+        if w is None:
+            raise RuntimeError("quantize() before drop_plain_weight(): the float weight is gone")
+        self._quant = quantize_weight(w, method)
+        self.quant_max_rows = max_rows
+
+    @property
+    def quantization(self) -> str:
+        return self._quant.method if self._quant is not None else "none"
+
     def unpack(self) -> None:
         if self.weight.numel() == 0:
             raise RuntimeError("this linear's plain weight was dropped after packing")
@@ -75,7 +97,10 @@ class Linear(nn.Module):
             self.weight = _param(0, dtype=self.weight.dtype)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, packed={self._packed is not None}"
+        return (
+            f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
+            f"packed={self._packed is not None}, quantization={self.quantization}"
+        )
 
 
 _MKLDNN_OK: bool | None = None
@@ -354,6 +379,20 @@ class LlamaForCausalLM(nn.Module):
                 n += 1
                 if drop_plain_weights and m.weight is not self.embed_tokens:
                     m.drop_plain_weight()
+        return n
+
+    def quantize_linears(self, method: str, max_rows: int = DEFAULT_MAX_ROWS) -> int:
+        """Give every linear a ``method`` weight copy for inputs of at most ``max_rows`` rows
+        (quant.py); returns how many. Call before ``pack_linears``.
+
+        NOTE: under ``int4`` the LM head gets ``int8``: its rows are the (tied) embedding, which GGUF
+        files keep at 8 bits (Q8_0 here), and 4-bit groups of it moved greedy tokens several times
+        more than all the layers' int4 together (docs/model.md). llama.cpp keeps it wider too."""
+        n = 0
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.quantize("int8" if method == "int4" and m is self.lm_head else method, max_rows)
+                n += 1
         return n
 
     # ------------------------------------------------------------------ forward

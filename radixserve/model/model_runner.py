@@ -28,6 +28,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import load_model, parse_dtype
 from radixserve.model.parallel import TPGroup, check_tp_size, send_step, send_stop
+from radixserve.model.quant import DEFAULT_MAX_ROWS, check_quantization
 from radixserve.model.sampler import Sampler
 from radixserve.model.tokenizer import Tokenizer
 
@@ -110,6 +111,8 @@ class ModelRunner:
         *,
         num_threads: int | None = None,
         seed: int | None = None,
+        quantization: str = "none",
+        quant_max_rows: int = DEFAULT_MAX_ROWS,
         pack_weights: bool = True,
         tune_malloc_arena: bool = True,
         progress: bool = True,
@@ -118,7 +121,9 @@ class ModelRunner:
         """Load the model at ``model_path`` (None: bundled SmolLM2-135M-Instruct GGUF).
 
         ``pack_weights``: pre-pack fp32 linear weights for oneDNN (faster on CPU; the plain copies
-        are then freed). ``seed`` seeds the sampler's generator for unseeded requests.
+        are then freed). ``quantization``: ``none``, ``int8`` or ``int4`` weight-only copies of every
+        linear, used by inputs of at most ``quant_max_rows`` rows (quant.py). ``seed`` seeds the
+        sampler's generator for unseeded requests.
         ``tune_malloc_arena``: see ``tune_malloc`` (process-wide glibc setting).
         ``tp_group``: load this rank's shard of a tensor-parallel model (a group of size 1 is none).
         """
@@ -134,6 +139,10 @@ class ModelRunner:
             check_tp_size(config, self.tp.size)
         self.model = LlamaForCausalLM.from_state_dict(config, state, self.dtype, attention_backend, self.tp)
         del state
+        self.quantization = check_quantization(quantization)
+        self.quantized_linears = (
+            self.model.quantize_linears(quantization, quant_max_rows) if quantization != "none" else 0
+        )
         self.packed_linears = self.model.pack_linears(drop_plain_weights=True) if pack_weights else 0
         self.tokenizer = Tokenizer.from_model_path(model_path)
         from radixserve.model.gguf_loader import clear_gguf_cache
@@ -144,7 +153,7 @@ class ModelRunner:
         self.req_to_token_pool: ReqToTokenPool | None = None
         self.load_seconds = time.perf_counter() - t0
         logger.info(
-            "loaded %s (%s, %d layers) as %s in %.1fs, %d threads, %d linears packed",
+            "loaded %s (%s, %d layers) as %s in %.1fs, %d threads, %d linears packed, %d %s",
             config.name or model_path,
             config.arch,
             config.num_layers,
@@ -152,6 +161,8 @@ class ModelRunner:
             self.load_seconds,
             self.num_threads,
             self.packed_linears,
+            self.quantized_linears,
+            f"quantized ({quantization}, up to {quant_max_rows} rows)" if self.quantized_linears else "quantized",
         )
 
     # ------------------------------------------------------------------ sizes and pools

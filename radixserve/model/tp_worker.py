@@ -53,7 +53,8 @@ def load_tp_rank(args: ServerArgs, rank: int, alive: Callable[[], bool] | None =
     tp = init_tp_group(rank, args.tp_size, args.dist_init_addr, alive=alive)
     try:
         return ModelRunner(args.model_path, dtype=args.dtype, attention_backend=args.attention_backend,
-                           seed=args.random_seed, num_threads=args.num_threads, progress=False, tp_group=tp)
+                           seed=args.random_seed, num_threads=args.num_threads, quantization=args.quantization,
+                           quant_max_rows=args.quantization_max_batch, progress=False, tp_group=tp)
     except BaseException:
         tp.destroy()
         raise

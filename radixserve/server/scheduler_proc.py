@@ -75,7 +75,8 @@ def make_runner(args: ServerArgs) -> Any:
     # bars on one terminal garble each other).
     return ModelRunner(
         args.model_path, dtype=args.dtype, attention_backend=args.attention_backend,
-        seed=args.random_seed, num_threads=args.num_threads, progress=False,
+        seed=args.random_seed, num_threads=args.num_threads, quantization=args.quantization,
+        quant_max_rows=args.quantization_max_batch, progress=False,
     )
 
 
