@@ -63,3 +63,28 @@ def test_soak_short(shared_server: ServerProcess, tmp_path: Path) -> None:
                for k in ("start", "after_warmup", "end"))
     assert_memory_ok(rep["memory_end"])
     assert code == 0
+
+
+def test_soak_workload_is_seeded_and_mixed() -> None:
+    import argparse
+
+    from radixserve.bench.soak import add_args, make_jobs
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    ns = p.parse_args(["--max-prompt-len", "100", "--max-output-len", "4"])
+    jobs = make_jobs(2000, 5, ns, vocab=1000, context=128)
+    again = make_jobs(2000, 5, ns, vocab=1000, context=128)
+    assert [(j.route, j.fate, j.body) for j in jobs] == [(j.route, j.fate, j.body) for j in again]
+    fates = {f: sum(j.fate == f for j in jobs) for f in ("normal", "abort", "disconnect", "invalid")}
+    for f in ("abort", "disconnect", "invalid"):
+        assert 60 < fates[f] < 140, fates  # 5% of 2000
+    assert {j.route for j in jobs} == {"/v1/completions", "/v1/chat/completions", "/generate"}
+    for j in jobs:
+        assert 1 <= j.prompt_len <= 100 and j.prompt_len + j.output_len < 128
+        if j.fate == "abort":
+            assert j.route == "/generate" and j.stream and isinstance(j.body, dict) and j.body["rid"]
+        if j.fate == "normal":
+            assert 1 <= j.output_len <= 4
+    streamed = sum(j.stream for j in jobs if j.fate == "normal") / fates["normal"]
+    assert 0.4 < streamed < 0.6
