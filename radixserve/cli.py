@@ -79,6 +79,18 @@ def _bench_attention(ns: argparse.Namespace) -> int:
     return main(ns)
 
 
+def _bench_fuzz(ns: argparse.Namespace) -> int:
+    from radixserve.bench.fuzz import main
+
+    return main(ns)
+
+
+def _bench_soak(ns: argparse.Namespace) -> int:
+    from radixserve.bench.soak import main
+
+    return main(ns)
+
+
 def _router(ns: argparse.Namespace) -> int:
     from radixserve.router.app import run_router
     from radixserve.router.config import RouterArgs
@@ -205,6 +217,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     _bench_attention_args(ba)
     ba.set_defaults(func=_bench_attention)
+
+    bf = bsub.add_parser("fuzz", help="Fuzz a server: schemathesis over /openapi.json and a mutation fuzzer of "
+                         "valid bodies; zero 5xx and a healthy server after (docs/reliability.md).",
+                         description="Starts a server with a small context (or targets --base-url), runs at least "
+                         "--cases schemathesis cases over every documented route (positive and negative) and "
+                         "--mutations mutated valid bodies, one at a time, then prints the status-code histogram, "
+                         "every 5xx with a curl line to reproduce it, and whether the server is healthy after "
+                         "(/health, a real generation, the KV pool and request slots all free once idle). Exits 1 "
+                         "on any 5xx, unanswered request or unhealthy server.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from radixserve.bench.fuzz import add_args as _bench_fuzz_args
+
+    _bench_fuzz_args(bf)
+    bf.set_defaults(func=_bench_fuzz)
+    bk = bsub.add_parser("soak", help="Soak a server: many requests of mixed lengths with aborts, disconnects and "
+                         "invalid ones; zero leaked KV or request slots, bounded memory (docs/reliability.md).",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from radixserve.bench.soak import DESCRIPTION as _SOAK_DESCRIPTION
+    from radixserve.bench.soak import add_args as _bench_soak_args
+
+    bk.description = _SOAK_DESCRIPTION
+    _bench_soak_args(bk)
+    bk.set_defaults(func=_bench_soak)
 
     from radixserve.router.config import RouterArgs
     from radixserve.router.launch import add_launch_args

@@ -66,3 +66,17 @@ def test_radixserve_engine_from_the_package_root() -> None:
     from radixserve.engine import Engine
 
     assert radixserve.Engine is Engine
+
+
+@pytest.mark.parametrize("command", ["fuzz", "soak"])
+def test_reliability_benches_explain_every_option(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    bench = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    sub = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    assert sub.description and len(sub.description) > 200
+    for action in sub._actions:
+        assert action.help, action.option_strings
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["bench", command, "--help"])
+    assert e.value.code == 0 and "--base-url" in capsys.readouterr().out

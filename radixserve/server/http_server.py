@@ -263,13 +263,16 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
     async def model_info_alias() -> dict[str, Any]:
         return model_info()
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         ok = all(r.get("success", False) for r in await tm.control("flush_cache"))
         if not ok:
             return error_response(APIError("Cache not flushed: requests are running; retry when idle.", 400,
                                            code="server_busy"))
         return JSONResponse({"success": True, "message": "Cache flushed."})
+
+    # two routes, not one with two methods: OpenAPI operation ids must be unique per method
+    app.get("/flush_cache")(flush_cache)
+    app.post("/flush_cache")(flush_cache)
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> dict[str, Any]:

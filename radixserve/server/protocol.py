@@ -90,6 +90,11 @@ def _extra_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
     schema["additionalProperties"] = False
 
 
+def _generate_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    _extra_schema(schema, model)
+    schema["oneOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]  # exactly one of the two
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
@@ -225,7 +230,7 @@ _ROLES = ("system", "developer", "user", "assistant")
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"additionalProperties": False})
-    role: str = Field(description="system, developer, user or assistant.")
+    role: str = Field(description="system, developer, user or assistant.", json_schema_extra={"enum": list(_ROLES)})
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     refusal: str | None = Field(None, description="An assistant message's refusal: accepted, not templated.")
@@ -307,7 +312,7 @@ class ChatCompletionRequest(_SamplingFields):
 class GenerateRequest(_Body):
     """SGLang's native ``/generate`` body."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra=_extra_schema)
+    model_config = ConfigDict(extra="allow", json_schema_extra=_generate_schema)
     EXTRA_FIELDS = _NATIVE_EXTRA
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -341,6 +346,23 @@ class SchedulePolicyRequest(_Body):
     model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": True})
     ALLOW_UNKNOWN = True
     schedule_policy: str | None = None
+
+    def check(self) -> None:
+        # NOTE: the parameters travel to the scheduler as msgpack, whose integers are 64-bit; a
+        # bigger one would fail there as an internal error, so it is refused here by name.
+        for name, value in (self.model_extra or {}).items():
+            if not _ints_fit_64_bits(value):
+                raise APIError(f"{name}: integers must fit in 64 bits", param=name, code="invalid_value")
+
+
+def _ints_fit_64_bits(value: Any) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return INT64_MIN <= value <= INT64_MAX
+    if isinstance(value, dict):
+        return all(_ints_fit_64_bits(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_ints_fit_64_bits(v) for v in value)
+    return True
 
 
 M = TypeVar("M", bound=_Body)

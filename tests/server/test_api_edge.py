@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from radixserve.bench.fuzz import FIELDS, mutate
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from tests.server.helpers import API_KEY, REPO, ServerProcess, assert_memory_ok, started, wait_idle
 
@@ -121,45 +122,23 @@ def test_wrong_types_and_huge_numbers_are_400(c: httpx.Client, route: str, patch
     assert err["type"] == "invalid_request_error"
 
 
+def test_schedule_policy_param_past_64_bits_is_400(c: httpx.Client) -> None:
+    """Found by schemathesis: the parameters go to the scheduler as msgpack (64-bit integers)."""
+    for value in (10**22, [1, -(2**70)], {"k": 2**64}):
+        err = _error(c.post("/set_schedule_policy", json={"priority_aging_horizon": value}))
+        assert err["param"] == "priority_aging_horizon" and err["code"] == "invalid_value"
+    assert c.get("/get_server_info").json()["schedule_policy"] == "fcfs"
+
+
 @pytest.mark.parametrize("route", POST_ROUTES)
 def test_unknown_field_is_400(c: httpx.Client, route: str) -> None:
     err = _error(c.post(route, json={**VALID[route], "frobnicate": 1}))
     assert err["code"] == "unknown_parameter" and err["param"] == "frobnicate"
 
 
-def _mutations(rng: random.Random) -> list[Any]:
-    deep: Any = 1
-    for _ in range(rng.randint(1, 300)):
-        deep = [deep] if rng.random() < 0.5 else {"k": deep}
-    return [None, True, False, 0, -1, 1, 2**63, -(2**63) - 1, 10**30, 0.5, -0.0, 1e300, "", "x" * 1000,
-            "\u0000\ud7ff\ue000\U0010ffff", [], {}, [1, "a", None], {"5": "x"}, {"": []}, deep, [deep]]
-
-
-FIELDS = sorted({*ChatCompletionRequest.model_fields, *CompletionRequest.model_fields, *GenerateRequest.model_fields,
-                 "ttft_slo_ms", "tpot_slo_ms", "data_parallel_rank", "bootstrap_room", "tenant", "deadline_ms"})
-LENGTH_FIELDS = {"max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens"}
-
-
-def _mutate(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
-    body = dict(body)
-    if isinstance(body.get("sampling_params"), dict):
-        body["sampling_params"] = dict(body["sampling_params"])
-    for _ in range(rng.randint(1, 3)):
-        target = body
-        if "sampling_params" in body and isinstance(body["sampling_params"], dict) and rng.random() < 0.4:
-            target = body["sampling_params"]
-            key = rng.choice([*target, "top_k", "min_p", "logit_bias", "stop", "seed", "repetition_penalty"])
-        else:
-            key = rng.choice([*body, *FIELDS]) if rng.random() < 0.8 else "".join(rng.choices("abcxyz_", k=5))
-        op = rng.random()
-        if op < 0.15:
-            target.pop(key, None)
-            continue
-        value = rng.choice(_mutations(rng))
-        if key in LENGTH_FIELDS and isinstance(value, int) and 0 < value < 10**6 or value is None and key in LENGTH_FIELDS:
-            value = -1  # no long generations in a fuzz run
-        target[key] = value
-    return body
+def test_mutation_fuzzer_knows_every_field() -> None:
+    for model in (ChatCompletionRequest, CompletionRequest, GenerateRequest):
+        assert not (set(model.model_fields) | set(model.EXTRA_FIELDS)) - set(FIELDS), model.__name__
 
 
 def test_mutation_fuzz_never_5xx(c: httpx.Client) -> None:
@@ -169,7 +148,7 @@ def test_mutation_fuzz_never_5xx(c: httpx.Client) -> None:
     statuses: dict[int, int] = {}
     for i in range(360):
         route = POST_ROUTES[i % 3]
-        body = _mutate(rng, VALID[route])
+        body = mutate(rng, VALID[route])
         r = c.post(route, json=body)
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
         assert r.status_code < 500, (route, body, r.text[:500])
@@ -214,6 +193,8 @@ def test_openapi_documents_every_route_with_request_schemas(c: httpx.Client, sha
                   "/health", "/health_generate", "/get_server_info", "/get_model_info", "/flush_cache",
                   "/abort_request", "/set_schedule_policy", "/get_load", "/metrics", "/debug/memory"):
         assert route in paths, route
+    ids = [op["operationId"] for ops in paths.values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), sorted(ids)
     schemas = doc["components"]["schemas"]
     for route, name in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest"),
                         ("/generate", "GenerateRequest"), ("/abort_request", "AbortRequest"),
