@@ -77,15 +77,17 @@ class Sampler:
             raise ValueError(f"sampling info is for {len(info.temperatures)} requests, logits for {B}")
         scores = logits if info.penalties is None else apply_penalties(logits, info)
         grammar_rows = live_rows(info.grammars) if info.grammars is not None else []
+        grammar_failed: dict[int, str] = {}
         if grammar_rows:
-            scores = mask_logits(scores, info.grammars, grammar_rows)  # type: ignore[arg-type]
+            scores, grammar_failed = mask_logits(scores, info.grammars, grammar_rows)  # type: ignore[arg-type]
         if info.is_all_greedy:
             tokens = scores.argmax(dim=-1)
         else:
             tokens = self._sample_mixed(scores, info)
         out = SampleOutput(next_token_ids=tokens.tolist())
         if grammar_rows:
-            out.grammar_ended = advance(info.grammars, grammar_rows, out.next_token_ids) or None  # type: ignore[arg-type]
+            out.grammar_ended = advance(info.grammars, grammar_rows, out.next_token_ids,  # type: ignore[arg-type]
+                                        grammar_failed) or None
         want_lp = bool(info.return_logprob) and any(info.return_logprob)
         top_ns = info.top_logprobs_nums or [0] * B
         want_top = any(n > 0 for n in top_ns)

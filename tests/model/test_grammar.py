@@ -69,7 +69,8 @@ def test_mask_is_exact_and_touches_only_its_row(compiler: GrammarCompiler, fp32_
     matcher = compiler.submit("regex", "[0-9]{2}").result(timeout=60)
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
     before = logits.clone()
-    masked = mask_logits(logits, [None, matcher, None], [1])
+    masked, failed = mask_logits(logits, [None, matcher, None], [1])
+    assert failed == {}
     assert torch.equal(logits, before)  # the caller's logits are untouched
     assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
     allowed = {i for i in range(V) if not torch.isinf(masked[1, i])}
@@ -160,3 +161,26 @@ def test_engine_outputs_follow_their_grammars(fp32_runner: Any) -> None:
         eng.check_memory_invariant()
         eng.shutdown()
     assert [o["output_ids"] for o in outs["overlap"]] == [o["output_ids"] for o in outs["normal"]]
+
+
+class _Broken:
+    """A matcher whose engine fails (as a Rust panic would): only its own row is affected."""
+
+    def is_stopped(self) -> bool:
+        return False
+
+    def unsafe_compute_mask_ptr(self, *a: Any) -> None:
+        raise BaseException("panicked")
+
+
+def test_a_failing_grammar_ends_its_row_only(compiler: GrammarCompiler, fp32_runner: Any) -> None:
+    V = fp32_runner.model_config.vocab_size
+    good = compiler.submit("regex", "[0-9]{2}").result(timeout=60)
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
+    info = SamplingBatchInfo.greedy(3)
+    info.grammars = [good, _Broken(), None]
+    res = Sampler(seed=1).sample(logits, info)
+    assert res.grammar_ended is not None and set(res.grammar_ended) == {1}
+    assert "panicked" in res.grammar_ended[1]
+    assert res.next_token_ids[2] == int(logits[2].argmax()) and res.next_token_ids[1] == int(logits[1].argmax())
+    assert not good.is_error()
