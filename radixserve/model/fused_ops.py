@@ -128,9 +128,6 @@ class CppOps(TorchOps):
         return out
 
 
-SmallOps = TorchOps  # the interface: CppOps is a TorchOps
-
-
 def make_small_ops(name: str) -> TorchOps:
     """``"torch"``, ``"cpp"`` (raises ``RuntimeError`` saying why if it cannot be built), or
     ``"auto"``: cpp where it builds, else torch with a warning."""
