@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="With --decode-batch: time the whole decode step with the torch_native and the cpu_paged "
                          "attention backends, swapped into the one loaded model and alternated this many rounds "
                          "each, and print the ratio.")
+    bo.add_argument("--compare-small-ops", type=int, default=0, metavar="ROUNDS",
+                    help="With --decode-batch: time the whole decode step with the torch small ops (the reference) "
+                    "and the fused C++ ones, swapped into the one loaded model, alternated ROUNDS times.")
     bo.add_argument("--disable-overlap-schedule", action="store_true",
                     help="Run the engine's normal loop instead of the overlap loop (see radixserve serve --help).")
     bo.add_argument("--output", default=None, help="Write the results as JSON here.")

@@ -33,7 +33,9 @@ class ServerArgs:
         "auto", "Attention implementation. torch_native: gather each request's KV from the pool, then SDPA. "
         "cpu_paged: decode rows by a C++ kernel that reads the KV in place, 1.4x faster decode steps at batch 64 "
         "(compiled by scripts/setup.sh, or on first use; needs g++ and ninja: if it cannot be built, choosing it "
-        "fails at start with the reason). auto: cpu_paged when its kernel builds here, else torch_native.",
+        "fails at start with the reason); it also brings the fused C++ small ops (RMSNorm + residual, RoPE, "
+        "SiLU x up; torch_native keeps the torch ones, the reference). auto: cpu_paged when its kernel builds "
+        "here, else torch_native.",
         ("auto", "torch_native", "cpu_paged"), group="model")
     quantization: str = option(
         "none", "Weight-only quantized copies of the linear weights, read by decode steps of at most "

@@ -14,6 +14,13 @@ For each dtype it prints (median over --iters runs, milliseconds):
 - ``runner step``: ``ModelRunner.forward`` (forward + greedy sampling + list conversion);
 - ``attention only``: the attention backend's 30 layer calls (KV write + gather + SDPA);
 - ``prefill``: tokens/s of one ``--prefill``-token prompt.
+
+``--sweep`` instead prints (minimum times), per dtype, batch (``--batches``) and context (``--ctxs``), the model
+forward and the runner step with each of ``--small-ops`` (the torch reference and the fused C++
+ops, alternated over ``--rounds``) against the plain ``F.linear`` GEMMs at that batch, and prefill
+of one ``--prefill``-token chunk against the GEMMs alone on that many rows::
+
+    python scripts/bench_model_step.py --sweep --dtypes float32 bfloat16
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo  # noqa
 from radixserve.model.model_runner import ModelRunner  # noqa: E402
 
 MINS: dict[str, float] = {}
+CLOCK: Callable[[], float] = time.perf_counter
 
 
 def timeit(fn: Callable[[], object], iters: int, warmup: int = 2, key: str = "") -> float:
@@ -42,9 +50,9 @@ def timeit(fn: Callable[[], object], iters: int, warmup: int = 2, key: str = "")
         fn()
     times = []
     for _ in range(iters):
-        t = time.perf_counter()
+        t = CLOCK()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(CLOCK() - t)
     if key:
         MINS[key] = min(times) * 1000
     return statistics.median(times) * 1000
@@ -174,7 +182,20 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
                     help="weight-only quantized linears, used at every batch measured here (docs/model.md)")
     ap.add_argument("--no-tune-malloc", action="store_true", help="leave glibc malloc at its defaults")
+    ap.add_argument("--sweep", action="store_true", help="batches x contexts x small ops (see above)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64, 128])
+    ap.add_argument("--ctxs", type=int, nargs="+", default=[256, 1024])
+    ap.add_argument("--small-ops", nargs="+", default=["torch", "cpp"], help="with --sweep: torch, cpp")
+    ap.add_argument("--rounds", type=int, default=3, help="with --sweep: alternated rounds")
+    ap.add_argument("--max-kv-gib", type=float, default=3.0, help="with --sweep: skip larger KV pools")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time this thread's CPU time instead of the wall clock (implies --threads 1): on a machine "
+                    "that other work loads, a 1-thread run's CPU time is its own work, the wall clock is not")
     args = ap.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.thread_time
+        args.threads = 1
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -186,7 +207,73 @@ def main() -> None:
         f"prefill {args.prefill} tokens; median of {args.iters}"
     )
     for name in args.dtypes:
-        bench_dtype(args, name)
+        if args.sweep:
+            sweep_dtype(args, name)
+        else:
+            bench_dtype(args, name)
+
+
+def sweep_decode(
+    runner: ModelRunner, fb: ForwardBatch, ops: list[str], args: argparse.Namespace
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per ops, the model forward's and the runner step's minimum over the alternated rounds (the
+    minimum: on a shared machine the other figures measure the neighbours)."""
+    model, kv, r2t = runner.model, runner.kv_pool, runner.req_to_token_pool
+    assert kv is not None and r2t is not None
+    fwd: dict[str, list[float]] = {o: [] for o in ops}
+    step: dict[str, list[float]] = {o: [] for o in ops}
+    for _ in range(args.rounds):
+        for o in ops:
+            model.set_small_ops(o)
+            timeit(lambda: model(fb, kv, r2t), args.iters, key="fwd")
+            fwd[o].append(MINS["fwd"])
+            timeit(lambda: runner.forward(fb), args.iters, key="step")
+            step[o].append(MINS["step"])
+    return {o: min(v) for o, v in fwd.items()}, {o: min(v) for o, v in step.items()}
+
+
+def sweep_dtype(args: argparse.Namespace, name: str) -> None:
+    runner = ModelRunner(
+        args.model,
+        dtype=name,
+        attention_backend=args.attention_backend,
+        pack_weights=not args.no_pack,
+        num_threads=args.threads,
+        tune_malloc_arena=not args.no_tune_malloc,
+        progress=False,
+    )
+    model, dtype = runner.model, runner.dtype
+    print(f"\n[{dtype}, {args.attention_backend}] minimum of {args.iters} x {args.rounds} alternated rounds, ms")
+    ops = args.small_ops
+    head = "".join(f"{'fwd ' + o:>11}{'step ' + o:>11}{'step/mm':>8}" for o in ops)
+    print(f"  {'batch':>5} {'ctx':>5} {'matmuls':>8}{head}")
+    with torch.inference_mode():
+        for batch in args.batches:
+            matmul_plain(runner, batch, dtype, args.iters)
+            mm = MINS["matmul F.linear"]
+            for ctx in args.ctxs:
+                kv_gib = runner.kv_bytes_per_token() * batch * ctx / 2**30
+                if kv_gib > args.max_kv_gib:
+                    print(f"  {batch:>5} {ctx:>5} skipped: KV pool {kv_gib:.1f} GiB > --max-kv-gib")
+                    continue
+                fwd, step = sweep_decode(runner, decode_batch(runner, batch, ctx, slots=args.slots), ops, args)
+                row = "".join(f"{fwd[o]:11.1f}{step[o]:11.1f}{step[o] / mm:7.2f}x" for o in ops)
+                print(f"  {batch:>5} {ctx:>5} {mm:8.1f}{row}", flush=True)
+                runner.kv_pool = runner.req_to_token_pool = None  # free the pool before the next one
+        matmul_plain(runner, args.prefill, dtype, max(2, args.iters // 3))
+        mm = MINS["matmul F.linear"]
+        pf = prefill_batch(runner, args.prefill)
+        kv2, r2t2 = runner.kv_pool, runner.req_to_token_pool
+        assert kv2 is not None and r2t2 is not None
+        got: dict[str, list[float]] = {o: [] for o in ops}
+        for _ in range(args.rounds):
+            for o in ops:
+                model.set_small_ops(o)
+                timeit(lambda: runner.model(pf, kv2, r2t2), max(2, args.iters // 3), warmup=1, key="prefill")
+                got[o].append(MINS["prefill"])
+        print(f"  prefill {args.prefill} tokens: GEMMs alone {mm:.1f} ms = {args.prefill / mm * 1000:.0f} tok/s; "
+              + ", ".join(f"{o} {min(v):.1f} ms = {mm / min(v):.0%} of GEMM-only"
+                          for o, v in got.items()))
 
 
 def bench_dtype(args: argparse.Namespace, name: str) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up: creates .venv and installs everything radixserve needs, from nothing, then
-# builds the cpu_paged attention kernel (a C++ extension) into .build/.
+# builds the C++ extensions (the cpu_paged attention kernel, the fused small ops) into .build/.
 # NOTE: torch is installed first and pinned; an unpinned torch would pull a multi-GB CUDA build.
 # playwright (a dev extra) comes pinned from pyproject.toml and pulls only greenlet.
 set -euo pipefail
@@ -27,17 +27,24 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 
-# The kernel is rebuilt when its source changes. A failed build does not fail the set-up: the
-# torch_native backend needs no compiler, and choosing cpu_paged then says why it is unavailable.
+# The extensions are rebuilt when a source changes. A failed build does not fail the set-up: the
+# torch_native backend and the torch small ops need no compiler, and choosing cpu_paged then says
+# why it is unavailable (without the fused ops it runs with the torch ones, with a warning).
 ext_stamp=.build/.cpu-paged-setup
-ext_want=$(cat radixserve/model/csrc/*.cpp radixserve/model/paged_attention.py | sha1sum | cut -d' ' -f1)
+ext_want=$(cat radixserve/model/csrc/*.cpp radixserve/model/paged_attention.py radixserve/model/fused_ops.py \
+    radixserve/model/cpp_build.py | sha1sum | cut -d' ' -f1)
 if [ ! -f "$ext_stamp" ] || [ "$(cat "$ext_stamp")" != "$ext_want" ]; then
     if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null || true
     fi
-    if python -m radixserve.model.paged_attention; then
-        echo "$ext_want" > "$ext_stamp"
-    else
+    ext_ok=1
+    if ! python -m radixserve.model.paged_attention; then
+        ext_ok=0
         echo "warning: the cpu_paged attention kernel could not be built; torch_native still works" >&2
     fi
+    if ! python -m radixserve.model.fused_ops; then
+        ext_ok=0
+        echo "warning: the fused small ops could not be built; the model uses the torch ones" >&2
+    fi
+    if [ "$ext_ok" = 1 ]; then echo "$ext_want" > "$ext_stamp"; fi
 fi

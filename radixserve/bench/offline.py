@@ -212,6 +212,29 @@ def compare_attention(engine: Engine, batch: int, rounds: int, backends: tuple[s
     return {f"step_ms_{n}": med[n] for n in backends}
 
 
+def compare_small_ops(engine: Engine, batch: int, rounds: int) -> dict[str, float]:
+    """The whole decode step at ``batch`` with the torch small ops and the fused C++ ones (fused_ops.py),
+    switched on the one loaded model and alternated ``rounds`` times; prints the medians and the ratio."""
+    model = engine.runner.model
+    base = model.small_ops
+    names = ("torch", "cpp")
+    got: dict[str, list[float]] = {n: [] for n in names}
+    try:
+        for _ in range(rounds):
+            for n in names:
+                model.set_small_ops(n)
+                engine.flush_cache()
+                got[n].append(decode_step_ms(engine, batch)[0])
+    finally:
+        model.small_ops = base
+    med = {n: statistics.median(v) for n, v in got.items()}
+    mm = matmul_only_ms(engine, batch)
+    print(f"whole decode step at batch {batch}, {rounds} alternated rounds: "
+          + ", ".join(f"{n} ops {med[n]:.1f} ms ({med[n] / mm:.2f}x the matmuls)" for n in names)
+          + f"; matmuls alone {mm:.1f} ms; torch / cpp {med['torch'] / med['cpp']:.2f}x")
+    return {f"step_ms_{n}_ops": med[n] for n in names}
+
+
 def _median_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1000 if xs else float("nan")
 
@@ -262,6 +285,8 @@ def main(args: Any) -> int:
         extra.update(compare_loops(engine, args.decode_batch, args.compare_loops))
     if args.decode_batch and args.compare_attention:
         extra.update(compare_attention(engine, args.decode_batch, args.compare_attention, ("torch_native", "cpu_paged")))
+    if args.decode_batch and args.compare_small_ops:
+        extra.update(compare_small_ops(engine, args.decode_batch, args.compare_small_ops))
     print(f"dtype: {engine.runner.dtype}, attention backend: {args.attention_backend}, "
           f"quantization: {args.quantization}")
     if args.output:

@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 
 class AttentionBackend(ABC):
+    # whether the model pairs this backend with the C++ small ops (fused_ops.py): the backends that
+    # need a compiler anyway
+    fused_small_ops = False
+
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
     ) -> None:

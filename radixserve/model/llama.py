@@ -21,8 +21,11 @@ from radixserve.mem.forward_batch import ForwardBatch
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model.attention import AttentionBackend, create_attention_backend
 from radixserve.model.config import ModelConfig
+from radixserve.model.fused_ops import TorchOps, make_small_ops
 from radixserve.model.parallel import TPGroup
 from radixserve.model.quant import DEFAULT_MAX_ROWS, QuantizedWeight, quantize_weight
+
+_TORCH_OPS = TorchOps()
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -125,12 +128,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param(dim, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, ops: TorchOps = _TORCH_OPS) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -192,7 +191,9 @@ class Attention(nn.Module):
         fb: ForwardBatch,
         kv_pool: KVPool,
         r2t: ReqToTokenPool,
+        ops: TorchOps = _TORCH_OPS,
     ) -> torch.Tensor:
+        """``cos, sin: [T, D/2]``. ``ops`` rotates q and k (the C++ ops in place, inside ``qkv``)."""
         T = x.shape[0]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
@@ -203,18 +204,10 @@ class Attention(nn.Module):
             qk = torch.cat([q, k], dim=1)
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KVH, D)
-        qk = _apply_rope(qk, cos, sin)  # q and k rotated in one go: [T, H + KVH, D]
+        qk = ops.rope(qk, cos, sin)  # q and k rotated in one go: [T, H + KVH, D]
         q, k = qk[:, :H], qk[:, H:]
         out = self.o_proj(backend.forward(q, k, v, self.layer_id, fb, kv_pool, r2t))
         return out if self.tp is None else self.tp.all_reduce_(out)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF ``x * cos + rotate_half(x) * sin`` with ``cos/sin: [T, 1, D/2]`` (the halves are equal);
-    same floating-point result, half the elementwise work."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class MLP(nn.Module):
@@ -230,10 +223,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, False, dtype)
         self.down_proj = Linear(self.intermediate, config.hidden_size, False, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)
-        gate, up = gu[:, : self.intermediate], gu[:, self.intermediate :]
-        out = self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchOps = _TORCH_OPS) -> torch.Tensor:
+        out = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
         return out if self.tp is None else self.tp.all_reduce_(out)
 
 
@@ -257,6 +248,32 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend, fb, kv_pool, r2t)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        next_norm: RMSNorm | None,
+        ops: TorchOps,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+        fb: ForwardBatch,
+        kv_pool: KVPool,
+        r2t: ReqToTokenPool,
+    ) -> torch.Tensor:
+        """``forward`` with the residual adds folded into the next norm: ``x`` is this layer's
+        normalised input, ``residual`` the running hidden state (updated in place); returns the
+        next layer's normalised input (``next_norm``), or, for the last layer, nothing new
+        (``residual`` then holds the output)."""
+        a = self.self_attn(x, cos, sin, backend, fb, kv_pool, r2t, ops)
+        n = self.post_attention_layernorm
+        x = ops.add_rms_norm(a, residual, n.weight, n.eps)
+        m = self.mlp(x, ops)
+        if next_norm is None:
+            residual.add_(m)
+            return residual
+        return ops.add_rms_norm(m, residual, next_norm.weight, next_norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -290,6 +307,8 @@ class LlamaForCausalLM(nn.Module):
                 attention_backend, config.num_heads // tp_size, config.num_kv_heads // tp_size, config.head_dim
             )
         self.attn_backend = attention_backend
+        # the small per-layer ops go with the backend: the C++ ones where the backend is the C++ one
+        self.small_ops: TorchOps = make_small_ops("auto" if attention_backend.fused_small_ops else "torch")
         # cos/sin per position, computed in float32 as HF does, then cast; only one half is kept.
         positions = torch.arange(config.max_position, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))  # [P, D/2]
@@ -411,12 +430,26 @@ class LlamaForCausalLM(nn.Module):
         backend = self.attn_backend
         backend.init_forward_metadata(fb, req_to_token_pool)
         positions = fb.positions
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1)
+        cos = self.cos_cache.index_select(0, positions)  # [T, D/2]
+        sin = self.sin_cache.index_select(0, positions)
         h = F.embedding(fb.input_ids, self.embed_tokens) if self.tp is None else self._embed_sharded(fb.input_ids)
-        for layer in self.layers:
-            h = layer(h, cos, sin, backend, fb, kv_pool, req_to_token_pool)
+        ops = self.small_ops
+        if not ops.fused:  # the reference: each layer as HF writes it
+            for layer in self.layers:
+                h = layer(h, cos, sin, backend, fb, kv_pool, req_to_token_pool)
+            return h
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        first = layers[0].input_layernorm
+        x = ops.rms_norm(h, first.weight, first.eps)  # h: a fresh tensor, the residual stream from here
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            x = layer.forward_fused(x, h, nxt, ops, cos, sin, backend, fb, kv_pool, req_to_token_pool)
         return h
+
+    def set_small_ops(self, name: str) -> None:
+        """``"torch"`` (the reference), ``"cpp"`` (raises if its extension cannot be built) or
+        ``"auto"``; see fused_ops.py."""
+        self.small_ops = make_small_ops(name)
 
     def compute_logits(self, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         if forward_batch.is_decode_only:
@@ -427,10 +460,11 @@ class LlamaForCausalLM(nn.Module):
                 s += n
                 ends.append(s - 1)
             last = hidden.index_select(0, torch.tensor(ends, dtype=torch.int64))
+        normed = self.norm(last, self.small_ops)
         if self.tp is None:
-            return self.lm_head(self.norm(last))
+            return self.lm_head(normed)
         # rank 0 gets every rank's slice side by side; the padding columns past the vocabulary go
-        logits = self.tp.gather_last_dim(self.lm_head(self.norm(last)))
+        logits = self.tp.gather_last_dim(self.lm_head(normed))
         return logits[:, : self.config.vocab_size]
 
     def _embed_sharded(self, ids: torch.Tensor) -> torch.Tensor:

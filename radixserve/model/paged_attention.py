@@ -14,18 +14,14 @@ is still faster than the cascade's gather-once + GEMM (3.5 against 13.3 ms for 1
 groups sharing a 512-token prefix, one layer, one thread), since the rows of a group run one after
 the other on a thread and the prefix is in cache for all but the first.
 
-The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (``-O3
--march=native``) into ``.build/`` at the repository root (``RADIXSERVE_BUILD_DIR`` overrides);
-``scripts/setup.sh`` builds it ahead. If it cannot be built (no compiler), importing this module
-still works: the backend is listed, and choosing it raises an error that says why.
+The extension is compiled on first use (cpp_build.py: ``-O3 -march=native``) into ``.build/`` at
+the repository root (``RADIXSERVE_BUILD_DIR`` overrides); ``scripts/setup.sh`` builds it ahead.
+If it cannot be built (no compiler), importing this module still works: the backend is listed, and choosing it raises an error that says why.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,55 +33,15 @@ from radixserve.model.attention import (
     _DecodeGroup,
     register_attention_backend,
 )
+from radixserve.model.cpp_build import build_dir, load_extension
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
-# NOTE: at::parallel_for is a header template that runs serially unless the extension itself is
-# compiled with OpenMP; linking libgomp by its soname makes the loader reuse the one torch loaded.
-_LDFLAGS = ["-fopenmp"]
-
-
-def _cpu_tag() -> str:
-    """A short hash of the CPU's feature flags: ``-march=native`` code built on one CPU may not
-    run on another, so builds for different CPUs (a shared home, a copied tree) never mix."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
-
-
-def build_dir() -> Path:
-    env = os.environ.get("RADIXSERVE_BUILD_DIR")
-    if env:
-        return Path(env)
-    root = Path(__file__).resolve().parents[2]
-    if (root / "pyproject.toml").exists():  # a source checkout (editable install)
-        return root / ".build"
-    return Path.home() / ".cache" / "radixserve" / "build"
 
 
 @functools.lru_cache(maxsize=1)
 def _load() -> tuple[Any, str | None]:
     """(the extension module, None), or (None, why it could not be built). Built once per process."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        # the ninja that pip installed sits next to this interpreter's scripts, which need not be on
-        # PATH (a venv run without activating it); torch looks it up on PATH, even for a cached build
-        scripts = sysconfig.get_path("scripts")
-        if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-        name = f"radixserve_paged_attention_{_cpu_tag()}"
-        directory = build_dir() / name
-        directory.mkdir(parents=True, exist_ok=True)
-        ext = load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                   build_directory=str(directory), verbose=False)
-        return ext, None
-    except Exception as e:  # any build failure means "unavailable", with its reason
-        return None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    return load_extension("radixserve_paged_attention", _SOURCE)
 
 
 def extension() -> Any:
@@ -144,6 +100,8 @@ class CpuPagedAttention(TorchNativeAttention):
     Prefill / extend rows (and the KV write) are the parent's. Decode rows, grouped by a shared
     prefix or not, go to the kernel in one call per layer (see the module docstring for why the
     cascade grouping is off)."""
+
+    fused_small_ops = True
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None

@@ -1,0 +1,62 @@
+"""Build a C++ extension of this package on first use (``torch.utils.cpp_extension.load``).
+
+Sources live in ``csrc/``; builds go to ``.build/`` at the repository root (``RADIXSERVE_BUILD_DIR``
+overrides), one directory per extension and CPU (``-march=native`` code built on one CPU may not
+run on another). ``scripts/setup.sh`` builds them ahead; a failed build is reported, not raised,
+so the pure-torch paths keep working without a compiler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+# NOTE: at::parallel_for is a header template that runs serially unless the extension itself is
+# compiled with OpenMP; linking libgomp by its soname makes the loader reuse the one torch loaded.
+LDFLAGS = ["-fopenmp"]
+
+
+def cpu_tag() -> str:
+    """A short hash of the CPU's feature flags, so builds for different CPUs (a shared home, a
+    copied tree) never mix."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def build_dir() -> Path:
+    env = os.environ.get("RADIXSERVE_BUILD_DIR")
+    if env:
+        return Path(env)
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").exists():  # a source checkout (editable install)
+        return root / ".build"
+    return Path.home() / ".cache" / "radixserve" / "build"
+
+
+def load_extension(stem: str, source: Path, extra_cflags: list[str] | None = None) -> tuple[Any, str | None]:
+    """(the module, None), or (None, why it could not be built). Callers cache the result."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        # the ninja that pip installed sits next to this interpreter's scripts, which need not be on
+        # PATH (a venv run without activating it); torch looks it up on PATH, even for a cached build
+        scripts = sysconfig.get_path("scripts")
+        if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+        name = f"{stem}_{cpu_tag()}"
+        directory = build_dir() / name
+        directory.mkdir(parents=True, exist_ok=True)
+        ext = load(name=name, sources=[str(source)], extra_cflags=CFLAGS + (extra_cflags or []),
+                   extra_ldflags=LDFLAGS, build_directory=str(directory), verbose=False)
+        return ext, None
+    except Exception as e:  # any build failure means "unavailable", with its reason
+        return None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
