@@ -51,7 +51,7 @@ FIELDS = sorted({
     "input_ids", "sampling_params", "rid", "return_logprob", "top_logprobs_num", "logprob_start_len",
     "return_text_in_logprobs", "ttft_slo_ms", "tpot_slo_ms", "data_parallel_rank", "data_parallel_rank_decode",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "tenant",
-    "deadline_ms"})
+    "deadline_ms", "regex", "ebnf"})
 LENGTH_FIELDS = {"max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens"}
 INT64_MAX = (1 << 63) - 1
 
@@ -75,7 +75,8 @@ def mutate(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
         target = body
         if isinstance(body.get("sampling_params"), dict) and rng.random() < 0.4:
             target = body["sampling_params"]
-            key = rng.choice([*target, "top_k", "min_p", "logit_bias", "stop", "seed", "repetition_penalty"])
+            key = rng.choice([*target, "top_k", "min_p", "logit_bias", "stop", "seed", "repetition_penalty",
+                              "json_schema", "regex", "ebnf"])
         else:
             key = rng.choice([*body, *FIELDS]) if rng.random() < 0.8 else "".join(rng.choices("abcxyz_", k=5))
         if rng.random() < 0.15 and key not in LENGTH_FIELDS:
