@@ -186,6 +186,8 @@ def mask_logits(scores: torch.Tensor, matchers: Sequence[Any | None], rows: list
     # 20x that), and a select (branch-free) applies them: about 1.5 ms for 32 rows of 49k tokens
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :V]
     allowed = torch.from_numpy(bits).view(torch.bool)
+    if len(rows) == B:  # every row has a grammar: no gather and scatter
+        return torch.where(allowed, scores, float("-inf")), failed
     idx = torch.tensor(rows, dtype=torch.int64)
     sub = torch.where(allowed, scores.index_select(0, idx), float("-inf"))
     return scores.index_copy(0, idx, sub), failed
