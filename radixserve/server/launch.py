@@ -211,7 +211,7 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
 
     app = create_app(tm, model_path, pid_map(procs))
     # NOTE: h11 always, not httptools when it happens to be installed: how an HTTP/2 preface is
-    # parsed (and so refused, see http_server._Guard) must not depend on the environment
+    # parsed (and so refused, see server/guard.py) must not depend on the environment
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level == "debug", timeout_graceful_shutdown=3,
                             timeout_keep_alive=5, http="h11")
