@@ -175,7 +175,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--no-pack", action="store_true", help="do not pre-pack fp32 weights for oneDNN")
+    ap.add_argument("--no-pack", action="store_true", help="do not pre-pack weights for oneDNN")
     ap.add_argument("--slots", choices=["paged", "random", "contiguous"], default="paged")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--attention-backend", default="torch_native", help="torch_native or cpu_paged")

@@ -120,8 +120,8 @@ class ModelRunner:
     ) -> None:
         """Load the model at ``model_path`` (None: bundled SmolLM2-135M-Instruct GGUF).
 
-        ``pack_weights``: pre-pack fp32 linear weights for oneDNN (faster on CPU; the plain copies
-        are then freed). ``quantization``: ``none``, ``int8`` or ``int4`` weight-only copies of every
+        ``pack_weights``: pre-pack linear weights for oneDNN (float32, and bfloat16 where the CPU has
+        native bf16: faster on CPU; the plain copies are then freed). ``quantization``: ``none``, ``int8`` or ``int4`` weight-only copies of every
         linear, used by inputs of at most ``quant_max_rows`` rows (quant.py). ``seed`` seeds the
         sampler's generator for unseeded requests.
         ``tune_malloc_arena``: see ``tune_malloc`` (process-wide glibc setting).

@@ -42,7 +42,9 @@ def make_linear(dtype: torch.dtype, pack: bool) -> tuple[Linear, torch.Tensor, t
     return lin, w.float(), b.float()
 
 
-@pytest.mark.parametrize(("dtype", "pack"), [(torch.float32, True), (torch.bfloat16, False), (torch.float32, False)])
+@pytest.mark.parametrize(
+    ("dtype", "pack"), [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)]
+)
 def test_linear_runs_oneDNN_on_bucketed_rows(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, pack: bool) -> None:
     lin, w, b = make_linear(dtype, pack)
     ref = F.linear
