@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Also time the decode step at this batch size next to the model's matmuls alone.")
     bo.add_argument("--compare-loops", type=int, default=0, metavar="ROUNDS",
                     help="With --decode-batch: time the whole decode step under the overlap loop and the normal "
-                         "loop (--disable-overlap-schedule), alternated this many rounds each, and print the ratio.")
+                         "loop, alternated this many rounds each, and print the ratio.")
     bo.add_argument("--compare-attention", type=int, default=0, metavar="ROUNDS",
                     help="With --decode-batch: time the whole decode step with the torch_native and the cpu_paged "
                          "attention backends, swapped into the one loaded model and alternated this many rounds "
@@ -177,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--compare-small-ops", type=int, default=0, metavar="ROUNDS",
                     help="With --decode-batch: time the whole decode step with the torch small ops (the reference) "
                     "and the fused C++ ones, swapped into the one loaded model, alternated ROUNDS times.")
-    bo.add_argument("--disable-overlap-schedule", action="store_true",
-                    help="Run the engine's normal loop instead of the overlap loop (see radixserve serve --help).")
+    bo.add_argument("--overlap-schedule", choices=("auto", "on", "off"), default="auto",
+                    help="The engine's event loop: on (overlap), off (normal) or auto (normal on this CPU engine; "
+                         "see radixserve serve --help).")
     bo.add_argument("--output", default=None, help="Write the results as JSON here.")
     bo.set_defaults(func=_bench_offline)
     bc = bsub.add_parser("chunking", help="TPOT of decoding requests while long prompts are prefilled "

@@ -338,7 +338,12 @@ def _stop_tp_ranks(runners: list[ModelRunner], procs: list[Any], threads: int, t
 
 
 def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int) -> SchedulerCore:
-    """Size the pools, attach them to the runner, and build the scheduler over them."""
+    """Size the pools, attach them to the runner, and build the scheduler over them.
+
+    ``--overlap-schedule auto`` is the normal loop here: on a CPU the forward thread would share the
+    cores with the model's own threads (the option's help has the figures)."""
+    if args.overlap_schedule == "auto":
+        args = args.replace(overlap_schedule="off")
     bpt = runner.kv_bytes_per_token()  # under tensor parallelism: this rank's KV heads only
     # NOTE: the tensor-parallel ranks of one machine share its memory, as data-parallel ranks do: the
     # --mem-fraction-static budget holds the same tokens whatever the tp size (each rank 1/tp of each).

@@ -77,6 +77,7 @@ def _check(outs: Any, reference: list[list[int]]) -> None:
 
 def test_one_at_a_time(runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]]) -> None:
     eng = _engine(runner)
+    assert not eng.scheduler.overlap_enabled()  # --overlap-schedule auto: the normal loop on a CPU
     outs = [eng.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
     _check(outs, reference)
     eng.check_memory_invariant()
@@ -84,8 +85,8 @@ def test_one_at_a_time(runner: ModelRunner, prompts: list[list[int]], reference:
 
 @pytest.mark.parametrize("loop", ["overlap", "normal"])
 def test_all_at_once(runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]], loop: str) -> None:
-    """Both event loops (the overlap loop is the default; --disable-overlap-schedule the normal one)."""
-    eng = _engine(runner, disable_overlap_schedule=loop == "normal")
+    """Both event loops (--overlap-schedule on and off; the engine's default, auto, is off)."""
+    eng = _engine(runner, overlap_schedule="off" if loop == "normal" else "on")
     assert eng.scheduler.overlap_enabled() is (loop == "overlap")
     _check(eng.generate(input_ids=prompts, sampling_params=GREEDY), reference)
     eng.check_memory_invariant()
@@ -135,7 +136,7 @@ def test_mixed_chunk(runner: ModelRunner, prompts: list[list[int]], reference: l
 def test_retraction_under_tiny_pool(
     runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]], loop: str,
 ) -> None:
-    eng = _engine(runner, max_total_tokens=2000, disable_overlap_schedule=loop == "normal")  # fits the largest, not all
+    eng = _engine(runner, max_total_tokens=2000, overlap_schedule="off" if loop == "normal" else "on")  # fits the largest, not all
     _check(eng.generate(input_ids=prompts, sampling_params=GREEDY), reference)
     assert eng.scheduler.stats.num_retractions > 0
     eng.check_memory_invariant()

@@ -176,7 +176,8 @@ def compare_loops(engine: Engine, batch: int, rounds: int) -> dict[str, float]:
     try:
         for _ in range(rounds):
             for loop in ("overlap", "normal"):
-                settings.args = base.replace(disable_overlap_schedule=loop == "normal")
+                settings.args = base.replace(overlap_schedule="off" if loop == "normal" else "on",
+                                             disable_overlap_schedule=False)
                 engine.flush_cache()
                 got[loop].append(decode_step_ms(engine, batch)[0])
     finally:
@@ -247,8 +248,7 @@ def main(args: Any) -> int:
         kw["max_running_requests"] = args.max_running_requests
     if args.scheduler != "sglang":
         kw["scheduler"] = args.scheduler
-    if args.disable_overlap_schedule:
-        kw["disable_overlap_schedule"] = True
+    kw["overlap_schedule"] = args.overlap_schedule
     kw["attention_backend"] = args.attention_backend
     kw["quantization"] = args.quantization
     engine = Engine(args.model_path, dtype=args.dtype, schedule_policy=args.schedule_policy, **kw)

@@ -202,11 +202,15 @@ class SchedulerCore:
 
     # --- the overlap loop ---------------------------------------------------------------------------
     def overlap_enabled(self) -> bool:
-        """``--disable-overlap-schedule`` off, and nothing that needs the normal loop: tensor
-        parallelism (its ranks replay the request table's writes, which must not change while a
-        forward ships them) and disaggregation (its transfers follow each step's results)."""
+        """``--overlap-schedule`` on or auto (the engine resolves auto before it builds the scheduler,
+        the simulator keeps it), not ``--disable-overlap-schedule``, and nothing that needs the
+        normal loop: tensor parallelism (its ranks replay the request table's writes, which must not
+        change while a forward ships them) and disaggregation (its transfers follow each step's
+        results)."""
         a = self.args
-        return not a.disable_overlap_schedule and a.tp_size == 1 and a.disaggregation_mode == "null"
+        if a.disable_overlap_schedule or a.overlap_schedule == "off":
+            return False
+        return a.tp_size == 1 and a.disaggregation_mode == "null"
 
     def can_build_ahead(self, running: InFlight) -> bool:
         """Whether the next step may be scheduled before ``running``'s results are processed.

@@ -152,7 +152,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "are emitted with the first one and at the finish (the scheduler's cheaper path).")
     r.add_argument("--charge-scheduler-time", action="store_true",
                    help="Advance the virtual clock by the scheduler's measured wall time per step too: all of it "
-                        "with --disable-overlap-schedule, only what the forward does not cover with the overlap "
+                        "with --overlap-schedule off, only what the forward does not cover with the overlap "
                         "loop (the default). Without it the virtual timeline is the cost model's forward alone.")
     r.add_argument("--skip-req-to-token-writes", action="store_true",
                    help="Use a ReqToTokenPool without its table (only a model reads it): faster at 1,000+ running, "

@@ -154,7 +154,7 @@ class SimTrace:
     step_sched_s: list[float] = field(default_factory=list)  # scheduler wall seconds per step (forward excluded)
     step_sched_cpu_s: list[float] = field(default_factory=list)  # scheduler process CPU seconds per step (likewise)
     step_forward_s: list[float] = field(default_factory=list)  # the cost model's forward seconds per step
-    overlap: bool = False  # the scheduler's loop overlaps scheduling with the forward (the engine's default)
+    overlap: bool = False  # the loop overlaps scheduling with the forward (what --overlap-schedule auto means here)
     step_running: list[int] = field(default_factory=list)
     step_waiting: list[int] = field(default_factory=list)
     duration: float = 0.0

@@ -150,7 +150,7 @@ def test_engine_outputs_follow_their_grammars(fp32_runner: Any) -> None:
     outs: dict[str, list[dict[str, Any]]] = {}
     for loop in ("overlap", "normal"):
         eng = Engine(runner=fp32_runner, max_total_tokens=8192, context_length=2048,
-                     disable_overlap_schedule=loop == "normal")
+                     overlap_schedule="off" if loop == "normal" else "on")
         outs[loop] = eng.generate(texts, greedy_params)
         _check_outputs(outs[loop])
         if loop == "overlap":

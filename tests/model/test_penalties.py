@@ -226,7 +226,7 @@ def engine(request: Any) -> Any:
     from radixserve.model.model_runner import ModelRunner
 
     return Engine(runner=ModelRunner(None, dtype="float32", progress=False), max_total_tokens=4096,
-                  context_length=1024, disable_overlap_schedule=not request.param)
+                  context_length=1024, overlap_schedule="on" if request.param else "off")
 
 
 PROMPT = "Count: one, two, three,"
