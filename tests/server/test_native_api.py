@@ -140,9 +140,9 @@ def _steps(c: httpx.Client) -> int:
 
 
 # Steps a request may still take after its client is gone: the step running when the abort
-# arrives, the one the overlap loop scheduled ahead, and one more for the HTTP process to see the
-# closed socket on a busy machine. Measured on a loaded 2-core machine: 2 in 35 of 36 trials, 3 once
-# (`python scripts/reliability_probe.py disconnect`).
+# arrives, the one the overlap loop (--overlap-schedule on) scheduled ahead, and one more for the
+# HTTP process to see the closed socket on a busy machine. Measured with the overlap loop on a loaded
+# 2-core machine: 2 in 35 of 36 trials, 3 once (`python scripts/reliability_probe.py disconnect`).
 ABORT_STEPS = 3
 
 
