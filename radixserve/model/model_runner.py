@@ -121,9 +121,10 @@ class ModelRunner:
         """Load the model at ``model_path`` (None: bundled SmolLM2-135M-Instruct GGUF).
 
         ``pack_weights``: pre-pack linear weights for oneDNN (float32, and bfloat16 where the CPU has
-        native bf16: faster on CPU; the plain copies are then freed). ``quantization``: ``none``, ``int8`` or ``int4`` weight-only copies of every
-        linear, used by inputs of at most ``quant_max_rows`` rows (quant.py). ``seed`` seeds the
-        sampler's generator for unseeded requests.
+        native bf16: faster on CPU; the plain copies are then freed). ``quantization``: ``none``,
+        ``int8`` or ``int4`` weight-only copies of every linear, used by inputs of at most
+        ``quant_max_rows`` rows (quant.py). ``seed`` seeds the sampler's generator for unseeded
+        requests.
         ``tune_malloc_arena``: see ``tune_malloc`` (process-wide glibc setting).
         ``tp_group``: load this rank's shard of a tensor-parallel model (a group of size 1 is none).
         """
