@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixserve.model.llama import Linear  # noqa: E402
+from radixserve.model.linear import Linear  # noqa: E402
 from radixserve.model.model_runner import ModelRunner  # noqa: E402
 from radixserve.model.quant import DEFAULT_MAX_ROWS  # noqa: E402
 

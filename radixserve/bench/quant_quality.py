@@ -23,7 +23,8 @@ import torch
 
 from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
-from radixserve.model.llama import Linear, LlamaForCausalLM
+from radixserve.model.linear import Linear
+from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.quant import QuantizedWeight
 
 # Short passages of plain English prose, instructions and code (written for this test).

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.model import llama
-from radixserve.model.llama import Linear, gemm_rows
+from radixserve.model import linear
+from radixserve.model.linear import Linear, gemm_rows
 
 
 def test_buckets_are_few_and_padding_bounded() -> None:
@@ -63,9 +63,9 @@ def test_linear_runs_oneDNN_on_bucketed_rows(monkeypatch: pytest.MonkeyPatch, dt
         class mkldnn:
             _linear_pointwise = staticmethod(spy_packed)
 
-    monkeypatch.setattr(llama.F, "linear", spy_linear)
+    monkeypatch.setattr(linear.F, "linear", spy_linear)
     if pack:
-        monkeypatch.setattr(llama.torch, "ops", Ops)
+        monkeypatch.setattr(linear.torch, "ops", Ops)
     xs = {m: torch.randn(m, 96, generator=torch.Generator().manual_seed(m)).to(dtype) for m in (1, 16, 17, 37, 100, 513)}
     outs = {m: lin(x) for m, x in xs.items()}
     monkeypatch.undo()

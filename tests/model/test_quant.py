@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.config import ServerArgs
-from radixserve.model.llama import Linear
+from radixserve.model.linear import Linear
 from radixserve.model.quant import COMPUTE_DTYPE, Int4Weight, Int8Weight, check_quantization, int4_groups
 
 # The kernels run in bfloat16 (input cast, bf16 accumulation order): against F.linear of the same
