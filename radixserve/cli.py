@@ -156,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--schedule-policy", default="fcfs", help="Waiting-queue policy.")
     bo.add_argument("--attention-backend", default="auto", choices=["auto", "torch_native", "cpu_paged"],
                     help="Attention implementation (see radixserve serve --help).")
-    bo.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
-                    help="Weight-only quantized linears for small decode steps (docs/model.md).")
+    bo.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
+                    help="Weight-only quantized linears for small decode steps (see radixserve serve --help; "
+                         "docs/model.md).")
     bo.add_argument("--scheduler", default="sglang", choices=["sglang", "unified"], help="Scheduler.")
     bo.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens.")
     bo.add_argument("--max-running-requests", type=int, default=None,

@@ -3,6 +3,9 @@
 
     python scripts/bench_quant_step.py [--batches 1 32 64] [--ctx 256] [--quantizations none int8 int4]
 
+A quantization may name its kernel (quant.py ``quantize_weight``): ``int4:aten`` against ``int4:block``
+compares ATen's kernel with csrc/block_gemm.cpp in one run; plain ``int4`` is the engine's choice.
+
 One runner per quantization, all loaded in this process; for each batch the runners are timed in
 turn, round after round (``--rounds``), so a busy machine slows them alike. Prints the median and
 the minimum step per runner and each one's ratio to the first (``none``: the float weights), and
@@ -52,7 +55,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64])
     ap.add_argument("--ctx", type=int, default=256)
-    ap.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"])
+    ap.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"],
+                    help="none, int8 or int4, each optionally :block or :aten (the kernel)")
     ap.add_argument("--quant-max-rows", type=int, default=None,
                     help=f"rows up to which the quantized kernel runs (default: every batch measured; "
                          f"the engine's default is {DEFAULT_MAX_ROWS})")
@@ -62,7 +66,8 @@ def main() -> None:
     args = ap.parse_args()
     max_rows = args.quant_max_rows if args.quant_max_rows is not None else max(args.batches)
     runners = {
-        q: ModelRunner(args.model, dtype=args.dtype, attention_backend=args.attention_backend, quantization=q,
+        q: ModelRunner(args.model, dtype=args.dtype, attention_backend=args.attention_backend,
+                       quantization=q.partition(":")[0], quant_kernel=q.partition(":")[2] or "auto",
                        quant_max_rows=max_rows, num_threads=args.threads, progress=False)
         for q in args.quantizations
     }

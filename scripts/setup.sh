@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: creates .venv and installs everything radixserve needs, from nothing, then
-# builds the C++ extensions (the cpu_paged attention kernel, the fused small ops) into .build/.
+# builds the C++ extensions (the cpu_paged attention kernel, the fused small ops, the block
+# quantization kernel) into .build/.
 # NOTE: torch is installed first and pinned; an unpinned torch would pull a multi-GB CUDA build.
 # playwright (a dev extra) comes pinned from pyproject.toml and pulls only greenlet.
 set -euo pipefail
@@ -32,7 +33,7 @@ fi
 # why it is unavailable (without the fused ops it runs with the torch ones, with a warning).
 ext_stamp=.build/.cpu-paged-setup
 ext_want=$(cat radixserve/model/csrc/*.cpp radixserve/model/paged_attention.py radixserve/model/fused_ops.py \
-    radixserve/model/cpp_build.py | sha1sum | cut -d' ' -f1)
+    radixserve/model/quant.py radixserve/model/cpp_build.py | sha1sum | cut -d' ' -f1)
 if [ ! -f "$ext_stamp" ] || [ "$(cat "$ext_stamp")" != "$ext_want" ]; then
     if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null || true
@@ -45,6 +46,10 @@ if [ ! -f "$ext_stamp" ] || [ "$(cat "$ext_stamp")" != "$ext_want" ]; then
     if ! python -m radixserve.model.fused_ops; then
         ext_ok=0
         echo "warning: the fused small ops could not be built; the model uses the torch ones" >&2
+    fi
+    if ! python -m radixserve.model.quant; then
+        ext_ok=0
+        echo "warning: the block quantization kernel could not be built; --quantization uses ATen's kernels" >&2
     fi
     if [ "$ext_ok" = 1 ]; then echo "$ext_want" > "$ext_stamp"; fi
 fi

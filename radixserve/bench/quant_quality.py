@@ -59,11 +59,13 @@ class Quality:
 
 def _set_quant(model: LlamaForCausalLM, method: str) -> None:
     """Swap ``method``'s copies into every linear (quantizing once per method), or take them all out
-    (``none``). They serve inputs of any size, prefill included."""
+    (``none``). They serve inputs of any size, prefill included. ``method`` may name its kernel
+    (``int4:aten``, ``int4:block``; quant.py ``quantize_weight``)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     cache: dict[str, list[QuantizedWeight | None]] = model.__dict__.setdefault("_quality_copies", {})
     if method != "none" and method not in cache:
-        model.quantize_linears(method, max_rows=1 << 30)
+        name, _, kernel = method.partition(":")
+        model.quantize_linears(name, max_rows=1 << 30, kernel=kernel or "auto")
         cache[method] = [m._quant for m in linears]
     copies = cache.get(method, [None] * len(linears))
     for m, q in zip(linears, copies, strict=True):
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="Model (default: the bundled SmolLM2).")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--methods", nargs="+", default=["int8", "int4"])
+    ap.add_argument("--methods", nargs="+", default=["int8", "int4"],
+                    help="int8 or int4, each optionally :block or :aten (the kernel; default: this CPU's choice)")
     args = ap.parse_args(argv)
     from radixserve.model.loader import load_model, parse_dtype
     from radixserve.model.tokenizer import Tokenizer
@@ -133,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer.from_model_path(args.model_path)
     texts = [tok.encode(p) for p in PASSAGES]
     print(f"{len(texts)} passages, {sum(map(len, texts))} positions, {args.dtype} activations and reference")
-    print(f"{'method':>8} {'top-1 agreement':>16} {'mean KL (nats)':>15} {'max rel logit err':>18}")
+    print(f"{'method':>10} {'top-1 agreement':>16} {'mean KL (nats)':>15} {'max rel logit err':>18}")
     for q in measure(model, texts, args.methods):
-        print(f"{q.method:>8} {q.top1_agreement:>16.4f} {q.mean_kl:>15.5f} {q.max_rel_logit_error:>18.4f}")
+        print(f"{q.method:>10} {q.top1_agreement:>16.4f} {q.mean_kl:>15.5f} {q.max_rel_logit_error:>18.4f}")
     return 0
 
 

@@ -142,6 +142,12 @@ def load_gguf(
     return config, state
 
 
+def gguf_tensor_types(path: str) -> dict[str, str]:
+    """HF name -> GGUF type name (``Q4_1``, ``Q8_0``, ``F32``...) of every weight in the file."""
+    reader, _ = open_gguf(path)
+    return {gguf_to_hf_name(t.name): t.tensor_type.name for t in reader.tensors if t.name not in _SPECIAL}
+
+
 def _is_known(name: str) -> bool:
     try:
         gguf_to_hf_name(name)

@@ -76,12 +76,13 @@ class Linear(nn.Module):
         self._packed = packed
         return True
 
-    def quantize(self, method: str, max_rows: int = DEFAULT_MAX_ROWS) -> None:
-        """Keep a ``method`` copy of the weight (quant.py) for inputs of at most ``max_rows`` rows."""
+    def quantize(self, method: str, max_rows: int = DEFAULT_MAX_ROWS, kernel: str = "auto") -> None:
+        """Keep a ``method`` copy of the weight (quant.py; ``kernel``: see ``quantize_weight``) for
+        inputs of at most ``max_rows`` rows."""
         w = self.weight if self.weight.numel() else None
         if w is None:
             raise RuntimeError("quantize() before drop_plain_weight(): the float weight is gone")
-        self._quant = quantize_weight(w, method)
+        self._quant = quantize_weight(w, method, kernel)
         self.quant_max_rows = max_rows
 
     @property

@@ -309,9 +309,9 @@ class LlamaForCausalLM(nn.Module):
                     m.drop_plain_weight()
         return n
 
-    def quantize_linears(self, method: str, max_rows: int = DEFAULT_MAX_ROWS) -> int:
+    def quantize_linears(self, method: str, max_rows: int = DEFAULT_MAX_ROWS, kernel: str = "auto") -> int:
         """Give every linear a ``method`` weight copy for inputs of at most ``max_rows`` rows
-        (quant.py); returns how many. Call before ``pack_linears``.
+        (quant.py; ``kernel``: see ``quantize_weight``); returns how many. Call before ``pack_linears``.
 
         NOTE: under ``int4`` the LM head gets ``int8``: its rows are the (tied) embedding, which GGUF
         files keep at 8 bits (Q8_0 here), and 4-bit groups of it moved greedy tokens several times
@@ -319,9 +319,50 @@ class LlamaForCausalLM(nn.Module):
         n = 0
         for m in self.modules():
             if isinstance(m, Linear):
-                m.quantize("int8" if method == "int4" and m is self.lm_head else method, max_rows)
+                m.quantize("int8" if method == "int4" and m is self.lm_head else method, max_rows, kernel)
                 n += 1
         return n
+
+    def linear_sources(self) -> dict[Linear, list[str]]:
+        """Each linear and the HF tensors its weight is made of (fused q/k/v and gate/up; the LM
+        head is the embedding when tied)."""
+        out: dict[Linear, list[str]] = {}
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p = f"model.layers.{i}."
+            out[layer.self_attn.qkv_proj] = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+            out[layer.self_attn.o_proj] = [p + "self_attn.o_proj.weight"]
+            out[layer.mlp.gate_up_proj] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+            out[layer.mlp.down_proj] = [p + "mlp.down_proj.weight"]
+        tied = self.config.tie_word_embeddings
+        out[self.lm_head] = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        return out
+
+    def quantize_like_file(self, types: dict[str, str], max_rows: int = DEFAULT_MAX_ROWS) -> int:
+        """Give each linear whose GGUF tensors are all Q4_1 (or all Q8_0) a copy in that same format
+        (``int4`` / ``int8`` blocks, the block kernel: quant.py), so it reads the file's own bytes;
+        other linears keep their float weights. ``types``: ``gguf_tensor_types``. Returns how many.
+
+        Lossless where the weights were dequantized from those blocks in float32 (call on a float32
+        model, before casting it: ``ModelRunner`` does)."""
+        n = 0
+        for lin, names in self.linear_sources().items():
+            kinds = {types.get(name, "?") for name in names}
+            method = {"Q4_1": "int4", "Q8_0": "int8"}.get(kinds.pop()) if len(kinds) == 1 else None
+            if method is not None and lin.in_features % 32 == 0:  # a TP shard may cut inside a block
+                lin.quantize(method, max_rows, "block")
+                n += 1
+        return n
+
+    def cast_(self, dtype: torch.dtype) -> LlamaForCausalLM:
+        """Every parameter and buffer to ``dtype`` in place (quantized copies and packed weights are
+        kept as they are: cast before ``pack_linears``)."""
+        self.to(dtype)
+        for m in self.modules():
+            if isinstance(m, Linear) and m._packed is not None:
+                raise RuntimeError("cast_ after pack_linears: the packed weights keep their dtype")
+        self.dtype = dtype
+        return self
 
     # ------------------------------------------------------------------ forward
     def forward(

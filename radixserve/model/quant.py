@@ -3,18 +3,28 @@
 At small batches a decode step streams every weight from memory once; storing them in fewer bits
 reads fewer bytes. Activations stay in floating point; only the weight matrix is quantized:
 
-- ``int8``: one symmetric scale per output row, ``w = q * s`` with ``q`` in [-127, 127], run by
-  ``torch._weight_int8pack_mm`` (ATen's vectorized CPU kernel). A quarter of float32's bytes.
-- ``int4``: asymmetric groups of 32 along the input dimension, ``w = q * s + m`` with ``q`` in
-  [0, 15], run by ``torch._weight_int4pack_mm_for_cpu`` (tinygemm layout: it computes
-  ``(q - 8) * s + z``, so ``z = m + 8 s``). That is exactly GGUF's Q4_1 block format, so a Q4_1
-  weight that was dequantized at load is quantized back to the file's own 4-bit values; only
-  ``s`` and ``z``, which the kernel takes in bfloat16, are rounded (Q4_1 stores them in float16).
-  An eighth of float32's bytes (plus a scale and a zero per 32 weights).
+Two kernels, chosen per process (``block_kernel_error``):
 
-Both kernels run in bfloat16 (their float32 paths are several times slower here); the input is cast
-to bfloat16 and the output back, so a float32 model's activations are rounded to bfloat16 at each
-quantized GEMM. The error budget this leaves is stated and tested in docs/model.md.
+``BlockWeight`` (csrc/block_gemm.cpp, where the CPU has AVX512-VNNI): GGUF's own block formats,
+groups of 32 input columns with a float16 scale ``d`` and minimum ``m``, ``w = u * d + m``:
+
+- ``int4``: GGUF Q4_1, ``u`` in [0, 15]. A Q4_1 weight that was dequantized at load is quantized
+  back to the file's own 4-bit values, scales and minimums exactly.
+- ``int8``: GGUF Q8_0, ``w = q * d`` with ``q`` in [-127, 127] (stored as ``u = q + 128`` with
+  ``m = -128 d``). The bundled file's embedding (the tied LM head) is Q8_0: it comes back exactly.
+
+The kernel quantizes each input row per block of 32 to int8 (as llama.cpp does for these formats)
+and sums integer products with VNNI; it reads the weights once per call at close to memory speed.
+
+The ATen fallback (no VNNI, or no compiler):
+
+- ``Int8Weight``: one symmetric scale per output row, run by ``torch._weight_int8pack_mm``.
+- ``Int4Weight``: the same Q4_1 groups, run by ``torch._weight_int4pack_mm_for_cpu`` (tinygemm
+  layout: it computes ``(q - 8) * s + z``, so ``z = m + 8 s``; ``s`` and ``z`` rounded to bfloat16).
+
+Both ATen kernels run in bfloat16 (their float32 paths are several times slower here); the input is
+cast to bfloat16 and the output back. So either way a quantized GEMM rounds its input (to int8 per
+block, or to bfloat16); the error budget this leaves is stated and tested in docs/model.md.
 
 Past ``max_rows`` rows (prefill, large decode batches) the GEMM is compute-bound, and these
 kernels are slower than oneDNN's float GEMM; there the layer keeps its float weights and runs
@@ -23,11 +33,15 @@ those. The quantized copy is what small batches read (``QuantizedWeight.__call__
 
 from __future__ import annotations
 
-from typing import Final
+import functools
+from pathlib import Path
+from typing import Any, Final
 
 import torch
 
-QUANTIZATIONS: Final = ("none", "int8", "int4")
+from radixserve.model.cpp_build import load_extension
+
+QUANTIZATIONS: Final = ("auto", "none", "gguf", "int8", "int4")
 INT4_GROUP: Final = 32  # GGUF Q4_0/Q4_1 block size
 # Rows up to which the quantized kernel beats the float GEMM (measured: docs/benchmarks.md).
 DEFAULT_MAX_ROWS: Final = 8
@@ -124,9 +138,103 @@ class Int4Weight(QuantizedWeight):
         return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
 
 
-def quantize_weight(w: torch.Tensor, method: str) -> QuantizedWeight:
-    if method == "int8":
-        return Int8Weight(w)
-    if method == "int4":
-        return Int4Weight(w)
-    raise ValueError(f"no quantized layout for {method!r}")
+_BLOCK_SOURCE = Path(__file__).with_name("csrc") / "block_gemm.cpp"
+
+
+@functools.lru_cache(maxsize=1)
+def _block_ext() -> tuple[Any, str | None]:
+    ext, err = load_extension("radixserve_block_gemm", _BLOCK_SOURCE)
+    if ext is not None and not ext.simd():
+        return ext, "this CPU has no AVX512-VNNI, which the block kernel needs"
+    return ext, err
+
+
+def block_kernel_error() -> str | None:
+    """None when ``BlockWeight``'s fast kernel runs here, else why ATen's kernels are used."""
+    return _block_ext()[1]
+
+
+class BlockWeight(QuantizedWeight):
+    """GGUF-style blocks of 32 (``bits`` 4: Q4_1, 8: Q8_0) run by csrc/block_gemm.cpp.
+
+    ``packed``: uint8 ``[out, in * bits / 8 + in / 8]``, each row its integers (4 bits: byte ``i`` of a
+    block holds ``u[i] | u[i+16] << 4``, GGUF's order), then its float16 scales ``d`` and minimums
+    ``m`` (``[out, in / 32]`` each; ``qs``, ``d`` and ``m`` are views of those parts)."""
+
+    def __init__(self, w: torch.Tensor, bits: int) -> None:
+        ext, err = _block_ext()
+        if err is not None:
+            raise RuntimeError(f"the block kernel is unavailable: {err}")
+        self._ext = ext
+        self.bits = bits
+        self.method = {4: "int4", 8: "int8"}[bits]
+        n, k = w.shape
+        if k % INT4_GROUP:
+            raise ValueError(f"{self.method} needs the input size ({k}) to be a multiple of {INT4_GROUP}")
+        wg = w.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+        if bits == 4:
+            lo = wg.amin(dim=-1)
+            d = ((wg.amax(dim=-1) - lo) / 15.0).half()
+            m = lo.half()
+            u = torch.round((wg - m.float()[..., None]) / _nonzero(d)[..., None]).clamp_(0, 15).to(torch.uint8)
+            qs = u[..., :16] | (u[..., 16:] << 4)
+        else:
+            d = (wg.abs().amax(dim=-1) / 127.0).half()
+            q = torch.round(wg / _nonzero(d)[..., None]).clamp_(-127, 127)
+            qs = (q + 128).to(torch.uint8)
+            m = (-128.0 * d.float()).half()  # a power-of-two multiple: exact in float16
+        qs = qs.reshape(n, -1)
+        self.packed = torch.cat([qs, d.contiguous().view(torch.uint8), m.contiguous().view(torch.uint8)], dim=1)
+        qb, nb = qs.shape[1], k // INT4_GROUP
+        self.qs = self.packed[:, :qb]
+        self.d = self.packed[:, qb : qb + 2 * nb].view(torch.float16)
+        self.m = self.packed[:, qb + 2 * nb :].view(torch.float16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.dtype not in (torch.float32, torch.bfloat16) or rows.stride(-1) != 1:
+            rows = rows.float().contiguous()
+        y: torch.Tensor = self._ext.block_linear(rows, self.packed, self.bits)
+        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+    def dequantize(self) -> torch.Tensor:
+        n = self.qs.shape[0]
+        if self.bits == 4:
+            b = self.qs.reshape(n, -1, 16)
+            u = torch.cat([b & 0x0F, b >> 4], dim=-1).float()
+        else:
+            u = self.qs.reshape(n, -1, INT4_GROUP).float()
+        return (u * self.d.float()[..., None] + self.m.float()[..., None]).reshape(n, -1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+def _nonzero(d: torch.Tensor) -> torch.Tensor:
+    f = d.float()
+    return torch.where(f > 0, f, torch.ones_like(f))
+
+
+def quantize_weight(w: torch.Tensor, method: str, kernel: str = "auto") -> QuantizedWeight:
+    """``method``'s copy of ``w``: ``kernel`` ``"block"`` (csrc/block_gemm.cpp), ``"aten"``, or
+    ``"auto"`` (block where it runs fast here, else aten)."""
+    if method not in ("int8", "int4"):
+        raise ValueError(f"no quantized layout for {method!r}")
+    if kernel not in ("auto", "block", "aten"):
+        raise ValueError(f"unknown quantization kernel {kernel!r}: auto, block or aten")
+    if kernel == "block" or (kernel == "auto" and block_kernel_error() is None):
+        return BlockWeight(w, 4 if method == "int4" else 8)
+    return Int8Weight(w) if method == "int8" else Int4Weight(w)
+
+
+if __name__ == "__main__":  # python -m radixserve.model.quant: build the block kernel now (scripts/setup.sh)
+    import sys
+
+    from radixserve.model.cpp_build import build_dir
+
+    ext_, err_ = _block_ext()
+    if ext_ is None:
+        print(f"block quantization kernel: unavailable: {err_}")
+        sys.exit(1)
+    print(f"block quantization kernel: built in {build_dir()}" + (f" (ATen kernels used: {err_})" if err_ else ""))
