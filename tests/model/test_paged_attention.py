@@ -210,3 +210,26 @@ def test_bench_attention_runs(tmp_path: Any, capsys: pytest.CaptureFixture[str])
     assert all(set(r["ms"]) == {"torch_native", "cpu_paged"} for r in res["rows"])
     assert res["rows"][1]["bytes"] == 3 * 40 * (2 * 3 * 64 * 2 + 8)
     assert "STREAM-style copy" in capsys.readouterr().out
+
+
+@needs_ext
+def test_bf16_dot_products_match_the_widening_path() -> None:
+    """Where the CPU has AVX512-BF16 a bfloat16 pool is read with bfloat16 dot products; the build
+    without them (what other CPUs run) gives the same outputs to bfloat16's tolerance, on a ragged
+    batch with odd lengths (a lone last token in the pairwise P x V)."""
+    from radixserve.model.cpp_build import load_extension
+
+    if not paged.extension().has_bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16: only the widening path is built")
+    other, err = load_extension("radixserve_paged_attention_widen", paged._SOURCE, ["-DRADIXSERVE_NO_BF16_DOT"])
+    assert other is not None, err
+    assert not other.has_bf16_dot()
+    pool = Pool(16, 3, 64, torch.bfloat16, pages=400, seed=5)
+    lens = [1, 3, 16, 17, 255, 1333, 40]
+    rpi = [pool.request(n) for n in lens]
+    q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    args = (q, pool.kv.k_buffers[0], pool.kv.v_buffers[0], pool.r2t.req_to_token, torch.tensor(rpi),
+            torch.tensor(lens), 0.125)
+    got, want = paged.extension().paged_decode_attention(*args), other.paged_decode_attention(*args)
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), atol=1.5e-2 * scale, rtol=0)

@@ -26,8 +26,16 @@
 //
 // With AVX-512 the inner loops are intrinsics specialised on G and D; anything else (another
 // CPU, an unusual head shape, a build with -DRADIXSERVE_NO_AVX512) runs the plain C++ loops below,
-// which compute the same thing. bfloat16 dot products (vdpbf16ps) for the scores were measured no
-// faster than widening to float32 here (docs/benchmarks.md), so they are not used.
+// which compute the same thing.
+//
+// A bfloat16 pool on a CPU with AVX512-BF16 is read with bfloat16 dot products (vdpbf16ps, 32
+// products per instruction): the scores take K as stored against q rounded to bfloat16 (exact for a
+// bfloat16 model's q; the softmax scale is applied to the scores), and P x V takes the
+// probabilities rounded to bfloat16 (the row sum uses the same rounded values) against V two tokens
+// at a time. Measured 7-10% faster than widening K and V to float32 (-DRADIXSERVE_NO_BF16_DOT, the
+// path of other CPUs; tests compare the two): the kernel is bound less by its multiply-adds than by
+// the per-block softmax work (the 16x16 horizontal sums, exp, max) at ~16 ns per token and KV head
+// on one thread here.
 
 #include <torch/extension.h>
 
@@ -39,12 +47,16 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
     !defined(RADIXSERVE_NO_AVX512)
 #include <immintrin.h>
 #define RADIXSERVE_AVX512 1
+#if defined(__AVX512BF16__) && !defined(RADIXSERVE_NO_BF16_DOT)
+#define RADIXSERVE_BF16_DOT 1
+#endif
 #endif
 
 namespace {
@@ -53,10 +65,11 @@ constexpr int64_t kBlock = 16;        // tokens per online-softmax step (one AVX
 constexpr int64_t kMinSplit = 128;    // never split a row into pieces shorter than this
 constexpr int64_t kItemsPerThread = 8;  // split long rows until there are about this many items per thread
 constexpr int64_t kItemOverhead = 16;  // fixed cost of an item, in token equivalents, for the balance
-// Below this many tokens per thread a problem runs on fewer threads: 512 tokens x 3 KV heads are
-// about 20 us of work (~13 ns per token and KV head), while waking a thread costs a few us on a
-// quiet machine and milliseconds on a busy one.
-constexpr int64_t kMinTokensPerThread = 512;
+// Below this many tokens per thread a problem runs on fewer threads. In a decode step the KV comes
+// from memory (the weights streamed through the cache since the last step), ~4-5 GB/s per thread:
+// a batch-1 row of 256 tokens took 53 us per layer on one thread and 37 on two (the step's
+// attention 1.6 -> 1.1-1.3 ms; 512 here before). Waking the second thread costs a few us.
+constexpr int64_t kMinTokensPerThread = 128;
 
 struct Item {
   int64_t row;    // decode row b
@@ -78,6 +91,8 @@ struct Problem {
   float* part_acc;        // [P, H, D]
   float* part_m;          // [P, H]
   float* part_l;          // [P, H]
+  const float* q_raw;     // [B, H, D], float32, not scaled (the bfloat16 dot products' input)
+  float scale;
 };
 
 inline float to_float(float x) { return x; }
@@ -247,6 +262,29 @@ inline void prefetch_rows(const Problem& p, const int64_t* slots, int64_t from, 
   }
 }
 
+#ifdef RADIXSERVE_BF16_DOT
+template <typename kv_t>
+constexpr bool kBf16Dot = std::is_same_v<kv_t, c10::BFloat16>;
+
+inline __m512bh load_bh(const c10::BFloat16* x) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(x));
+}
+
+// The bfloat16 V path widens 32 values (4 lanes of 8) into [lo, hi]: lo holds values 0-3 of each
+// 128-bit lane, hi values 4-7. Put each run of 32 accumulators back in natural order.
+inline void unpermute_rows(float* acc, int64_t chunks) {
+  for (int64_t c = 0; c < chunks; ++c) {
+    float* a = acc + c * 32;
+    float t[32];
+    for (int i = 0; i < 16; ++i) {
+      t[(i / 4) * 8 + i % 4] = a[i];
+      t[(i / 4) * 8 + 4 + i % 4] = a[16 + i];
+    }
+    std::copy(t, t + 32, a);
+  }
+}
+#endif
+
 template <typename kv_t, int G, int NC>
 bool attend_item_avx512(const Problem& p, const Item& it) {
   constexpr int64_t D = NC * 16;
@@ -264,6 +302,9 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
   bool ok = true;
   alignas(64) float prob[G][kBlock];
+#ifdef RADIXSERVE_BF16_DOT
+  alignas(64) uint16_t prob_bh[G][kBlock];  // the same, rounded to bfloat16 (bits)
+#endif
   int64_t rows[kBlock];  // element offset of each token's row (all heads), the same in K and V
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t0 = it.begin; t0 < it.end; t0 += kBlock) {
@@ -279,6 +320,18 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
           qv[g][c] = _mm512_loadu_ps(q + (h * G + g) * D + c * 16);
           acc[g][c] = _mm512_loadu_ps(acc_h + g * D + c * 16);
         }
+#ifdef RADIXSERVE_BF16_DOT
+      // q in bfloat16 pairs, unscaled: exact for a bfloat16 model's q (the scale is applied to the
+      // scores), so the dot products read K as it is stored, without widening it
+      __m512bh qb[G][NC / 2];
+      if constexpr (kBf16Dot<kv_t>) {
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < NC / 2; ++c) {
+            const float* qr = p.q_raw + it.row * H * D + (h * G + g) * D + c * 32;
+            qb[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + 16), _mm512_loadu_ps(qr));
+          }
+      }
+#endif
       // scores: one 16-lane partial vector per (g, token), reduced 16 tokens at a time
       __m512 sc[G];
       {
@@ -286,6 +339,16 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
         for (int64_t j = 0; j < kBlock; ++j) {
           if (j < n) {
             const kv_t* kp = K + rows[j] + h * D;
+#ifdef RADIXSERVE_BF16_DOT
+            if constexpr (kBf16Dot<kv_t>) {
+              for (int g = 0; g < G; ++g) {
+                __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], load_bh(kp));
+                for (int c = 1; c < NC / 2; ++c) a = _mm512_dpbf16_ps(a, qb[g][c], load_bh(kp + c * 32));
+                part[g][j] = a;
+              }
+              continue;
+            }
+#endif
             __m512 kc[NC];
             for (int c = 0; c < NC; ++c) kc[c] = load16(kp + c * 16);
             for (int g = 0; g < G; ++g) {
@@ -298,13 +361,27 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
           }
         }
         for (int g = 0; g < G; ++g) sc[g] = hsum16x16(part[g]);
+#ifdef RADIXSERVE_BF16_DOT
+        if constexpr (kBf16Dot<kv_t>) {
+          const __m512 sv = _mm512_set1_ps(p.scale);
+          for (int g = 0; g < G; ++g) sc[g] = _mm512_mul_ps(sc[g], sv);
+        }
+#endif
       }
       for (int g = 0; g < G; ++g) {
         float& mg = m[h * G + g];
         const __m512 sv = _mm512_mask_mov_ps(neg_inf, live, sc[g]);
         const float mn = std::max(mg, _mm512_reduce_max_ps(sv));
         const float alpha = std::exp(mg - mn);  // 0 on the first block (m = -inf)
-        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mn))));
+        __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mn))));
+#ifdef RADIXSERVE_BF16_DOT
+        if constexpr (kBf16Dot<kv_t>) {
+          // P goes into the bfloat16 dot products rounded: the row sum takes the same values
+          const __m256bh eb = _mm512_cvtneps_pbh(e);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(prob_bh[g]), reinterpret_cast<__m256i>(eb));
+          e = _mm512_cvtpbh_ps(eb);
+        }
+#endif
         l[h * G + g] = l[h * G + g] * alpha + _mm512_reduce_add_ps(e);
         mg = mn;
         _mm512_store_ps(prob[g], e);
@@ -313,6 +390,32 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
           for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], av);
         }
       }
+#ifdef RADIXSERVE_BF16_DOT
+      if constexpr (kBf16Dot<kv_t>) {
+        // P x V two tokens at a time: the V rows of tokens j and j+1 interleaved value by value
+        // (unpacklo/hi: values 0-3 / 4-7 of each 128-bit lane, the accumulators' permuted order
+        // until the item ends) against the pair (p_j, p_j+1), 32 products per instruction
+        const auto* pairs = reinterpret_cast<const int32_t*>(prob_bh);
+        for (int64_t j = 0; j < n; j += 2) {
+          const kv_t* v0 = V + rows[j] + h * D;
+          const kv_t* v1 = j + 1 < n ? V + rows[j + 1] + h * D : nullptr;
+          for (int c = 0; c < NC / 2; ++c) {
+            const __m512i a = _mm512_loadu_si512(v0 + c * 32);
+            const __m512i b = v1 != nullptr ? _mm512_loadu_si512(v1 + c * 32) : _mm512_setzero_si512();
+            const auto lo = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
+            const auto hi = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+            for (int g = 0; g < G; ++g) {
+              const auto w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairs[g * (kBlock / 2) + j / 2]));
+              acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], lo, w);
+              acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], hi, w);
+            }
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_h + g * D + c * 16, acc[g][c]);
+        continue;
+      }
+#endif
       for (int64_t j = 0; j < n; ++j) {
         const kv_t* vp = V + rows[j] + h * D;
         __m512 vc[NC];
@@ -326,6 +429,9 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
         for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_h + g * D + c * 16, acc[g][c]);
     }
   }
+#ifdef RADIXSERVE_BF16_DOT
+  if constexpr (kBf16Dot<kv_t>) unpermute_rows(acc_all, H * D / 32);
+#endif
   finish_item(p, it, acc_all, m, l);
   return ok;
 }
@@ -410,7 +516,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch
   }
 
   // the softmax scale is folded into q once, instead of into every score
-  auto qf = (q.to(at::kFloat) * scale).contiguous();
+  auto q_raw = q.to(at::kFloat).contiguous();
+  auto qf = (q_raw * scale).contiguous();
   auto out = at::zeros({B, H, D}, q.options().dtype(at::kFloat));
   const int64_t max_threads = std::max<int64_t>(1, at::get_num_threads());
   std::vector<Item> items;
@@ -423,7 +530,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch
 
   Problem p{qf.data_ptr<float>(), k_buf.data_ptr(), v_buf.data_ptr(), req_to_token.data_ptr<int64_t>(),
             req_to_token.stride(0), rpi_p, S, H, KVH, G, D, out.data_ptr<float>(),
-            part_acc.data_ptr<float>(), part_ml.data_ptr<float>(), part_ml.data_ptr<float>() + part_ml.size(1) * H};
+            part_acc.data_ptr<float>(), part_ml.data_ptr<float>(), part_ml.data_ptr<float>() + part_ml.size(1) * H,
+            q_raw.data_ptr<float>(), static_cast<float>(scale)};
   const ItemFn fn = k_buf.scalar_type() == at::kFloat ? pick_kernel<float>(G, D) : pick_kernel<c10::BFloat16>(G, D);
   std::atomic<bool> ok{true};
   at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
@@ -480,7 +588,16 @@ bool has_avx512_path() {
 #endif
 }
 
+bool has_bf16_dot() {
+#ifdef RADIXSERVE_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("has_bf16_dot", &has_bf16_dot, "Whether a bfloat16 pool is read with bfloat16 dot products (AVX512-BF16)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention reading K/V in place from a paged pool through req_to_token");
   m.def("has_avx512_path", &has_avx512_path, "Whether this build has the AVX-512 inner loops");
