@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo  # noqa: E402
 from radixserve.model.model_runner import ModelRunner  # noqa: E402
+from radixserve.model.quant import DEFAULT_MAX_ROWS  # noqa: E402
 
 MINS: dict[str, float] = {}
 CLOCK: Callable[[], float] = time.perf_counter
@@ -179,8 +180,9 @@ def main() -> None:
     ap.add_argument("--slots", choices=["paged", "random", "contiguous"], default="paged")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--attention-backend", default="torch_native", help="torch_native or cpu_paged")
-    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
-                    help="weight-only quantized linears, used at every batch measured here (docs/model.md)")
+    ap.add_argument("--quantization", default="none", choices=["none", "auto", "gguf", "int8", "int4"],
+                    help="weight-only quantized linears: int8/int4 at every batch measured here, auto/gguf up to "
+                         "the engine's default rows (docs/model.md)")
     ap.add_argument("--no-tune-malloc", action="store_true", help="leave glibc malloc at its defaults")
     ap.add_argument("--sweep", action="store_true", help="batches x contexts x small ops (see above)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64, 128])
@@ -241,9 +243,10 @@ def sweep_dtype(args: argparse.Namespace, name: str) -> None:
         num_threads=args.threads,
         tune_malloc_arena=not args.no_tune_malloc,
         progress=False,
+        quantization=args.quantization,
     )
     model, dtype = runner.model, runner.dtype
-    print(f"\n[{dtype}, {args.attention_backend}] minimum of {args.iters} x {args.rounds} alternated rounds, ms")
+    print(f"\n[{dtype}, {args.attention_backend}, quantization {runner.quantization}] minimum of {args.iters} x {args.rounds} alternated rounds, ms")
     ops = args.small_ops
     head = "".join(f"{'fwd ' + o:>11}{'step ' + o:>11}{'step/mm':>8}" for o in ops)
     print(f"  {'batch':>5} {'ctx':>5} {'matmuls':>8}{head}")
@@ -286,7 +289,8 @@ def bench_dtype(args: argparse.Namespace, name: str) -> None:
         tune_malloc_arena=not args.no_tune_malloc,
         progress=False,
         quantization=args.quantization,
-        quant_max_rows=max(args.batch, args.prefill) if args.quantization != "none" else 0,
+        # int8/int4: the quantized copies at every measured size; auto/gguf: as the engine runs them
+        quant_max_rows=max(args.batch, args.prefill) if args.quantization in ("int8", "int4") else DEFAULT_MAX_ROWS,
     )
     dtype = runner.dtype
     res: dict[str, float] = {}
