@@ -29,13 +29,13 @@
 // which compute the same thing.
 //
 // A bfloat16 pool on a CPU with AVX512-BF16 is read with bfloat16 dot products (vdpbf16ps, 32
-// products per instruction): the scores take K as stored against q rounded to bfloat16 (exact for a
-// bfloat16 model's q; the softmax scale is applied to the scores), and P x V takes the
-// probabilities rounded to bfloat16 (the row sum uses the same rounded values) against V two tokens
-// at a time. Measured 7-15% faster than widening K and V to float32 (-DRADIXSERVE_NO_BF16_DOT, the
-// path of other CPUs; tests compare the two): the kernel is bound less by its multiply-adds than by
-// the per-block softmax work (the 16x16 horizontal sums, exp, max) at ~14 ns per token and KV head
-// on one thread here (cache-resident).
+// products per instruction). The scores take K as stored against q rounded to bfloat16 (exact for a
+// bfloat16 model's q; the softmax scale is applied to the scores), two tokens per vector, which
+// halves the horizontal-sum work; P x V takes the probabilities rounded to bfloat16 (the row sum
+// uses the same rounded values) against V two tokens at a time. Measured 15-20% faster than
+// widening K and V to float32 (-DRADIXSERVE_NO_BF16_DOT, the path of other CPUs; tests compare the
+// two): the kernel is bound less by its multiply-adds than by the per-block softmax work (horizontal
+// sums, exp, max), at ~12.5 ns per token and KV head on one thread here, cache-resident.
 
 #include <torch/extension.h>
 
@@ -245,6 +245,25 @@ inline __m512 hsum16x16(const __m512* x) {
   return _mm512_add_ps(lo, hi);
 }
 
+// The 16 scores of a block from 8 vectors that each hold two tokens' partial sums (token 2t in
+// lanes 0-7 of x[t], token 2t+1 in lanes 8-15): the first two levels of hsum16x16 on 8 inputs, then
+// the halves of each 128-bit lane pair added, and the lanes put back in token order.
+inline __m512 pair_sums_to_scores(const __m512* x) {
+  __m512 a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // b[i], 128-bit lane k, element e: quarter k of x[4i + e]; quarters 0-1 are token 2(4i+e), 2-3
+  // token 2(4i+e)+1. c = [tokens 0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15]
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512i order = _mm512_set_epi32(15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0);
+  return _mm512_permutexvar_ps(order, c);
+}
+
 // Pull the next block's K and V rows (all heads) into L1 while this block computes: with small
 // pages (page size 1) consecutive tokens sit anywhere in the pool and the hardware prefetcher
 // cannot guess the next row.
@@ -265,10 +284,6 @@ inline void prefetch_rows(const Problem& p, const int64_t* slots, int64_t from, 
 #ifdef RADIXSERVE_BF16_DOT
 template <typename kv_t>
 constexpr bool kBf16Dot = std::is_same_v<kv_t, c10::BFloat16>;
-
-inline __m512bh load_bh(const c10::BFloat16* x) {
-  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(x));
-}
 
 // The bfloat16 V path widens 32 values (4 lanes of 8) into [lo, hi]: lo holds values 0-3 of each
 // 128-bit lane, hi values 4-7. Put each run of 32 accumulators back in natural order.
@@ -326,32 +341,49 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
 #ifdef RADIXSERVE_BF16_DOT
       // q in bfloat16 pairs, unscaled: exact for a bfloat16 model's q (the scale is applied to the
       // scores), so the dot products read K as it is stored, without widening it
-      __m512bh qb[G][NC / 2];
+      // (16 values of q, twice: the two halves of a vector meet the same dims of two tokens' K)
+      __m512bh qb[G][NC];
       if constexpr (kBf16Dot<kv_t>) {
         for (int g = 0; g < G; ++g)
-          for (int c = 0; c < NC / 2; ++c) {
-            const float* qr = p.q_raw + it.row * H * D + (h * G + g) * D + c * 32;
-            qb[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + 16), _mm512_loadu_ps(qr));
+          for (int c = 0; c < NC; ++c) {
+            const __m512 qc = _mm512_loadu_ps(p.q_raw + it.row * H * D + (h * G + g) * D + c * 16);
+            qb[g][c] = _mm512_cvtne2ps_pbh(qc, qc);
           }
       }
 #endif
       // scores: one 16-lane partial vector per (g, token), reduced 16 tokens at a time
       __m512 sc[G];
+#ifdef RADIXSERVE_BF16_DOT
+      if constexpr (kBf16Dot<kv_t>) {
+        // two tokens per vector: 16 dims of token 2t's K in the low half, the same dims of token
+        // 2t+1's in the high half, against q's 16 dims twice; 8 partial vectors per head for the
+        // block instead of 16, and half the horizontal-sum work (pair_sums_to_scores)
+        __m512 part[G][kBlock / 2];
+        for (int64_t t = 0; t < kBlock / 2; ++t) {
+          if (2 * t >= n) {
+            for (int g = 0; g < G; ++g) part[g][t] = _mm512_setzero_ps();
+            continue;
+          }
+          const kv_t* k0 = K + rows[2 * t] + h * D;
+          const kv_t* k1 = 2 * t + 1 < n ? K + rows[2 * t + 1] + h * D : k0;  // past n: masked below
+          for (int g = 0; g < G; ++g) part[g][t] = _mm512_setzero_ps();
+          for (int c = 0; c < NC; ++c) {
+            const __m512i a = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + c * 16))),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k1 + c * 16)), 1);
+            const auto ab = reinterpret_cast<__m512bh>(a);
+            for (int g = 0; g < G; ++g) part[g][t] = _mm512_dpbf16_ps(part[g][t], ab, qb[g][c]);
+          }
+        }
+        const __m512 sv = _mm512_set1_ps(p.scale);
+        for (int g = 0; g < G; ++g) sc[g] = _mm512_mul_ps(pair_sums_to_scores(part[g]), sv);
+      } else
+#endif
       {
         __m512 part[G][kBlock];
         for (int64_t j = 0; j < kBlock; ++j) {
           if (j < n) {
             const kv_t* kp = K + rows[j] + h * D;
-#ifdef RADIXSERVE_BF16_DOT
-            if constexpr (kBf16Dot<kv_t>) {
-              for (int g = 0; g < G; ++g) {
-                __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], load_bh(kp));
-                for (int c = 1; c < NC / 2; ++c) a = _mm512_dpbf16_ps(a, qb[g][c], load_bh(kp + c * 32));
-                part[g][j] = a;
-              }
-              continue;
-            }
-#endif
             __m512 kc[NC];
             for (int c = 0; c < NC; ++c) kc[c] = load16(kp + c * 16);
             for (int g = 0; g < G; ++g) {
@@ -364,12 +396,6 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
           }
         }
         for (int g = 0; g < G; ++g) sc[g] = hsum16x16(part[g]);
-#ifdef RADIXSERVE_BF16_DOT
-        if constexpr (kBf16Dot<kv_t>) {
-          const __m512 sv = _mm512_set1_ps(p.scale);
-          for (int g = 0; g < G; ++g) sc[g] = _mm512_mul_ps(sc[g], sv);
-        }
-#endif
       }
       // the new running maxima first, so that the G rescale factors take one vector exp (a libm
       // exp per head and block was ~20% of the kernel's time)
