@@ -32,7 +32,7 @@
 // products per instruction). The scores take K as stored against q rounded to bfloat16 (exact for a
 // bfloat16 model's q; the softmax scale is applied to the scores), two tokens per vector, which
 // halves the horizontal-sum work; P x V takes the probabilities rounded to bfloat16 (the row sum
-// uses the same rounded values) against V two tokens at a time. Measured 15-20% faster than
+// uses the same rounded values) against V two tokens at a time. Measured about 20% faster than
 // widening K and V to float32 (-DRADIXSERVE_NO_BF16_DOT, the path of other CPUs; tests compare the
 // two): the kernel is bound less by its multiply-adds than by the per-block softmax work (horizontal
 // sums, exp, max), at ~12.5 ns per token and KV head on one thread here, cache-resident.
