@@ -186,6 +186,10 @@ class Fleet:
                 logger.warning("worker %s is %s", w.url, "healthy again" if ok else "unhealthy: no traffic")
                 if ok:  # back from the dead: a fresh process, so its old failures say nothing now
                     w.breaker.reset()
+                    # and its cache is empty: drop its prefix-tree state now, before anything awaits
+                    # (it takes traffic from this moment; stale state would steer requests away)
+                    for t in w.targets:
+                        self.policy_for(w).remove_target(t.key)
                     await self._rediscover(w)
         finally:
             self._checking.discard(w.url)
@@ -210,9 +214,9 @@ class Fleet:
             return
         old = w.dp_size
         self._apply_info(w, info)
-        for t in w.targets:  # a restarted worker has an empty cache
-            self.policy_for(w).remove_target(t.key)
-        if w.dp_size != old:
+        if w.dp_size != old:  # other targets now: the old ones' tree state goes with them
+            for t in w.targets:
+                self.policy_for(w).remove_target(t.key)
             w.make_targets(self.args.dp_aware)
         sub = self.subscribers.pop(w.url, None)
         if sub is not None:

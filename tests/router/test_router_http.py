@@ -382,3 +382,45 @@ def test_admin_api_key_alone_leaves_the_data_routes_open() -> None:
             assert r.status == 200  # no --worker-admin-api-key: the stub, which wants none, got "root"
 
     run(scenario)
+
+
+def test_a_worker_back_from_the_dead_loses_its_cache_tree_before_it_takes_traffic() -> None:
+    """The moment health checks readmit a worker, its prefix-tree state is gone (a restarted process
+    has an empty cache), even while reading its server info again is still under way: stale state
+    would steer the first requests away from it."""
+    async def scenario(fleet: Fleet, client: aiohttp.ClientSession) -> None:
+        a, b = await fleet.stub(), await fleet.stub()
+        router = await fleet.start_router([a, b], policy="cache_aware", health_failure_threshold=1,
+                                          health_success_threshold=1)
+        w = router.workers[b]
+        policy = router.policies[None]
+        key = w.targets[0].key
+        policy.tree.insert("an old prompt, long since routed to b " * 8, key)
+        assert policy.tree.tenant_size(key) > 0
+        port_b = int(b.rsplit(":", 1)[1])
+        await fleet.stop_stub(b)
+        await router.fleet.check_worker(w)
+        assert not w.health.healthy
+
+        slow = web.Application()  # healthy at once, slow to describe itself
+
+        async def health(_r: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        async def info(_r: web.Request) -> web.Response:
+            await asyncio.sleep(30)
+            return web.json_response({})
+
+        slow.router.add_get("/health", health)
+        slow.router.add_get("/get_server_info", info)
+        runner = web.AppRunner(slow, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port_b).start()
+        fleet.runners[b] = runner
+        check = asyncio.create_task(router.fleet.check_worker(w))
+        await asyncio.sleep(0.3)
+        assert w.health.healthy and not check.done()  # readmitted; its info is still being read
+        assert policy.tree.tenant_size(key) == 0
+        check.cancel()
+
+    run(scenario)
