@@ -343,10 +343,13 @@ class SchedulerServer:
         if st.decode_steps - self._last_decode_logged >= interval:
             self._last_decode_logged = st.decode_steps - st.decode_steps % interval
             self._update_throughput()
+            # requests that finished this step are still listed until the next batch is built, but
+            # their KV is already released: count only the unfinished, as the token count does
+            running = sum(1 for r in sched.running_batch.reqs if not r.finished())
             logger.info(
                 "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
                 "#queue-req: %d",
-                len(sched.running_batch.reqs), sched.kv.total_tokens - sched.kv.reclaimable_size(),
+                running, sched.kv.total_tokens - sched.kv.reclaimable_size(),
                 sched.kv.usage(), self._gen_throughput, len(sched.waiting_queue),
             )
         now = time.monotonic()

@@ -37,6 +37,9 @@ def test_decode_log_line(shared_server: ServerProcess) -> None:
     while not (lines := DECODE_LINE.findall(shared_server.log_text()[start:])) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert lines, shared_server.log_text()[start:][-2000:]
-    running, tokens, usage, throughput, queued = lines[-1]
-    assert int(running) >= 1 and int(tokens) > 0 and int(queued) >= 0
-    assert 0.0 <= float(usage) <= 1.0 and float(throughput) > 0.0
+    # 40 decode steps hold two logged steps (every 20th of the server's count), at most one of them
+    # the request's last: at least one line shows it running; none shows requests without KV
+    assert any(int(running) >= 1 and int(tokens) > 0 for running, tokens, *_ in lines), lines
+    for running, tokens, usage, throughput, queued in lines:
+        assert int(running) == 0 or int(tokens) > 0, lines
+        assert int(queued) >= 0 and 0.0 <= float(usage) <= 1.0 and float(throughput) > 0.0
