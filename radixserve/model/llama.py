@@ -359,10 +359,9 @@ class LlamaForCausalLM(nn.Module):
     def cast_(self, dtype: torch.dtype) -> LlamaForCausalLM:
         """Every parameter and buffer to ``dtype`` in place (quantized copies and packed weights are
         kept as they are: cast before ``pack_linears``)."""
+        if any(isinstance(m, Linear) and m._packed is not None for m in self.modules()):
+            raise RuntimeError("cast_ after pack_linears: the packed weights keep their dtype")
         self.to(dtype)
-        for m in self.modules():
-            if isinstance(m, Linear) and m._packed is not None:
-                raise RuntimeError("cast_ after pack_linears: the packed weights keep their dtype")
         self.dtype = dtype
         return self
 

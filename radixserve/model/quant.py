@@ -13,8 +13,9 @@ groups of 32 input columns with a float16 scale ``d`` and minimum ``m``, ``w = u
 - ``int8``: GGUF Q8_0, ``w = q * d`` with ``q`` in [-127, 127] (stored as ``u = q + 128`` with
   ``m = -128 d``). The bundled file's embedding (the tied LM head) is Q8_0: it comes back exactly.
 
-The kernel quantizes each input row per block of 32 to int8 (as llama.cpp does for these formats)
-and sums integer products with VNNI; it reads the weights once per call at close to memory speed.
+The kernel quantizes each input row per block of 32 in two int8 passes (llama.cpp's one, then its
+rounding error at 1/256 the step: ~15 bits) and sums integer products with VNNI; it reads the
+weights once per call at close to memory speed.
 
 The ATen fallback (no VNNI, or no compiler):
 

@@ -11,15 +11,18 @@
 //                                 (m = -128 d, so w = q * d exactly as Q8_0)
 //
 // A row of w is one output row's blocks: its integers (K/2 bytes at 4 bits, K at 8), then its K/32
-// scales d, then its K/32 minimums m (float16), so that a thread reads one sequential stream. Each row of x is quantized per block to int8 the way
-// llama.cpp does for these formats (a = qa * da, da = max|a| / 127, qa rounded to nearest), so
+// scales d, then its K/32 minimums m (float16), so that a thread reads one sequential stream.
 //
-//   sum_i w_i a_i = d * da * sum_i u_i qa_i + m * (da * sum_i qa_i)
+// Each row of x is quantized per block of 32 in two int8 passes: hi = round(a / da) with
+// da = max|a| / 127 (llama.cpp's one pass), then lo = round((a / da - hi) * 256), the rounding error
+// of the first; a = step * qa with step = da / 256 and qa = 256 hi + lo (~15 bits). So
 //
-// and the inner sum is exact integer arithmetic (AVX512-VNNI: 64 u8 x s8 products per instruction).
-// The only rounding besides the activation's int8 step is float32 accumulation across blocks. Each
-// row of x is computed the same way whatever M is, so a request's output does not depend on the
-// batch it runs in.
+//   sum_i w_i a_i = d * step * sum_i u_i qa_i + m * (step * sum_i qa_i)
+//
+// and the inner sum is exact integer arithmetic (AVX512-VNNI: 64 u8 x s8 products per instruction,
+// one per pass, combined as (s_hi << 8) + s_lo). The only rounding besides the activation's step is
+// float32 accumulation across blocks. Each row of x is computed the same way whatever M is, so a
+// request's output does not depend on the batch it runs in.
 //
 // Memory map of one 64-byte load (4-bit), blocks b..b+3 of a weight row, and the activation bytes
 // quantize_rows lays out to meet it:
