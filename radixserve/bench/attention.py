@@ -12,7 +12,10 @@ has the model's layers, or as many as fit in ``--max-pool-mib``. The backends al
 The figure a decode kernel is judged by is its effective bandwidth: the bytes it cannot avoid
 reading (every request's K and V, plus its slot-table row) over its time, next to what this machine
 can move: a STREAM-style copy of a large tensor measured in the same run (bytes read + written over
-the time of ``dst.copy_(src)``, both cores).
+the time of ``dst.copy_(src)``, both cores), and the floor for this very access pattern: every K/V
+row the kernel reads, read the same way (same pages, same split over threads, prefetched ahead)
+with nothing computed but a sum (``read_kv_rows`` in the cpu_paged extension), timed in the same
+alternated rounds. A kernel at that floor is bound by memory, not by its arithmetic.
 """
 
 from __future__ import annotations
@@ -120,6 +123,12 @@ class Layers:
         layer, self.next = self.next, (self.next + 1) % self.layers
         return backend.forward(self.q, self.k, self.v, layer, self.fb, self.kv, self.r2t)
 
+    def read(self, ext: Any) -> float:
+        """Read the next layer's K/V rows of every request and nothing else (the memory floor)."""
+        layer, self.next = self.next, (self.next + 1) % self.layers
+        return float(ext.read_kv_rows(self.kv.k_buffers[layer], self.kv.v_buffers[layer], self.r2t.req_to_token,
+                                      self.fb.req_pool_indices, self.fb.seq_lens))
+
 
 def time_ms(fn: Callable[[], object], iters: int) -> list[float]:
     """Milliseconds of each of ``iters`` calls, after one warm-up call."""
@@ -148,12 +157,16 @@ def main(ns: argparse.Namespace) -> int:
     names = [n for n in ns.backends.split(",") if n]
     stat: Callable[[list[float]], float] = statistics.median if ns.stat == "median" else min
     backends = {n: create_attention_backend(n, H, KVH, D) for n in names}
+    from radixserve.model.paged_attention import extension_error
+
+    reader = None if extension_error() else _paged_extension()
     stream = stream_copy_gbs(ns.stream_mb)
     print(f"decode attention, per layer: {H} heads, {KVH} KV heads, head_dim {D}, {ns.dtype}, page size "
           f"{ns.page_size}, {torch.get_num_threads()} threads; {ns.stat} of {ns.rounds} alternated rounds x {ns.iters} calls")
     print(f"STREAM-style copy: {stream:.1f} GB/s (read + write)")
     cols = "".join(f"{n + ' ms':>18}" for n in names)
-    print(f"{'batch':>6}{'ctx':>6}{'layers':>7}{'MB read':>9}{cols}{'speed-up':>10}{'GB/s':>8}{'of copy':>9}")
+    floor_cols = f"{'read-only ms':>14}{'of floor':>10}" if reader is not None else ""
+    print(f"{'batch':>6}{'ctx':>6}{'layers':>7}{'MB read':>9}{cols}{'speed-up':>10}{'GB/s':>8}{'of copy':>9}{floor_cols}")
     rows: list[dict[str, Any]] = []
     with torch.inference_mode():
         for ctx in (int(c) for c in ns.contexts.split(",")):
@@ -162,24 +175,37 @@ def main(ns: argparse.Namespace) -> int:
                 n_layers = max(1, min(num_layers, (ns.max_pool_mib << 20) // per_layer))
                 layer = Layers(batch, ctx, heads, dtype, ns.page_size, n_layers)
                 got: dict[str, list[float]] = {n: [] for n in names}
+                floor: list[float] = []
                 for _ in range(ns.rounds):
                     for n, be in backends.items():
                         be.init_forward_metadata(layer.fb, layer.r2t)
                         got[n] += time_ms(functools.partial(layer.run, be), ns.iters)
+                    if reader is not None:
+                        floor += time_ms(functools.partial(layer.read, reader), ns.iters)
                 med = {n: stat(v) for n, v in got.items()}
                 last = names[-1]
                 gbs = layer.bytes / (med[last] * 1e-3) / 1e9
                 speed = med[names[0]] / med[last]
                 times = "".join(f"{med[n]:>18.3f}" for n in names)
+                floor_ms = stat(floor) if floor else None
+                floor_txt = f"{floor_ms:>14.3f}{floor_ms / med[last]:>9.0%}" if floor_ms is not None else ""
                 print(f"{batch:>6}{ctx:>6}{n_layers:>7}{layer.bytes / 1e6:>9.1f}{times}{speed:>9.2f}x{gbs:>8.1f}"
-                      f"{gbs / stream:>8.0%}")
+                      f"{gbs / stream:>8.0%}{floor_txt}")
                 rows.append({"batch": batch, "ctx": ctx, "layers": n_layers, "bytes": layer.bytes, "ms": med,
-                             "speedup": speed, "effective_gbs": gbs})
+                             "speedup": speed, "effective_gbs": gbs, "read_only_ms": floor_ms,
+                             "read_only_gbs": layer.bytes / (floor_ms * 1e-3) / 1e9 if floor_ms else None})
                 del layer
     print(f"speed-up: {names[0]} / {names[-1]}; MB read: K, V and slot ids of one layer; GB/s and 'of copy': "
           f"{names[-1]}'s bytes read over its time, against the copy's bandwidth; layers: how many the calls cycle "
-          "through")
+          "through" + ("; read-only: the same rows read with nothing computed (the memory floor), 'of floor': its "
+                       f"time over {names[-1]}'s" if reader is not None else ""))
     if ns.output:
         with open(ns.output, "w") as f:
             json.dump({"stream_copy_gbs": stream, "dtype": ns.dtype, "stat": ns.stat, "heads": heads, "rows": rows}, f, indent=2)
     return 0
+
+
+def _paged_extension() -> Any:
+    from radixserve.model.paged_attention import extension
+
+    return extension()

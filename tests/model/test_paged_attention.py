@@ -209,7 +209,33 @@ def test_bench_attention_runs(tmp_path: Any, capsys: pytest.CaptureFixture[str])
     assert [(r["batch"], r["ctx"], r["layers"]) for r in res["rows"]] == [(1, 40, 30), (3, 40, 30)]
     assert all(set(r["ms"]) == {"torch_native", "cpu_paged"} for r in res["rows"])
     assert res["rows"][1]["bytes"] == 3 * 40 * (2 * 3 * 64 * 2 + 8)
-    assert "STREAM-style copy" in capsys.readouterr().out
+    assert all(r["read_only_ms"] > 0 for r in res["rows"])
+    text = capsys.readouterr().out
+    assert "STREAM-style copy" in text and "of floor" in text
+
+
+@needs_ext
+@pytest.mark.parametrize("page", [1, 16])
+def test_read_kv_rows_reads_exactly_the_rows_attention_reads(page: int) -> None:
+    """The memory floor of ``bench attention`` reads every K/V row of every request's tokens, and
+    only those: its sum equals the same sum taken in torch over the rows the slot table names
+    (per 32-bit word lane, wrapping, as the kernel adds them)."""
+    pool = Pool(page, 3, 64, torch.bfloat16, pages=500 if page == 1 else 40, seed=9)
+    lens = [1, 17, 300, 129]
+    rpi = [pool.request(n) for n in lens]
+    k, v, r2t = pool.kv.k_buffers[0], pool.kv.v_buffers[0], pool.r2t.req_to_token
+    torch.set_num_threads(2)
+    got = paged.extension().read_kv_rows(k, v, r2t, torch.tensor(rpi), torch.tensor(lens))
+    slots = torch.cat([r2t[r, :n] for r, n in zip(rpi, lens, strict=True)])
+    words = (k[slots].contiguous().view(torch.int32) ^ v[slots].contiguous().view(torch.int32)).view(-1, 16)
+    lanes = (words.to(torch.int64) & 0xFFFFFFFF).sum(0)
+    # each thread keeps its own 16 wrapping lanes; the sum over threads of (lane mod 2^32) can differ
+    # from (total lane mod 2^32) only by multiples of 2^32
+    want = int(lanes.sum())
+    assert got <= want and (want - int(got)) % (1 << 32) == 0
+    pool.r2t.req_to_token[rpi[2], 5] = 10**7
+    with pytest.raises(RuntimeError, match="outside the KV pool"):
+        paged.extension().read_kv_rows(k, v, r2t, torch.tensor(rpi), torch.tensor(lens))
 
 
 @needs_ext

@@ -62,6 +62,7 @@
 namespace {
 
 constexpr int64_t kBlock = 16;        // tokens per online-softmax step (one AVX-512 vector of scores)
+constexpr int64_t kPrefetchBlocks = 2;  // rows are prefetched this many blocks ahead (AheadRows)
 constexpr int64_t kMinSplit = 128;    // never split a row into pieces shorter than this
 constexpr int64_t kItemsPerThread = 8;  // split long rows until there are about this many items per thread
 constexpr int64_t kItemOverhead = 16;  // fixed cost of an item, in token equivalents, for the balance
@@ -264,7 +265,7 @@ inline __m512 pair_sums_to_scores(const __m512* x) {
   return _mm512_permutexvar_ps(order, c);
 }
 
-// Software prefetch of the block kPrefetchBlocks ahead, into L2, one KV head's slice of a token's
+// Software prefetch of the block kPrefetchBlocks ahead (see its definition), into L2, one KV head's slice of a token's
 // K (or V) row at a time, issued inside the loops that read this block's same slice: a few lines
 // per token instead of a burst of every line of the next block at its start. Measured at batch 32 x
 // 1,024 tokens (scattered 16-token pages, 30 layers, so every row comes from memory), two threads:
@@ -272,8 +273,6 @@ inline __m512 pair_sums_to_scores(const __m512* x) {
 // rows, nothing computed, reaches 26). The burst filled the core's miss queue and stalled the loads
 // behind it; one block ahead was too close to hide the latency. A page size of 1 (consecutive
 // tokens anywhere in the pool) leaves the hardware prefetcher nothing to follow either.
-constexpr int64_t kPrefetchBlocks = 2;
-
 template <typename kv_t, int64_t D>
 struct AheadRows {
   const char* k[kBlock];  // the K row (all heads) of each token of the block ahead, or nullptr
@@ -648,6 +647,78 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch
   return out.view({B, H * D}).to(q.scalar_type());
 }
 
+// The floor a decode kernel is measured against: read every K and V row that
+// paged_decode_attention would read for the same batch (same items, same threads), compute nothing
+// but a sum, and prefetch the rows ahead so that scattered pages do not make it latency-bound.
+// Returns the sum (so the reads cannot be optimised away).
+double read_kv_rows(torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor req_to_token,
+                    torch::Tensor req_pool_indices, torch::Tensor seq_lens) {
+  TORCH_CHECK(k_buf.dim() == 3 && k_buf.sizes() == v_buf.sizes() && k_buf.is_contiguous() && v_buf.is_contiguous() &&
+                  k_buf.scalar_type() == v_buf.scalar_type(),
+              "k_buf and v_buf must be contiguous [S, KVH, D] of one dtype");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
+              "req_to_token must be an int64 [R, C] table with contiguous rows");
+  auto rpi = req_pool_indices.to(at::kLong).contiguous();
+  auto lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t B = rpi.numel(), S = k_buf.size(0);
+  TORCH_CHECK(lens.numel() == B, "one seq_len per req_pool_index");
+  const int64_t* rpi_p = rpi.data_ptr<int64_t>();
+  const int64_t* lens_p = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(rpi_p[b] >= 0 && rpi_p[b] < req_to_token.size(0) && lens_p[b] >= 0 &&
+                    lens_p[b] <= req_to_token.size(1),
+                "req_pool_index or seq_len out of range");
+  const int64_t words = k_buf.size(1) * k_buf.size(2) * k_buf.element_size() / 4;  // 32-bit words per row
+  TORCH_CHECK(k_buf.size(1) * k_buf.size(2) * k_buf.element_size() % 4 == 0, "a pool row must be whole 32-bit words");
+  const auto* K = static_cast<const uint32_t*>(k_buf.data_ptr());
+  const auto* V = static_cast<const uint32_t*>(v_buf.data_ptr());
+  std::vector<Item> items;
+  std::vector<int64_t> cuts;
+  int64_t parts = 0;
+  const int64_t threads = plan(lens_p, B, std::max<int64_t>(1, at::get_num_threads()), items, cuts, parts);
+  std::vector<uint64_t> sums(threads, 0);
+  std::atomic<bool> ok{true};
+  constexpr int64_t kAhead = kPrefetchBlocks * kBlock;
+  at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
+    for (int64_t th = t_begin; th < t_end; ++th) {
+      uint32_t acc[16] = {0};
+      for (int64_t i = cuts[th]; i < cuts[th + 1]; ++i) {
+        const Item& it = items[i];
+        const int64_t* slots = req_to_token.data_ptr<int64_t>() + rpi_p[it.row] * req_to_token.stride(0);
+        for (int64_t t = it.begin; t < it.end; ++t) {
+          if (t + kAhead < it.end) {
+            const int64_t ahead = slots[t + kAhead];
+            const char* ka = reinterpret_cast<const char*>(K + ahead * words);
+            const char* va = reinterpret_cast<const char*>(V + ahead * words);
+            for (int64_t b = 0; b < words * 4; b += 64) {
+              __builtin_prefetch(ka + b, 0, 2);
+              __builtin_prefetch(va + b, 0, 2);
+            }
+          }
+          const int64_t slot = slots[t];
+          if (slot < 0 || slot >= S) {
+            ok = false;
+            continue;
+          }
+          const uint32_t* kr = K + slot * words;
+          const uint32_t* vr = V + slot * words;
+          for (int64_t w = 0; w < words; w += 16) {
+            const int64_t n = std::min<int64_t>(16, words - w);
+            for (int64_t x = 0; x < n; ++x) acc[x] += kr[w + x] ^ vr[w + x];
+          }
+        }
+      }
+      uint64_t s = 0;
+      for (uint32_t a : acc) s += a;
+      sums[th] = s;
+    }
+  });
+  TORCH_CHECK(ok.load(), "req_to_token holds a slot outside the KV pool");
+  uint64_t total = 0;
+  for (uint64_t s : sums) total += s;
+  return static_cast<double>(total);
+}
+
 bool has_avx512_path() {
 #ifdef RADIXSERVE_AVX512
   return true;
@@ -668,5 +739,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &has_bf16_dot, "Whether a bfloat16 pool is read with bfloat16 dot products (AVX512-BF16)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention reading K/V in place from a paged pool through req_to_token");
+  m.def("read_kv_rows", &read_kv_rows,
+        "Read (and sum) every K/V row a decode call would read, computing nothing else: the memory floor");
   m.def("has_avx512_path", &has_avx512_path, "Whether this build has the AVX-512 inner loops");
 }
