@@ -18,7 +18,10 @@ For each dtype it prints (median over --iters runs, milliseconds):
 ``--sweep`` instead prints (minimum times), per dtype, batch (``--batches``) and context (``--ctxs``), the model
 forward and the runner step with each of ``--small-ops`` (the torch reference and the fused C++
 ops, alternated over ``--rounds``) against the plain ``F.linear`` GEMMs at that batch, and prefill
-of one ``--prefill``-token chunk against the GEMMs alone on that many rows::
+of one ``--prefill``-token chunk against the GEMMs alone on that many rows. With the cpu_paged
+extension built it also prints the time to read every layer's K/V rows of the batch and nothing
+else (``KV read``) and ``floor/mm`` = (matmuls + KV read) / matmuls: the least a decode step can
+be against its GEMMs on this machine when the layers run one after another::
 
     python scripts/bench_model_step.py --sweep --dtypes float32 bfloat16
 """
@@ -234,6 +237,25 @@ def sweep_decode(
     return {o: min(v) for o, v in fwd.items()}, {o: min(v) for o, v in step.items()}
 
 
+def kv_read_floor(runner: ModelRunner, fb: ForwardBatch, args: argparse.Namespace) -> float | None:
+    """Minimum milliseconds to read every layer's K/V rows of the batch and compute nothing else
+    (``read_kv_rows``: the decode kernel's own access pattern, prefetched): what attention costs at
+    the least on this machine, whatever its arithmetic. None without the cpu_paged extension."""
+    from radixserve.model.paged_attention import extension, extension_error
+
+    if extension_error() is not None:
+        return None
+    ext, kv, r2t = extension(), runner.kv_pool, runner.req_to_token_pool
+    assert kv is not None and r2t is not None
+
+    def read_all() -> None:
+        for k, v in zip(kv.k_buffers, kv.v_buffers, strict=True):
+            ext.read_kv_rows(k, v, r2t.req_to_token, fb.req_pool_indices, fb.seq_lens)
+
+    timeit(read_all, args.iters * args.rounds, key="kv floor")
+    return MINS["kv floor"]
+
+
 def sweep_dtype(args: argparse.Namespace, name: str) -> None:
     runner = ModelRunner(
         args.model,
@@ -249,7 +271,7 @@ def sweep_dtype(args: argparse.Namespace, name: str) -> None:
     print(f"\n[{dtype}, {args.attention_backend}, quantization {runner.quantization}] minimum of {args.iters} x {args.rounds} alternated rounds, ms")
     ops = args.small_ops
     head = "".join(f"{'fwd ' + o:>11}{'step ' + o:>11}{'step/mm':>8}" for o in ops)
-    print(f"  {'batch':>5} {'ctx':>5} {'matmuls':>8}{head}")
+    print(f"  {'batch':>5} {'ctx':>5} {'matmuls':>8}{head}{'KV read':>9}{'floor/mm':>9}")
     with torch.inference_mode():
         for batch in args.batches:
             matmul_plain(runner, batch, dtype, args.iters)
@@ -259,8 +281,11 @@ def sweep_dtype(args: argparse.Namespace, name: str) -> None:
                 if kv_gib > args.max_kv_gib:
                     print(f"  {batch:>5} {ctx:>5} skipped: KV pool {kv_gib:.1f} GiB > --max-kv-gib")
                     continue
-                fwd, step = sweep_decode(runner, decode_batch(runner, batch, ctx, slots=args.slots), ops, args)
+                fb = decode_batch(runner, batch, ctx, slots=args.slots)
+                fwd, step = sweep_decode(runner, fb, ops, args)
+                floor = kv_read_floor(runner, fb, args)
                 row = "".join(f"{fwd[o]:11.1f}{step[o]:11.1f}{step[o] / mm:7.2f}x" for o in ops)
+                row += f"{floor:9.1f}{(mm + floor) / mm:8.2f}x" if floor is not None else ""
                 print(f"  {batch:>5} {ctx:>5} {mm:8.1f}{row}", flush=True)
                 runner.kv_pool = runner.req_to_token_pool = None  # free the pool before the next one
         matmul_plain(runner, args.prefill, dtype, max(2, args.iters // 3))
@@ -277,6 +302,9 @@ def sweep_dtype(args: argparse.Namespace, name: str) -> None:
         print(f"  prefill {args.prefill} tokens: GEMMs alone {mm:.1f} ms = {args.prefill / mm * 1000:.0f} tok/s; "
               + ", ".join(f"{o} {min(v):.1f} ms = {mm / min(v):.0%} of GEMM-only"
                           for o, v in got.items()))
+        print("  KV read: every layer's K/V rows of the batch read with nothing computed (the decode kernel's access "
+              "pattern, prefetched); floor/mm: (matmuls + KV read) / matmuls, the least a step can be against its "
+              "GEMMs when layers run one after another")
 
 
 def bench_dtype(args: argparse.Namespace, name: str) -> None:
