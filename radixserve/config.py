@@ -45,9 +45,10 @@ class ServerArgs:
         "scale per row where ATen's kernel runs): quantize any model. auto: gguf for a GGUF model in "
         "bfloat16 where the kernel runs, else none (float32 stays the exact reference). Tolerance and "
         "figures in docs/model.md.", ("auto", "none", "gguf", "int8", "int4"), group="model")
-    quantization_max_batch: int = option(
-        8, "Most rows (tokens) of a forward that uses the quantized weights; above it the float weights run "
-        "(faster there: docs/benchmarks.md).", group="model")
+    quantization_max_batch: int | None = option(
+        None, "Most rows (tokens) of a forward that uses the quantized weights; above it the float weights run "
+        "(faster there). Default: 5 when the float weights are bfloat16, 8 when float32 (where each was "
+        "measured to stop paying: docs/benchmarks.md).", group="model")
     random_seed: int = option(0, "Seed of the global sampler generator.", group="model")
     num_threads: int | None = option(None, "torch intra-op threads (default: torch's choice).", group="model")
 
@@ -249,10 +250,10 @@ class ServerArgs:
                 errors.append(f"{name} must be a positive integer, got {v!r}")
 
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
-                     "prefill_max_requests", "num_threads"):
+                     "prefill_max_requests", "num_threads", "quantization_max_batch"):
             positive(name)
         for name in ("page_size", "max_prefill_tokens", "new_token_ratio_decay_steps", "clip_max_new_tokens",
-                     "max_request_body_bytes", "quantization_max_batch"):
+                     "max_request_body_bytes"):
             positive(name, allow_none=False)
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size <= 0:
             errors.append("chunked_prefill_size must be positive or -1 (disabled)")

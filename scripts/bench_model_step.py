@@ -42,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo  # noqa: E402
 from radixserve.model.model_runner import ModelRunner  # noqa: E402
-from radixserve.model.quant import DEFAULT_MAX_ROWS  # noqa: E402
 
 MINS: dict[str, float] = {}
 CLOCK: Callable[[], float] = time.perf_counter
@@ -318,7 +317,7 @@ def bench_dtype(args: argparse.Namespace, name: str) -> None:
         progress=False,
         quantization=args.quantization,
         # int8/int4: the quantized copies at every measured size; auto/gguf: as the engine runs them
-        quant_max_rows=max(args.batch, args.prefill) if args.quantization in ("int8", "int4") else DEFAULT_MAX_ROWS,
+        quant_max_rows=max(args.batch, args.prefill) if args.quantization in ("int8", "int4") else None,
     )
     dtype = runner.dtype
     res: dict[str, float] = {}

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from radixserve.model.linear import Linear  # noqa: E402
 from radixserve.model.model_runner import ModelRunner  # noqa: E402
-from radixserve.model.quant import DEFAULT_MAX_ROWS  # noqa: E402
+from radixserve.model.quant import DEFAULT_MAX_ROWS, DEFAULT_MAX_ROWS_BF16  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_model_step", Path(__file__).with_name("bench_model_step.py"))
 assert _spec is not None and _spec.loader is not None
@@ -59,7 +59,7 @@ def main() -> None:
                     help="none, int8 or int4, each optionally :block or :aten (the kernel)")
     ap.add_argument("--quant-max-rows", type=int, default=None,
                     help=f"rows up to which the quantized kernel runs (default: every batch measured; "
-                         f"the engine's default is {DEFAULT_MAX_ROWS})")
+                         f"the engine's default is {DEFAULT_MAX_ROWS_BF16} in bfloat16, {DEFAULT_MAX_ROWS} in float32)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--threads", type=int, default=None)

@@ -28,7 +28,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import load_model, parse_dtype, resolve_model_path
 from radixserve.model.parallel import TPGroup, check_tp_size, send_step, send_stop
-from radixserve.model.quant import DEFAULT_MAX_ROWS, block_kernel_error, check_quantization
+from radixserve.model.quant import block_kernel_error, check_quantization, default_max_rows
 from radixserve.model.sampler import Sampler
 from radixserve.model.tokenizer import Tokenizer
 
@@ -131,7 +131,7 @@ class ModelRunner:
         num_threads: int | None = None,
         seed: int | None = None,
         quantization: str = "auto",
-        quant_max_rows: int = DEFAULT_MAX_ROWS,
+        quant_max_rows: int | None = None,
         quant_kernel: str = "auto",
         pack_weights: bool = True,
         tune_malloc_arena: bool = True,
@@ -144,7 +144,7 @@ class ModelRunner:
         native bf16: faster on CPU; the plain copies are then freed). ``quantization``: ``none``,
         ``int8`` or ``int4`` weight-only copies of every linear, ``gguf`` copies in the file's own
         Q4_1 / Q8_0 blocks, or ``auto`` (``resolve_quantization``); the copies serve inputs of at
-        most ``quant_max_rows`` rows (quant.py; ``quant_kernel``: ``auto``, ``block`` or ``aten``, see
+        most ``quant_max_rows`` rows (None: ``default_max_rows`` of the dtype; quant.py; ``quant_kernel``: ``auto``, ``block`` or ``aten``, see
         ``quantize_weight``). Quantized copies are made from float32 weights, so a bfloat16 model's
         copies hold the file's values, not their bfloat16 rounding. ``seed`` seeds the sampler's generator for unseeded
         requests.
@@ -159,6 +159,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.tp = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.quantization = resolve_quantization(check_quantization(quantization), self.dtype, model_path)
+        if quant_max_rows is None:
+            quant_max_rows = default_max_rows(self.dtype)
+        self.quant_max_rows = quant_max_rows
         # quantized copies are cut from the float32 weights, then the model is cast
         load_dtype = torch.float32 if self.quantization != "none" else self.dtype
         config, state = load_model(model_path, load_dtype, progress=progress)

@@ -119,6 +119,10 @@ def test_quantization_option_is_validated() -> None:
         ServerArgs(quantization="int3")
     with pytest.raises(ValueError, match="quantization_max_batch"):
         ServerArgs(quantization_max_batch=0)
+    assert ServerArgs().quantization_max_batch is None  # the runner picks it by dtype
+    from radixserve.model.quant import default_max_rows
+
+    assert default_max_rows(torch.bfloat16) == 5 and default_max_rows(torch.float32) == 8
 
 
 @pytest.fixture(scope="module")
@@ -299,6 +303,8 @@ def test_bf16_runner_keeps_the_files_blocks(fp32_runner: Any) -> None:
     r = ModelRunner(None, dtype="bfloat16", progress=False)
     assert r.quantization == "gguf" and r.model.dtype == torch.bfloat16
     assert r.quantized_linears == 4 * r.model_config.num_layers + 1
+    # the default row threshold follows the float weights' dtype: 5 rows against bfloat16
+    assert r.quant_max_rows == 5 and all(m.quant_max_rows == 5 for m in (r.model.lm_head, r.model.layers[0].mlp.down_proj))
     lm = r.model.lm_head
     assert lm.quantization == "int8" and isinstance(lm._quant, BlockWeight)
     down = r.model.layers[3].mlp.down_proj
