@@ -132,6 +132,42 @@ inline bool slot_rows(const Problem& p, const int64_t* slots, int64_t t0, int64_
   return ok;
 }
 
+// Software prefetch of the block kPrefetchBlocks ahead (see its definition), into L2, one KV head's slice of a token's
+// K (or V) row at a time, issued inside the loops that read this block's same slice: a few lines
+// per token instead of a burst of every line of the next block at its start. Measured at batch 32 x
+// 1,024 tokens (scattered 16-token pages, 30 layers, so every row comes from memory), two threads:
+// 13.5 GB/s with the burst into L1 one block ahead, 20-23 GB/s this way (a plain read of the same
+// rows, nothing computed, reaches 26). The burst filled the core's miss queue and stalled the loads
+// behind it; one block ahead was too close to hide the latency. A page size of 1 (consecutive
+// tokens anywhere in the pool) leaves the hardware prefetcher nothing to follow either.
+template <typename kv_t>
+struct AheadRows {
+  const char* k[kBlock];  // the K row (all heads) of each token of the block ahead, or nullptr
+  const char* v[kBlock];
+  int64_t head_bytes;
+
+  AheadRows(const Problem& p, const int64_t* slots, int64_t t0, int64_t end)
+      : head_bytes(p.D * static_cast<int64_t>(sizeof(kv_t))) {
+    const int64_t row_bytes = p.KVH * head_bytes;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int64_t t = t0 + kPrefetchBlocks * kBlock + j;
+      // a bad slot only makes a prefetch miss (prefetches never fault); its block reports it
+      const int64_t off = t < end ? slots[t] * row_bytes : 0;
+      k[j] = t < end ? static_cast<const char*>(p.k) + off : nullptr;
+      v[j] = t < end ? static_cast<const char*>(p.v) + off : nullptr;
+    }
+  }
+  void fetch(const char* row, int64_t h) const {
+    if (row == nullptr) return;
+    const char* a = row + h * head_bytes;
+    // locality 2: prefetcht1 on x86 (into L2); into L1 (prefetcht0) measured as slow as no prefetch
+    for (int64_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(a + b, 0, 2);
+    if (reinterpret_cast<uintptr_t>(a) % 64 != 0) __builtin_prefetch(a + head_bytes - 1, 0, 2);
+  }
+  void k_of(int64_t j, int64_t h) const { fetch(k[j], h); }
+  void v_of(int64_t j, int64_t h) const { fetch(v[j], h); }
+};
+
 // ------------------------------------------------------------------------------------------------
 // Portable path: plain loops (the compiler vectorises what it can). Any G, any D.
 // ------------------------------------------------------------------------------------------------
@@ -149,9 +185,11 @@ bool attend_item_generic(const Problem& p, const Item& it) {
     const int64_t n = std::min(kBlock, it.end - t0);
     int64_t rows[kBlock];
     ok = slot_rows(p, slots, t0, n, rows) && ok;
+    const AheadRows<kv_t> ahead(p, slots, t0, it.end);
     for (int64_t h = 0; h < KVH; ++h) {
       const float* qh = q + h * G * D;
       float* acc_h = &acc[h * G * D];
+      for (int64_t j = 0; j < kBlock; ++j) ahead.k_of(j, h);
       for (int64_t j = 0; j < n; ++j) {
         const kv_t* kp = K + rows[j] + h * D;
         for (int64_t g = 0; g < G; ++g) {
@@ -176,6 +214,7 @@ bool attend_item_generic(const Problem& p, const Item& it) {
         mg = mn;
         for (int64_t d = 0; d < D; ++d) acc_h[g * D + d] *= alpha;
       }
+      for (int64_t j = 0; j < kBlock; ++j) ahead.v_of(j, h);
       for (int64_t j = 0; j < n; ++j) {
         const kv_t* vp = V + rows[j] + h * D;
         for (int64_t g = 0; g < G; ++g) {
@@ -265,40 +304,6 @@ inline __m512 pair_sums_to_scores(const __m512* x) {
   return _mm512_permutexvar_ps(order, c);
 }
 
-// Software prefetch of the block kPrefetchBlocks ahead (see its definition), into L2, one KV head's slice of a token's
-// K (or V) row at a time, issued inside the loops that read this block's same slice: a few lines
-// per token instead of a burst of every line of the next block at its start. Measured at batch 32 x
-// 1,024 tokens (scattered 16-token pages, 30 layers, so every row comes from memory), two threads:
-// 13.5 GB/s with the burst into L1 one block ahead, 20-23 GB/s this way (a plain read of the same
-// rows, nothing computed, reaches 26). The burst filled the core's miss queue and stalled the loads
-// behind it; one block ahead was too close to hide the latency. A page size of 1 (consecutive
-// tokens anywhere in the pool) leaves the hardware prefetcher nothing to follow either.
-template <typename kv_t, int64_t D>
-struct AheadRows {
-  const char* k[kBlock];  // the K row (all heads) of each token of the block ahead, or nullptr
-  const char* v[kBlock];
-
-  AheadRows(const Problem& p, const int64_t* slots, int64_t t0, int64_t end) {
-    const int64_t row_bytes = p.KVH * D * static_cast<int64_t>(sizeof(kv_t));
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const int64_t t = t0 + kPrefetchBlocks * kBlock + j;
-      // a bad slot only makes a prefetch miss (prefetches never fault); its block reports it
-      const int64_t off = t < end ? slots[t] * row_bytes : 0;
-      k[j] = t < end ? static_cast<const char*>(p.k) + off : nullptr;
-      v[j] = t < end ? static_cast<const char*>(p.v) + off : nullptr;
-    }
-  }
-  static void fetch(const char* row, int64_t h) {
-    if (row == nullptr) return;
-    constexpr int64_t kHeadBytes = D * static_cast<int64_t>(sizeof(kv_t));
-    const char* a = row + h * kHeadBytes;
-    for (int64_t b = 0; b < kHeadBytes; b += 64) _mm_prefetch(a + b, _MM_HINT_T1);
-    if (reinterpret_cast<uintptr_t>(a) % 64 != 0) _mm_prefetch(a + kHeadBytes - 1, _MM_HINT_T1);
-  }
-  void k_of(int64_t j, int64_t h) const { fetch(k[j], h); }
-  void v_of(int64_t j, int64_t h) const { fetch(v[j], h); }
-};
-
 #ifdef RADIXSERVE_BF16_DOT
 template <typename kv_t>
 constexpr bool kBf16Dot = std::is_same_v<kv_t, c10::BFloat16>;
@@ -347,7 +352,7 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
     const int64_t n = std::min(kBlock, it.end - t0);
     const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
     ok = slot_rows(p, slots, t0, n, rows) && ok;
-    const AheadRows<kv_t, D> ahead(p, slots, t0, it.end);
+    const AheadRows<kv_t> ahead(p, slots, t0, it.end);
     for (int64_t h = 0; h < KVH; ++h) {
       __m512 qv[G][NC], acc[G][NC];
       float* acc_h = acc_all + h * G * D;
