@@ -9,10 +9,10 @@
 //
 // Work is cut into items (row, token range). An item walks its tokens in blocks of kBlock and, for
 // each block, attends every KV head in turn: a token's K (and V) row of all heads is contiguous in
-// the pool (KVH * D elements), so a block reads whole rows once, in order, and the rows of the block
-// two ahead are prefetched while this one computes (AheadRows). (Items of one (row, KV head) each were measured
-// slower: each read a third of every row, and the three passes over a row's pages left the
-// hardware prefetcher less to work with.) The G = H / KVH query heads of one KV head are attended
+// the pool (KVH * D elements), so a block reads whole rows once, in order, and the rows of the
+// block two ahead are prefetched while this one computes (AheadRows). (Items of one (row, KV head)
+// each were measured slower: each read a third of every row, and the three passes over a row's
+// pages left the hardware prefetcher less to work with.) The G = H / KVH query heads of one KV head are attended
 // together, so each K/V vector is loaded once for G queries (grouped-query attention). Each head
 // runs an online softmax in float32: scores for the block, a new running max, rescale of the
 // running sum and accumulator, then P x V. Long contexts are split over several items (split-K) so
@@ -34,8 +34,10 @@
 // halves the horizontal-sum work; P x V takes the probabilities rounded to bfloat16 (the row sum
 // uses the same rounded values) against V two tokens at a time. Measured about 20% faster than
 // widening K and V to float32 (-DRADIXSERVE_NO_BF16_DOT, the path of other CPUs; tests compare the
-// two): the kernel is bound less by its multiply-adds than by the per-block softmax work (horizontal
-// sums, exp, max), at ~12.5 ns per token and KV head on one thread here, cache-resident.
+// two). With one layer of batch 1 x 1,024 tokens in cache it takes ~12 ns per token and KV head on
+// one thread, about 4.7 of them the call's fixed costs; of the rest, leaving out the scores saved
+// ~5 ns (their lane shuffles more than their multiply-adds), the softmax ~1.6, P x V ~0.5. Streaming
+// from memory, as in a real step, the reads bound it (see AheadRows, and read_kv_rows for the floor).
 
 #include <torch/extension.h>
 
@@ -132,9 +134,9 @@ inline bool slot_rows(const Problem& p, const int64_t* slots, int64_t t0, int64_
   return ok;
 }
 
-// Software prefetch of the block kPrefetchBlocks ahead (see its definition), into L2, one KV head's slice of a token's
-// K (or V) row at a time, issued inside the loops that read this block's same slice: a few lines
-// per token instead of a burst of every line of the next block at its start. Measured at batch 32 x
+// Software prefetch of the block kPrefetchBlocks ahead, into L2, one KV head's slice of a token's K
+// (or V) row at a time, issued inside the loops that read this block's same slice: a few lines per
+// token instead of a burst of every line of the next block at its start. Measured at batch 32 x
 // 1,024 tokens (scattered 16-token pages, 30 layers, so every row comes from memory), two threads:
 // 13.5 GB/s with the burst into L1 one block ahead, 20-23 GB/s this way (a plain read of the same
 // rows, nothing computed, reaches 26). The burst filled the core's miss queue and stalled the loads
