@@ -1,7 +1,8 @@
 """``radixserve bench attention``: one layer of decode attention, backend against backend.
 
 For each batch size and context length, a KV pool of the model's shape is filled with random K/V
-in shuffled pages (a pool after some churn: each request's pages are scattered), every request
+in shuffled pages (a pool after some churn: each request's pages are scattered; over a pool as
+large as a server's with ``--pool-tokens``), every request
 decodes one token, and each backend's ``forward`` for one layer (the new K/V written to the pool,
 then attention over the whole context) is timed. Successive calls go to successive layers, as in a
 model forward: timing one layer over and over would let its KV sit in the last-level cache (this
@@ -46,6 +47,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="dtype of q and of the KV pool (bfloat16 is what --dtype auto picks on this CPU).")
     p.add_argument("--page-size", type=int, default=16,
                    help="Tokens per KV page: each request's pages are scattered over the pool at random.")
+    p.add_argument("--pool-tokens", type=int, default=0,
+                   help="KV slots per layer of the pool the batch's pages are scattered over; 0: only as many as "
+                        "the batch needs. A server sizes its pool from memory (radixserve serve logs it: about 160k "
+                        "slots on a 24 GiB machine), and pages scattered over that much memory cost more TLB "
+                        "misses than a pool just large enough for the batch.")
     p.add_argument("--num-heads", type=int, default=None, help="Query heads; unset: the model's.")
     p.add_argument("--num-kv-heads", type=int, default=None, help="KV heads; unset: the model's.")
     p.add_argument("--head-dim", type=int, default=None, help="Head dimension; unset: the model's.")
@@ -83,18 +89,20 @@ class Layers:
     tokens; ``run`` attends the next layer each call."""
 
     def __init__(self, batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch.dtype, page: int,
-                 layers: int, seed: int = 0) -> None:
+                 layers: int, seed: int = 0, pool_tokens: int = 0) -> None:
         H, KVH, D = heads
         g = torch.Generator().manual_seed(seed)
         pages_per_req = -(-ctx // page)
         n_pages = batch * pages_per_req
+        pool_pages = Layers.pool_pages(batch, ctx, page, pool_tokens)
         self.layers = layers
         self.next = 0
-        self.kv = KVPool(n_pages * page, page, layers, KVH, D, dtype)
+        self.kv = KVPool(pool_pages * page, page, layers, KVH, D, dtype)
         for buf in self.kv.k_buffers + self.kv.v_buffers:
             buf.normal_(generator=g)
         self.r2t = ReqToTokenPool(batch, pages_per_req * page)
-        pages = torch.randperm(n_pages, generator=g) + 1  # page 0 is the reserved padding page
+        # the batch's pages, anywhere in the pool (page 0 is the reserved padding page)
+        pages = torch.randperm(pool_pages, generator=g)[:n_pages] + 1
         slots = (pages.view(-1, 1) * page + torch.arange(page)).view(batch, -1)
         self.r2t.req_to_token[:, : slots.shape[1]] = slots
         self.fb = ForwardBatch(
@@ -115,9 +123,16 @@ class Layers:
         self.bytes = batch * ctx * (2 * KVH * D * elem + 8)
 
     @staticmethod
-    def layer_bytes(batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch.dtype, page: int) -> int:
+    def pool_pages(batch: int, ctx: int, page: int, pool_tokens: int) -> int:
+        return max(batch * -(-ctx // page), pool_tokens // page)
+
+    @staticmethod
+    def layer_bytes(batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch.dtype, page: int,
+                    pool_tokens: int = 0) -> int:
+        """Bytes of one layer's K and V buffers."""
         _, KVH, D = heads
-        return batch * -(-ctx // page) * page * 2 * KVH * D * torch.tensor([], dtype=dtype).element_size()
+        pages = Layers.pool_pages(batch, ctx, page, pool_tokens)
+        return pages * page * 2 * KVH * D * torch.tensor([], dtype=dtype).element_size()
 
     def run(self, backend: AttentionBackend) -> torch.Tensor:
         layer, self.next = self.next, (self.next + 1) % self.layers
@@ -161,8 +176,10 @@ def main(ns: argparse.Namespace) -> int:
 
     reader = None if extension_error() else _paged_extension()
     stream = stream_copy_gbs(ns.stream_mb)
+    pool = f"a pool of {ns.pool_tokens} slots per layer" if ns.pool_tokens else "a pool just large enough"
     print(f"decode attention, per layer: {H} heads, {KVH} KV heads, head_dim {D}, {ns.dtype}, page size "
-          f"{ns.page_size}, {torch.get_num_threads()} threads; {ns.stat} of {ns.rounds} alternated rounds x {ns.iters} calls")
+          f"{ns.page_size}, {pool}, {torch.get_num_threads()} threads; {ns.stat} of {ns.rounds} alternated rounds "
+          f"x {ns.iters} calls")
     print(f"STREAM-style copy: {stream:.1f} GB/s (read + write)")
     cols = "".join(f"{n + ' ms':>18}" for n in names)
     floor_cols = f"{'read-only ms':>14}{'of floor':>10}" if reader is not None else ""
@@ -171,9 +188,9 @@ def main(ns: argparse.Namespace) -> int:
     with torch.inference_mode():
         for ctx in (int(c) for c in ns.contexts.split(",")):
             for batch in (int(b) for b in ns.batch_sizes.split(",")):
-                per_layer = Layers.layer_bytes(batch, ctx, heads, dtype, ns.page_size)
+                per_layer = Layers.layer_bytes(batch, ctx, heads, dtype, ns.page_size, ns.pool_tokens)
                 n_layers = max(1, min(num_layers, (ns.max_pool_mib << 20) // per_layer))
-                layer = Layers(batch, ctx, heads, dtype, ns.page_size, n_layers)
+                layer = Layers(batch, ctx, heads, dtype, ns.page_size, n_layers, pool_tokens=ns.pool_tokens)
                 got: dict[str, list[float]] = {n: [] for n in names}
                 floor: list[float] = []
                 for _ in range(ns.rounds):

@@ -212,6 +212,15 @@ def test_bench_attention_runs(tmp_path: Any, capsys: pytest.CaptureFixture[str])
     assert all(r["read_only_ms"] > 0 for r in res["rows"])
     text = capsys.readouterr().out
     assert "STREAM-style copy" in text and "of floor" in text
+    # the same batch scattered over a larger pool: same bytes to read, fewer layers fit the cap
+    assert main(["bench", "attention", "--batch-sizes", "3", "--contexts", "40", "--iters", "2", "--rounds", "1",
+                 "--stream-mb", "8", "--num-heads", "9", "--num-kv-heads", "3", "--head-dim", "64",
+                 "--backends", "cpu_paged", "--pool-tokens", "40000", "--max-pool-mib", "100",
+                 "--output", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["bytes"] == 3 * 40 * (2 * 3 * 64 * 2 + 8)
+    assert row["layers"] == (100 << 20) // (40000 * 2 * 3 * 64 * 2)
+    assert "a pool of 40000 slots per layer" in capsys.readouterr().out
 
 
 @needs_ext
