@@ -12,12 +12,13 @@ step reads each running request's pages, scattered over buffers of tens of MB pe
 all), so with 4 KiB pages nearly every page of KV costs TLB misses and page-table walks from memory.
 Measured with the decode kernel on a pool of 160k slots, its calls alternated between the two
 kinds of buffers: 1.03-1.10x faster with huge pages (docs/benchmarks.md). The price is paid once, at
-start: about 2 s more to zero a 3.5 GiB pool while the kernel finds free 2 MiB blocks.
+start: up to a few seconds more to zero a 3.5 GiB pool while the kernel finds free 2 MiB blocks.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 import torch
@@ -46,8 +47,16 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
 
 
 def _zeros(rows: int, heads: int, dim: int, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-    """A zeroed K or V buffer, advised into huge pages before the zeros touch it."""
-    buf = torch.empty(rows, heads, dim, dtype=dtype, device=device)
+    """A zeroed K or V buffer on memory fresh from the kernel, advised into huge pages before the
+    zeros touch it. Not ``torch.empty``: malloc may hand back memory already touched (the float32
+    weights freed after quantizing the model, say), whose 4 KiB pages an advice no longer changes."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(rows, heads, dim, dtype=dtype, device=device)
+    nbytes = rows * heads * dim * torch.empty(0, dtype=dtype).element_size()
+    # private anonymous memory: a shared mapping (mmap's default) is shmem, where THP has its own
+    # setting (usually off); the tensor keeps the mapping alive
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = torch.frombuffer(mem, dtype=torch.uint8).view(dtype).view(rows, heads, dim)
     advise_huge_pages(buf)
     return buf.zero_()
 
