@@ -50,6 +50,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
@@ -562,32 +563,50 @@ int64_t plan(const int64_t* lens, int64_t B, int64_t threads, std::vector<Item>&
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
-                                     torch::Tensor req_to_token, torch::Tensor req_pool_indices,
-                                     torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && k_buf.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
-  TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
+namespace {
+
+void check_pool(const torch::Tensor& k_buf, const torch::Tensor& v_buf) {
+  TORCH_CHECK(k_buf.device().is_cpu() && v_buf.device().is_cpu(), "the KV pool must be CPU tensors");
   TORCH_CHECK(k_buf.dim() == 3 && k_buf.sizes() == v_buf.sizes(), "k_buf and v_buf must be [S, KVH, D] alike");
   TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), "k_buf and v_buf must share a dtype");
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous(), "the KV pool must be contiguous");
-  TORCH_CHECK(k_buf.scalar_type() == at::kFloat || k_buf.scalar_type() == at::kBFloat16,
-              "KV pool dtype must be float32 or bfloat16");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
+}
+
+// The batch's rows as int64 arrays, each checked against the slot table: B of them.
+std::pair<at::Tensor, at::Tensor> checked_rows(const torch::Tensor& req_to_token, const torch::Tensor& req_pool_indices,
+                                               const torch::Tensor& seq_lens, int64_t B) {
   TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
               "req_to_token must be an int64 [R, C] table with contiguous rows");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t S = k_buf.size(0), KVH = k_buf.size(1);
-  TORCH_CHECK(k_buf.size(2) == D, "q and the pool disagree on head_dim");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of KV heads");
   auto rpi = req_pool_indices.to(at::kLong).contiguous();
   auto lens = seq_lens.to(at::kLong).contiguous();
-  TORCH_CHECK(rpi.numel() == B && lens.numel() == B, "one req_pool_index and one seq_len per row of q");
+  TORCH_CHECK(rpi.numel() == B && lens.numel() == B, "one req_pool_index and one seq_len per decode row");
   const int64_t* rpi_p = rpi.data_ptr<int64_t>();
   const int64_t* lens_p = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(rpi_p[b] >= 0 && rpi_p[b] < req_to_token.size(0), "req_pool_index out of range");
     TORCH_CHECK(lens_p[b] >= 0 && lens_p[b] <= req_to_token.size(1), "seq_len longer than req_to_token");
   }
+  return {rpi, lens};
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
+                                     torch::Tensor req_to_token, torch::Tensor req_pool_indices,
+                                     torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
+  check_pool(k_buf, v_buf);
+  TORCH_CHECK(k_buf.scalar_type() == at::kFloat || k_buf.scalar_type() == at::kBFloat16,
+              "KV pool dtype must be float32 or bfloat16");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t S = k_buf.size(0), KVH = k_buf.size(1);
+  TORCH_CHECK(k_buf.size(2) == D, "q and the pool disagree on head_dim");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of KV heads");
+  const auto [rpi, lens] = checked_rows(req_to_token, req_pool_indices, seq_lens, B);
+  const int64_t* rpi_p = rpi.data_ptr<int64_t>();
+  const int64_t* lens_p = lens.data_ptr<int64_t>();
 
   // the softmax scale is folded into q once, instead of into every score
   auto q_raw = q.to(at::kFloat).contiguous();
@@ -660,21 +679,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch
 // Returns the sum (so the reads cannot be optimised away).
 double read_kv_rows(torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor req_to_token,
                     torch::Tensor req_pool_indices, torch::Tensor seq_lens) {
-  TORCH_CHECK(k_buf.dim() == 3 && k_buf.sizes() == v_buf.sizes() && k_buf.is_contiguous() && v_buf.is_contiguous() &&
-                  k_buf.scalar_type() == v_buf.scalar_type(),
-              "k_buf and v_buf must be contiguous [S, KVH, D] of one dtype");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
-              "req_to_token must be an int64 [R, C] table with contiguous rows");
-  auto rpi = req_pool_indices.to(at::kLong).contiguous();
-  auto lens = seq_lens.to(at::kLong).contiguous();
-  const int64_t B = rpi.numel(), S = k_buf.size(0);
-  TORCH_CHECK(lens.numel() == B, "one seq_len per req_pool_index");
+  check_pool(k_buf, v_buf);
+  const int64_t B = req_pool_indices.numel(), S = k_buf.size(0);
+  const auto [rpi, lens] = checked_rows(req_to_token, req_pool_indices, seq_lens, B);
   const int64_t* rpi_p = rpi.data_ptr<int64_t>();
   const int64_t* lens_p = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(rpi_p[b] >= 0 && rpi_p[b] < req_to_token.size(0) && lens_p[b] >= 0 &&
-                    lens_p[b] <= req_to_token.size(1),
-                "req_pool_index or seq_len out of range");
   const int64_t words = k_buf.size(1) * k_buf.size(2) * k_buf.element_size() / 4;  // 32-bit words per row
   TORCH_CHECK(k_buf.size(1) * k_buf.size(2) * k_buf.element_size() % 4 == 0, "a pool row must be whole 32-bit words");
   const auto* K = static_cast<const uint32_t*>(k_buf.data_ptr());
