@@ -172,9 +172,9 @@ def main(ns: argparse.Namespace) -> int:
     names = [n for n in ns.backends.split(",") if n]
     stat: Callable[[list[float]], float] = statistics.median if ns.stat == "median" else min
     backends = {n: create_attention_backend(n, H, KVH, D) for n in names}
-    from radixserve.model.paged_attention import extension_error
+    from radixserve.model.paged_attention import extension, extension_error
 
-    reader = None if extension_error() else _paged_extension()
+    reader = extension() if extension_error() is None else None  # read_kv_rows: the memory floor
     stream = stream_copy_gbs(ns.stream_mb)
     pool = f"a pool of {ns.pool_tokens} slots per layer" if ns.pool_tokens else "a pool just large enough"
     print(f"decode attention, per layer: {H} heads, {KVH} KV heads, head_dim {D}, {ns.dtype}, page size "
@@ -221,8 +221,3 @@ def main(ns: argparse.Namespace) -> int:
             json.dump({"stream_copy_gbs": stream, "dtype": ns.dtype, "stat": ns.stat, "heads": heads, "rows": rows}, f, indent=2)
     return 0
 
-
-def _paged_extension() -> Any:
-    from radixserve.model.paged_attention import extension
-
-    return extension()

@@ -144,8 +144,8 @@ class ModelRunner:
         native bf16: faster on CPU; the plain copies are then freed). ``quantization``: ``none``,
         ``int8`` or ``int4`` weight-only copies of every linear, ``gguf`` copies in the file's own
         Q4_1 / Q8_0 blocks, or ``auto`` (``resolve_quantization``); the copies serve inputs of at
-        most ``quant_max_rows`` rows (None: ``default_max_rows`` of the dtype; quant.py; ``quant_kernel``: ``auto``, ``block`` or ``aten``, see
-        ``quantize_weight``). Quantized copies are made from float32 weights, so a bfloat16 model's
+        most ``quant_max_rows`` rows (None: ``default_max_rows`` of the dtype; quant.py;
+        ``quant_kernel``: ``auto``, ``block`` or ``aten``, see ``quantize_weight``). Quantized copies are made from float32 weights, so a bfloat16 model's
         copies hold the file's values, not their bfloat16 rounding. ``seed`` seeds the sampler's generator for unseeded
         requests.
         ``tune_malloc_arena``: see ``tune_malloc`` (process-wide glibc setting).

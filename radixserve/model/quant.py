@@ -46,16 +46,16 @@ QUANTIZATIONS: Final = ("auto", "none", "gguf", "int8", "int4")
 INT4_GROUP: Final = 32  # GGUF Q4_0/Q4_1 block size
 # Rows up to which the quantized kernels beat the float GEMM, by the float weights' dtype
 # (measured: docs/benchmarks.md, whole decode steps alternated): against float32 weights (4 bytes
-# each) the quantized steps won up to a dozen rows; against bfloat16 (2 bytes, AVX512-BF16 GEMMs)
-# the block kernel won up to 5 rows (0.95x) and lost from 6 (1.03-1.08x).
+# each) the quantized steps won at 4 rows (0.61x) and were even at 16; against bfloat16 (2 bytes,
+# AVX512-BF16 GEMMs) the block kernel won up to 5 rows (0.95x) and lost from 6 (1.03-1.08x).
 DEFAULT_MAX_ROWS: Final = 8
 DEFAULT_MAX_ROWS_BF16: Final = 5
+COMPUTE_DTYPE: Final = torch.bfloat16
 
 
 def default_max_rows(dtype: torch.dtype) -> int:
     """The default ``--quantization-max-batch`` for a model whose float weights are ``dtype``."""
     return DEFAULT_MAX_ROWS_BF16 if dtype == torch.bfloat16 else DEFAULT_MAX_ROWS
-COMPUTE_DTYPE: Final = torch.bfloat16
 
 
 def check_quantization(name: str) -> str:
