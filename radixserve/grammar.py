@@ -29,10 +29,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 _CACHE_SIZE = 256  # compiled grammars kept (a prototype matcher each; requests get deep copies)
@@ -169,6 +171,7 @@ def mask_logits(scores: torch.Tensor, matchers: Sequence[Any | None], rows: list
     (the caller's stays as it was: logprobs are reported from the model's own logits). Also the rows
     whose grammar engine failed (left unmasked: their requests end with the error, the batch goes on)."""
     import llguidance.torch as llt
+    import torch  # here: the HTTP process validates grammars and never imports torch
 
     B, V = scores.shape
     words = (V + 31) // 32

@@ -20,11 +20,13 @@ Layout of one batch with two requests, A (prefix 3, extend 2) and B (decode, pre
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from radixserve.mem.penalties import RowPenalties
 
 
 def int64_tensor(values: Iterable[int]) -> torch.Tensor:
@@ -33,24 +35,6 @@ def int64_tensor(values: Iterable[int]) -> torch.Tensor:
     buffer without a copy (the tensor keeps the array alive). Built every step for every request."""
     a = array("q", values)
     return torch.frombuffer(a, dtype=torch.int64) if a else torch.empty(0, dtype=torch.int64)
-
-
-@dataclass
-class RowPenalties:
-    """One request's penalties for one step (``SamplingParams.penalty_row`` builds it, the sampler
-    applies it). Its history: ``output_ids[:n_out]``, plus ``input_ids[pending_pos]`` of the forward
-    when ``pending_pos >= 0`` (the overlap loop's token sampled by the forward before, not yet in
-    ``output_ids`` when the batch was built)."""
-
-    frequency: float = 0.0
-    presence: float = 0.0
-    repetition: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    min_new_tokens: int = 0
-    finish_ids: tuple[int, ...] = ()  # masked while fewer than min_new_tokens are generated
-    output_ids: Sequence[int] = ()
-    n_out: int = 0
-    pending_pos: int = -1
 
 
 @dataclass

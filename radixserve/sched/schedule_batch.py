@@ -8,7 +8,8 @@ from operator import attrgetter, itemgetter, not_
 
 import torch
 
-from radixserve.mem.forward_batch import ForwardBatch, RowPenalties, SamplingBatchInfo, int64_tensor
+from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo, int64_tensor
+from radixserve.mem.penalties import RowPenalties
 from radixserve.sched.req import Req
 
 
@@ -19,9 +20,6 @@ class ForwardMode(Enum):
 
     def is_extend(self) -> bool:
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
-
-    def is_decode(self) -> bool:
-        return self is ForwardMode.DECODE
 
 
 class ScheduleBatch:

@@ -24,8 +24,6 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from radixserve.sched.policies import policy_names
-
 if TYPE_CHECKING:  # (the HTTP process needs only RecentRequests: no scheduler imports there)
     from radixserve.sched.core import SchedulerCore
     from radixserve.sched.io import OutRow
@@ -66,6 +64,8 @@ def _classes(reqs: list[Req], low_first: bool, held: bool) -> dict[str, list[lis
 def rank_snapshot(sched: SchedulerCore, dp_rank: int = 0) -> dict[str, Any]:
     """One rank's figures for the dashboard; runs in the scheduler process between steps.
     ``load`` is exactly what ``/get_load`` answers at the same moment."""
+    from radixserve.sched.policies import policy_names  # scheduler side only: the HTTP process has no torch
+
     q, kv, st = sched.queues, sched.kv, sched.stats
     tree = kv.tree_cache
     waiting_ids = {id(r) for r in q.waiting}

@@ -34,12 +34,9 @@ from radixserve.config import ServerArgs
 from radixserve.model.loader import resolve_model_path
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.detokenizer_proc import run_detokenizer_process
-from radixserve.server.dp_controller import run_dp_controller_process
 from radixserve.server.http_server import create_app, pid_map
 from radixserve.server.procs import IpcNames, setup_logging
-from radixserve.server.scheduler_proc import run_scheduler_process
 from radixserve.server.tokenizer_manager import TokenizerManager
-from radixserve.server.tp_worker_proc import run_tp_worker_process
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +102,8 @@ def _tp_args(args: ServerArgs) -> ServerArgs:
 
 def _tp_ranks(args: ServerArgs, parent: int, ipc: IpcNames | None) -> list[tuple[str, Any, tuple[Any, ...]]]:
     """This node's tensor-parallel ranks but rank 0 (the scheduler process, on node 0)."""
+    from radixserve.server.tp_worker_proc import run_tp_worker_process  # torch: the children's, not ours
+
     per_node = args.tp_ranks_per_node
     first = args.node_rank * per_node
     return [(f"tp_{r}", run_tp_worker_process, (args, ipc, parent, r))
@@ -250,7 +249,11 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
 
 def _children(args: ServerArgs, ipc: IpcNames, parent: int) -> list[tuple[str, Any, tuple[Any, ...]]]:
     """(name, entry point, its arguments) of every child process. With ``--dp-size N``: the
-    controller and N scheduler ranks, each with its share of the CPU threads."""
+    controller and N scheduler ranks, each with its share of the CPU threads. The process modules
+    are imported here: they import torch, which this (HTTP) process never needs."""
+    from radixserve.server.dp_controller import run_dp_controller_process
+    from radixserve.server.scheduler_proc import run_scheduler_process
+
     detok = ("detokenizer", run_detokenizer_process, (args, ipc, parent))
     if args.dp_size == 1:
         return [("scheduler", run_scheduler_process, (args, ipc, parent)), *_tp_ranks(args, parent, ipc), detok]

@@ -9,7 +9,8 @@ import torch
 from kvharness import Harness
 
 from radixserve.model.config import ModelConfig
-from radixserve.model.gguf_loader import gguf_to_hf_name, open_gguf, permute_qk, unpermute_qk
+from radixserve.model.gguf_file import open_gguf
+from radixserve.model.gguf_loader import gguf_to_hf_name, permute_qk, unpermute_qk
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import default_model_path, load_model, resolve_model_path
 from radixserve.model.tokenizer import Tokenizer
@@ -18,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_gguf_name_mapping_covers_every_tensor() -> None:
-    reader, meta = open_gguf(default_model_path())
+    reader = open_gguf(default_model_path())
+    meta = reader.metadata
     names = [t.name for t in reader.tensors]
     mapped = {gguf_to_hf_name(n) for n in names}
     assert len(mapped) == len(names) == 272
@@ -62,7 +64,7 @@ def test_qk_unpermute_inverts_llama_cpp_permute() -> None:
     k = torch.randn(192)  # biases permute the same way
     assert torch.equal(unpermute_qk(permute_qk(k, 3), 3), k)
     # the same as transformers' own GGUF reverse permutation, on the file's real k weights
-    reader, _ = open_gguf(default_model_path())
+    reader = open_gguf(default_model_path())
     from gguf import quants
 
     t = next(t for t in reader.tensors if t.name == "blk.3.attn_k.weight")

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.mem.forward_batch import RowPenalties, SamplingBatchInfo
+from radixserve.mem.forward_batch import SamplingBatchInfo
+from radixserve.mem.penalties import RowPenalties
 from radixserve.model.sampler import Sampler, apply_penalties
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams

@@ -81,13 +81,13 @@ def test_int4_groups_reproduce_q4_1_blocks_exactly() -> None:
 def test_int4_on_the_bundled_gguf_q4_1_tensor_is_lossless() -> None:
     from gguf import quants
 
-    from radixserve.model.gguf_loader import open_gguf
+    from radixserve.model.gguf_file import open_gguf
     from radixserve.model.loader import default_model_path
 
-    reader, _ = open_gguf(default_model_path())
+    reader = open_gguf(default_model_path())
     t = next(t for t in reader.tensors if t.name == "blk.3.ffn_down.weight")
     assert t.tensor_type.name == "Q4_1"
-    shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+    shape = tuple(reversed(t.shape))
     w = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).reshape(shape).copy()).float()
     q, d, m = int4_groups(w)
     n, k = w.shape
@@ -251,13 +251,13 @@ def test_block_weight_keeps_the_gguf_blocks_bit_for_bit(tensor: str, bits: int, 
     give back the file's own bytes: scales, minimums and integers (Q8_0's offset by 128)."""
     from gguf import quants
 
-    from radixserve.model.gguf_loader import open_gguf
+    from radixserve.model.gguf_file import open_gguf
     from radixserve.model.loader import default_model_path
 
-    reader, _ = open_gguf(default_model_path())
+    reader = open_gguf(default_model_path())
     t = next(t for t in reader.tensors if t.name == tensor)
     assert t.tensor_type.name == {4: "Q4_1", 8: "Q8_0"}[bits]
-    shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+    shape = tuple(reversed(t.shape))
     if bits == 8:
         shape = (2048, shape[1])  # the embedding's first rows are enough
     n, k = shape

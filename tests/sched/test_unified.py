@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.config import ServerArgs
-from radixserve.sched import build_scheduler as factory
+from radixserve.sched.build import build_scheduler as factory
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.unified_scheduler import UnifiedScheduler
