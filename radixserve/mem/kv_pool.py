@@ -11,8 +11,12 @@ The K/V buffers ask Linux for transparent huge pages (2 MiB) before they are fir
 step reads each running request's pages, scattered over buffers of tens of MB per layer (GBs in
 all), so with 4 KiB pages nearly every page of KV costs TLB misses and page-table walks from memory.
 Measured with the decode kernel on a pool of 160k slots, its calls alternated between the two
-kinds of buffers: 1.03-1.10x faster with huge pages (docs/benchmarks.md). The price is paid once, at
-start: up to a few seconds more to zero a 3.5 GiB pool while the kernel finds free 2 MiB blocks.
+kinds of buffers: 1.03-1.10x faster with huge pages (docs/benchmarks.md).
+
+The buffers are not written at start: fresh anonymous memory reads as zeros, and the kernel backs
+each page the first time a K/V write touches it. A server is usable as soon as the pool is mapped
+(zeroing a 3.5 GiB pool took seconds, more with huge pages while the kernel compacted memory), and
+a pool larger than the traffic never costs memory it does not use.
 """
 
 from __future__ import annotations
@@ -47,9 +51,10 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
 
 
 def _zeros(rows: int, heads: int, dim: int, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-    """A zeroed K or V buffer on memory fresh from the kernel, advised into huge pages before the
-    zeros touch it. Not ``torch.empty``: malloc may hand back memory already touched (the float32
-    weights freed after quantizing the model, say), whose 4 KiB pages an advice no longer changes."""
+    """A K or V buffer of zeros on memory fresh from the kernel, advised into huge pages before
+    anything touches it. Not ``torch.empty``: malloc may hand back memory already touched (the
+    float32 weights freed after quantizing the model, say), whose 4 KiB pages an advice no longer
+    changes, and which is not zero."""
     if torch.device(device).type != "cpu":
         return torch.zeros(rows, heads, dim, dtype=dtype, device=device)
     nbytes = rows * heads * dim * torch.empty(0, dtype=dtype).element_size()
@@ -58,7 +63,7 @@ def _zeros(rows: int, heads: int, dim: int, dtype: torch.dtype, device: str | to
     mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf = torch.frombuffer(mem, dtype=torch.uint8).view(dtype).view(rows, heads, dim)
     advise_huge_pages(buf)
-    return buf.zero_()
+    return buf  # zeros already: the kernel zero-fills each page on its first touch
 
 
 class KVPool:
@@ -84,10 +89,6 @@ class KVPool:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads * head_dim * elem
-
-    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer][loc] = k.to(self.dtype)
-        self.v_buffers[layer][loc] = v.to(self.dtype)
 
 
 class ReqToTokenPool:
