@@ -8,9 +8,12 @@ so the pure-torch paths keep working without a compiler.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,22 @@ def build_dir() -> Path:
     return Path.home() / ".cache" / "radixserve" / "build"
 
 
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One process at a time builds or loads an extension directory, under an ``flock`` that the
+    kernel releases when its holder dies. torch's own lock is a file created with O_EXCL and
+    removed when its build ends: a process killed mid-build (a server stopped while it built on
+    first use) leaves it behind, and every later ``load`` then waits for it forever. Under our
+    lock no other build of ours is running, so a torch lock file found there is such a leftover."""
+    with open(directory / ".radixserve-lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def load_extension(stem: str, source: Path, extra_cflags: list[str] | None = None) -> tuple[Any, str | None]:
     """(the module, None), or (None, why it could not be built). Callers cache the result."""
     try:
@@ -55,8 +74,9 @@ def load_extension(stem: str, source: Path, extra_cflags: list[str] | None = Non
         name = f"{stem}_{cpu_tag()}"
         directory = build_dir() / name
         directory.mkdir(parents=True, exist_ok=True)
-        ext = load(name=name, sources=[str(source)], extra_cflags=CFLAGS + (extra_cflags or []),
-                   extra_ldflags=LDFLAGS, build_directory=str(directory), verbose=False)
+        with _build_lock(directory):
+            ext = load(name=name, sources=[str(source)], extra_cflags=CFLAGS + (extra_cflags or []),
+                       extra_ldflags=LDFLAGS, build_directory=str(directory), verbose=False)
         return ext, None
     except Exception as e:  # any build failure means "unavailable", with its reason
         return None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
