@@ -26,6 +26,7 @@ from radixserve.sched.grammar_queue import GrammarQueue
 from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.output import Outputs
 from radixserve.sched.req import Req
+from radixserve.sched.sampling_params import new_token_room
 from radixserve.sched.settings import SchedSettings
 from radixserve.sched.state import Queues
 
@@ -87,7 +88,7 @@ class Intake:
         # NOTE: the PrefillAdder admits only when prompt + max_new_tokens < free KV (SGLang's ">="
         # refusal); a request asking for the whole pool or more would wait forever, so refuse it.
         need = req.prompt_len + sp.max_new_tokens
-        if need >= self.kv.total_tokens:
+        if sp.max_new_tokens > new_token_room(req.prompt_len, self.context_len, self.kv.total_tokens):
             return FINISH_ABORT(
                 f"prompt {req.prompt_len} + max_new_tokens {sp.max_new_tokens} = {need} tokens must be "
                 f"below the KV pool size {self.kv.total_tokens}",

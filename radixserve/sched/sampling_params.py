@@ -27,7 +27,16 @@ from typing import Any
 import msgspec
 
 from radixserve.grammar import GRAMMAR_KINDS, validate_grammar
-from radixserve.mem.forward_batch import RowPenalties
+from radixserve.mem.penalties import RowPenalties
+
+
+def new_token_room(prompt_len: int, context_len: int, pool_tokens: int) -> int:
+    """The most new tokens a request with this prompt can be given: what the context has room for,
+    and fewer than the KV pool holds with the prompt (the PrefillAdder admits a request only while
+    prompt + max_new_tokens is below the free KV, so a request asking for the whole pool would wait
+    forever). Below 1: the prompt cannot be served at all. The HTTP edge picks this for a request
+    without ``max_tokens``; the scheduler refuses a request asking for more."""
+    return min(context_len - prompt_len, pool_tokens - 1 - prompt_len)
 
 
 class InvalidRequest(ValueError):
@@ -154,10 +163,6 @@ class SamplingParams(msgspec.Struct):
             if text is not None:
                 return kind, text
         return None
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature <= 1e-6 or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

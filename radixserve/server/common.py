@@ -12,7 +12,7 @@ from starlette.requests import Request
 
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import OutRow
-from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
+from radixserve.sched.sampling_params import InvalidRequest, SamplingParams, new_token_room
 from radixserve.server.io_struct import GenerateReq
 from radixserve.server.protocol import APIError
 from radixserve.server.tokenizer_manager import (
@@ -53,13 +53,19 @@ def check_prompt(tm: TokenizerManager, ids: list[int], param: str) -> None:
         )
 
 
-def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, max_tokens: int | None) -> int:
+def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, max_tokens: int | None, prompt_param: str) -> int:
     """OpenAI semantics: prompt + max_tokens must fit the context (400 otherwise); no max_tokens
     means "as many as fit" in the context and in the KV pool."""
-    room = tm.context_len - prompt_len
     if max_tokens is None:
-        pool = int(tm.info.get("max_total_num_tokens", room + prompt_len))
-        return max(min(room, pool - prompt_len + 1), 1)
+        pool = int(tm.info.get("max_total_num_tokens", tm.context_len + 1))
+        room = new_token_room(prompt_len, tm.context_len, pool)
+        if room < 1:
+            raise APIError(
+                f"the prompt has {prompt_len} tokens, which leaves no room for a completion in this model's "
+                f"context ({tm.context_len} tokens) and KV pool ({pool} tokens). Please reduce the prompt.",
+                param=prompt_param, code="context_length_exceeded",
+            )
+        return room
     if prompt_len + max_tokens > tm.context_len:
         raise APIError(
             f"This model's maximum context length is {tm.context_len} tokens. However, you requested "

@@ -62,7 +62,7 @@ class OpenAIServing:
         for p, ids in enumerate(prompts):
             check_prompt(self.tm, ids, prompt_param)
             sp = parse_sampling_params(
-                body.sampling_params(resolve_max_tokens(self.tm, len(ids), max_tokens), logprobs, top_logprobs),
+                body.sampling_params(resolve_max_tokens(self.tm, len(ids), max_tokens, prompt_param), logprobs, top_logprobs),
                 self.tm.info.get("vocab_size"), openai=True)
             for i in range(body.n):
                 spi = sp if sp.seed is None else msgspec.structs.replace(sp, seed=sp.seed + i)

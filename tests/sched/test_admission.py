@@ -86,6 +86,28 @@ def test_request_needing_the_whole_pool_is_refused_not_stuck() -> None:
     assert not whole.output_ids and not over.output_ids
 
 
+@pytest.mark.parametrize("context_len, pool_tokens", [(512, 64), (64, 64), (40, 64)])
+def test_the_http_default_max_tokens_is_one_the_scheduler_admits(context_len: int, pool_tokens: int) -> None:
+    """With no max_tokens the HTTP edge asks for as many tokens as fit; the scheduler must then run
+    the request, whether the KV pool or the context is the smaller (it once asked for one more than
+    the pool holds, refused whenever the pool was not larger than the context)."""
+    from types import SimpleNamespace
+
+    from radixserve.server.common import resolve_max_tokens
+    from radixserve.server.protocol import APIError
+
+    tm: Any = SimpleNamespace(context_len=context_len, info={"max_total_num_tokens": pool_tokens})
+    sched, runner, kv = make_scheduler(context_len=context_len, pool_tokens=pool_tokens)
+    max_new = resolve_max_tokens(tm, 10, None, "prompt")
+    r = submit(sched, "r", prompt(21, 10), max_new)
+    outs = drain(sched, max_steps=500)
+    assert_exact(outs, [r])
+    assert max_new == min(context_len, pool_tokens - 1) - 10  # and it is the most that fits
+    with pytest.raises(APIError) as e:  # a prompt that leaves no room is refused at the edge
+        resolve_max_tokens(tm, min(context_len, pool_tokens - 1), None, "prompt")
+    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
+
+
 def test_sampling_params_from_dict_rejects_unknown_types() -> None:
     with pytest.raises(InvalidRequest) as e:
         SamplingParams.from_dict({"stop": 5})
