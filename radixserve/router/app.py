@@ -94,6 +94,8 @@ def create_app(router: Router) -> web.Application:
 
     for path in ("/v1/models", "/get_model_info", "/get_server_info", "/health_generate"):
         app.router.add_get(path, any_worker(path))
+    for path in ("/tokenize", "/detokenize"):  # every worker serves the same model
+        app.router.add_post(path, any_worker(path))
 
     async def one_model(request: web.Request) -> web.StreamResponse:
         return await router.forward_one(request, request.path)

@@ -341,13 +341,15 @@ class Router:
 
     # --- fan-out endpoints -----------------------------------------------------------------------
     async def forward_one(self, request: web.Request, path: str) -> web.Response:
-        """A GET that any worker can answer (models, info): the first eligible one."""
+        """A call any worker can answer (models, info, tokenize): the first eligible one."""
         assert self.session is not None
+        data = await request.read() if request.method == "POST" else None
+        headers = {**self.fleet.auth, "Content-Type": "application/json"} if data is not None else self.fleet.auth
         for t in [t for role in self.policies for t in self.fleet.eligible(role=role)]:
             w = self.workers[t.url]
             try:
-                async with self.session.request(request.method, w.url + path, headers=self.fleet.auth,
-                                                params=request.query) as r:
+                async with self.session.request(request.method, w.url + path, headers=headers,
+                                                params=request.query, data=data) as r:
                     body = await r.read()
                     return web.Response(body=body, status=r.status,
                                         headers={k: r.headers[k] for k in _KEEP_RESP if k in r.headers})

@@ -55,6 +55,7 @@ from radixserve.server.protocol import (
     parse_body,
 )
 from radixserve.server.sched_fields import sched_fields
+from radixserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest, add_tokenize_routes
 from radixserve.server.tokenizer_manager import ClientGone, ReqState, ServerDead, TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
     def model_card() -> dict[str, Any]:
         return {"id": tm.model_name, "object": "model", "created": int(started), "owned_by": "radixserve",
                 "root": model_path, "max_model_len": tm.context_len}
+
+    add_tokenize_routes(app, tm, openai.check_model)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -279,6 +282,8 @@ _BODIES: dict[str, type[BaseModel]] = {
     "/generate": GenerateRequest,
     "/abort_request": AbortRequest,
     "/set_schedule_policy": SchedulePolicyRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
 
 
