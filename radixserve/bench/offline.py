@@ -81,7 +81,7 @@ def run_hf(engine: Engine, reqs: list[BenchRequest], workload: str, batch_size: 
     cfg = LlamaConfig(**runner.model_config.to_hf_dict())
     dtype = runner.dtype
     model = LlamaForCausalLM(cfg)
-    model = model.to(dtype)  # type: ignore[call-arg,arg-type]
+    model = model.to(dtype)  # type: ignore[arg-type]
     model.load_state_dict(load_model(runner.model_path, dtype, progress=False)[1], strict=False)
     model.tie_weights()
     model.eval()

@@ -81,9 +81,6 @@ class DecodeRooms:
     def idle(self) -> bool:
         return not self.rooms
 
-    def reserved_tokens(self) -> int:
-        return sum(len(r.slots) for r in self.rooms.values())
-
     def open(self, room: int, bootstrap: str, prompt: list[int], payload: Any, busy_tokens: int = 0) -> None:
         """Reserve the prompt's KV and register the room. ``busy_tokens``: what the running batch may
         still take. Raises ``NoKVRoom`` (nothing reserved) or ``ValueError`` (a duplicate room)."""

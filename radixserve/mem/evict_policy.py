@@ -67,6 +67,6 @@ EVICTION_STRATEGIES: dict[str, type] = {"lru": LRUStrategy, "lfu": LFUStrategy, 
 
 def get_eviction_strategy(name: str) -> EvictionStrategy:
     try:
-        return EVICTION_STRATEGIES[name]()  # type: ignore[no-any-return]
+        return EVICTION_STRATEGIES[name]()
     except KeyError:
         raise ValueError(f"unknown radix eviction policy {name!r}; choose from {sorted(EVICTION_STRATEGIES)}") from None

@@ -7,7 +7,7 @@ Hugging Face ``config.json``; ``to_hf_dict`` turns it back into a dict transform
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 # GGUF ``general.architecture`` / HF ``model_type`` values this engine runs.
@@ -60,12 +60,6 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
-
-    def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
-        emb = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -193,9 +187,6 @@ class ModelConfig:
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
         return d
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _opt_int(x: Any) -> int | None:

@@ -89,11 +89,6 @@ class Linear(nn.Module):
     def quantization(self) -> str:
         return self._quant.method if self._quant is not None else "none"
 
-    def unpack(self) -> None:
-        if self.weight.numel() == 0:
-            raise RuntimeError("this linear's plain weight was dropped after packing")
-        self._packed = None
-
     def drop_plain_weight(self) -> None:
         """Free the ``[out, in]`` weight once packed (the packed copy is all forward uses)."""
         if self._packed is not None:

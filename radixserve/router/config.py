@@ -209,7 +209,7 @@ class RouterArgs:
             ns.prefill_bootstrap_ports = [int(e[1]) if len(e) == 2 else 0 for e in prefill]
         if getattr(ns, "decode", None):
             ns.decode_urls = ns.decode
-        return dataclass_from_cli_args(cls, ns)  # type: ignore[no-any-return]
+        return dataclass_from_cli_args(cls, ns)
 
 
 _PD_FIELDS = ("prefill_urls", "prefill_bootstrap_ports", "decode_urls")

@@ -16,7 +16,6 @@ which sends what a step produced as one batch at the end of the step (server/cac
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import sys
@@ -55,16 +54,7 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05  # how long an idle scheduler waits for a message before looking around
 LOAD_REPORT_S = 0.005  # --dp-size: at most one load report to the controller this often while requests wait
 STATS_INTERVAL_S = 0.5  # how often a busy scheduler reports its gauges to /metrics
-# NOTE: for tests and the simulator only: "module:function" building a runner-like object
-# (tokenizer, model_config, kv_bytes_per_token, make_kv_pool, attach_pools, forward) from ServerArgs.
-RUNNER_FACTORY_ENV = "RADIXSERVE_RUNNER_FACTORY"
-
-
 def make_runner(args: ServerArgs) -> Any:
-    factory = os.environ.get(RUNNER_FACTORY_ENV)
-    if factory:
-        mod, _, fn = factory.partition(":")
-        return getattr(importlib.import_module(mod), fn)(args)
     if args.tp_size > 1:  # rank 0 of the tensor-parallel group; the other ranks are tp_worker_proc children
         from radixserve.model.tp_worker import load_tp_rank
 

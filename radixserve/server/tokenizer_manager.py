@@ -16,7 +16,6 @@ import asyncio
 import itertools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -193,9 +192,6 @@ class TokenizerManager:
     @property
     def context_len(self) -> int:
         return int(self.info["context_len"])
-
-    def new_rid(self) -> str:
-        return uuid.uuid4().hex
 
     async def open(self, reqs: list[GenerateReq]) -> RequestGroup:
         """Register and send the requests of one HTTP request."""

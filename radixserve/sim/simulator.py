@@ -116,9 +116,9 @@ def make_req(spec: RequestSpec, stream: bool = False) -> Req:
     req = Req(spec.rid, spec.prompt_ids(), sp, arrival_time=spec.arrival_time, priority=spec.priority,
               eos_token_ids=(EOS_TOKEN_ID,), stream=stream)
     if spec.tenant is not None:
-        req.tenant = spec.tenant  # type: ignore[attr-defined]  # read by tenant-aware policies
+        req.tenant = spec.tenant  # read by tenant-aware policies
     if spec.deadline_ms is not None:
-        req.deadline = spec.arrival_time + spec.deadline_ms / 1e3  # type: ignore[attr-defined]
+        req.deadline = spec.arrival_time + spec.deadline_ms / 1e3
     if spec.tpot_slo_ms is not None:
         req.tpot_slo = spec.tpot_slo_ms / 1e3
     return req

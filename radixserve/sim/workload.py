@@ -42,7 +42,7 @@ def stream_tokens(key: int, start: int, stop: int) -> list[int]:
     with np.errstate(over="ignore"):
         x = np.uint64((key * _A) & _M64) + i * np.uint64(_B)
         x = (x ^ (x >> np.uint64(31))) * np.uint64(_C)
-    return (np.uint64(VOCAB_LOW) + (x >> np.uint64(11)) % np.uint64(VOCAB_HIGH - VOCAB_LOW)).tolist()  # type: ignore[no-any-return]
+    return (np.uint64(VOCAB_LOW) + (x >> np.uint64(11)) % np.uint64(VOCAB_HIGH - VOCAB_LOW)).tolist()
 
 
 @dataclass

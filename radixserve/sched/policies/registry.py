@@ -85,7 +85,7 @@ def policy_class(name: str) -> type[SchedulePolicy]:
             raise ValueError(f"cannot load schedule policy {name!r}: {e}") from None
         if not (isinstance(cls, type) and callable(getattr(cls, "order", None))):
             raise ValueError(f"{name!r} is not a policy class (it needs an order(waiting, ctx) method)")
-        return cls  # type: ignore[no-any-return]
+        return cls
     return type(get_policy(name))
 
 
