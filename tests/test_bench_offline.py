@@ -20,6 +20,7 @@ def engine() -> Engine:
     return Engine(runner=ModelRunner(None, dtype="float32"), max_total_tokens=4096, context_length=1024)
 
 
+@pytest.mark.slow
 def test_engine_and_hf_runs_count_the_same_tokens(engine: Engine) -> None:
     reqs = make_workload("shared-prefix", num_groups=2, prompts_per_group=3, system_len=40, question_len=8,
                          output_len=5)

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from radixserve.bench.router_bench import BENCH_SERVE_DEFAULTS
 from radixserve.bench.router_bench_real import _serve_namespace
 from radixserve.bench.serving import RequestResult, ServingBenchmark
@@ -25,6 +27,7 @@ def _assert_load(res: dict[str, Any], router: bool) -> None:
         assert per is None or per > 0  # None only if the router used less than one clock tick
 
 
+@pytest.mark.slow
 def test_bench_router_stub_run_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "router.json"
     code = main(["bench", "router", "--requests", "30", "--block", "5", "--duration", "0.5", "--concurrency", "4",

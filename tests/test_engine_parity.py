@@ -1,5 +1,9 @@
 """Greedy outputs of the whole engine equal HF transformers' token for token (float32, the same
-dequantized weights), however the scheduler batches, caches, chunks or retracts."""
+dequantized weights), however the scheduler batches, caches, chunks or retracts.
+
+The whole module is in the slow tier: HF's step-by-step reference and a dozen engine runs over
+prompts of up to 1,000 tokens take minutes on two cores. Lengths, token counts and the policy
+sweep's prompts are chosen to cross page, chunk and retraction boundaries at the least cost."""
 
 from __future__ import annotations
 
@@ -13,8 +17,9 @@ from radixserve.model.loader import load_model
 from radixserve.model.model_runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 64
+NEW_TOKENS = 32
 LENGTHS = [1, 5, 17, 40, 90, 150, 260, 400, 520, 700, 850, 1000]
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
 
@@ -92,16 +97,16 @@ def test_all_at_once(runner: ModelRunner, prompts: list[list[int]], reference: l
     eng.check_memory_invariant()
 
 
-SHARED_TAILS = [1, 3, 5, 9, 17, 25, 40, 60, 90, 120, 150, 200]
+SHARED_TAILS = [1, 5, 17, 40, 90, 200]
 
 
 def test_shared_prefix_hits_cache(hf_model: Any, runner: ModelRunner, prompts: list[list[int]]) -> None:
-    """12 prompts (601 to 800 tokens) behind one 600-token prefix: the first pays for it, the other
-    11 find it in the radix cache, and all 12 still generate exactly HF's 64 tokens."""
+    """6 prompts (601 to 800 tokens) behind one 600-token prefix: the first pays for it, the other
+    5 find it in the radix cache, and all 6 still generate exactly HF's tokens."""
     base = prompts[-1][:600]
     text = prompts[-1]
     group = [base + text[600 + 13 * i : 600 + 13 * i + n] for i, n in enumerate(SHARED_TAILS)]
-    assert len(group) == 12 and all(len(p) == 600 + n for p, n in zip(group, SHARED_TAILS, strict=True))
+    assert len(group) == len(SHARED_TAILS) and all(len(p) == 600 + n for p, n in zip(group, SHARED_TAILS, strict=True))
     ref = [hf_greedy(hf_model, p, NEW_TOKENS) for p in group]
     eng = _engine(runner)
     first = eng.generate(input_ids=group[0], sampling_params=GREEDY)
@@ -159,13 +164,15 @@ POLICY_RUNS: dict[str, dict[str, Any]] = {
     "unified-priority": {"scheduler": "unified", "scheduling_policy": "priority", "max_num_batched_tokens": 256},
 }
 SWEEP_TOKENS = 16
+SWEEP_PROMPTS = 8  # up to 400 tokens: the order changes, not what a longer prompt would add
 
 
 @pytest.mark.parametrize("name", list(POLICY_RUNS))
 def test_greedy_parity_under_every_policy(
     name: str, runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]]
 ) -> None:
-    eng = _engine(runner, max_running_requests=8, chunked_prefill_size=256, **POLICY_RUNS[name])
+    eng = _engine(runner, max_running_requests=4, chunked_prefill_size=256, **POLICY_RUNS[name])
+    prompts = prompts[:SWEEP_PROMPTS]
     batch = prompts + prompts[::-1]
     priority: list[int | None] = [(0, 5, 20)[i % 3] for i in range(len(batch))]
     outs = eng.generate(input_ids=batch, sampling_params=dict(GREEDY, max_new_tokens=SWEEP_TOKENS),

@@ -141,6 +141,7 @@ def _check_outputs(outs: list[dict[str, Any]]) -> None:
         assert outs[i]["meta_info"]["finish_reason"] == {"type": "stop", "matched": None}, i
 
 
+@pytest.mark.slow
 def test_engine_outputs_follow_their_grammars(fp32_runner: Any) -> None:
     """A batch mixing every kind of grammar and none, greedy and sampled, under both event loops;
     the unconstrained request gets the tokens it gets alone."""

@@ -10,6 +10,8 @@ from kvharness import Harness
 
 from radixserve.mem.forward_batch import SamplingBatchInfo
 
+pytestmark = pytest.mark.slow  # transformers' reference runs: the full tier
+
 REL_TOL = 1e-4
 
 

@@ -165,6 +165,7 @@ def test_unbuildable_extension_says_why(monkeypatch: pytest.MonkeyPatch) -> None
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_ext
 def test_engine_greedy_parity(fp32_runner: Any) -> None:
     from radixserve.engine import Engine

@@ -134,6 +134,7 @@ def float_model() -> Any:
     return LlamaForCausalLM.from_state_dict(config, state, torch.float32, "torch_native")
 
 
+@pytest.mark.slow
 def test_quality_budget_teacher_forced(float_model: Any, fp32_runner: Any) -> None:
     from radixserve.bench.quant_quality import PASSAGES, measure
     from radixserve.model.quant import block_kernel_error

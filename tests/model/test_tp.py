@@ -35,6 +35,7 @@ def _run(engine: Engine) -> list[list[int]]:
     return [first["output_ids"], *(o["output_ids"] for o in rest)]
 
 
+@pytest.mark.slow
 def test_engine_tp2_equals_tp1_on_a_tiny_model(tiny: str) -> None:
     # small prefill chunks: prompts prefill over several steps, so the journal carries chunk writes
     kw: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 2048, "chunked_prefill_size": 16}
@@ -56,6 +57,7 @@ def test_engine_tp2_equals_tp1_on_a_tiny_model(tiny: str) -> None:
     assert torch.get_num_threads() == threads  # rank 0's share of the threads was given back
 
 
+@pytest.mark.slow
 def test_bundled_model_tp3_equals_tp1_in_float32(fp32_runner: Any) -> None:
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}

@@ -23,6 +23,8 @@ import pytest
 
 from tests.server.helpers import REPO, STARTUP_TIMEOUT_S, assert_memory_ok, free_port, pid_alive, wait_idle
 
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
+
 HEALTH_INTERVAL_S = 1.0
 
 

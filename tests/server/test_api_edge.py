@@ -19,6 +19,8 @@ from radixserve.bench.fuzz import FIELDS, mutate
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from tests.server.helpers import API_KEY, REPO, ServerProcess, assert_memory_ok, started, wait_idle
 
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
+
 POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 VALID: dict[str, dict[str, Any]] = {

@@ -7,7 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.server.helpers import ServerProcess
+
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
 
 
 def _bench(server: ServerProcess, out: Path, *args: str) -> dict[str, Any]:

@@ -20,6 +20,8 @@ import pytest
 
 from tests.server.helpers import REPO, ServerProcess, fake_dashboard_tm, free_port, wait_idle
 
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
+
 ARTIFACT = os.path.join(REPO, "test-artifacts", "dashboard.png")
 WORKLOAD = 4  # concurrent requests, long enough to still run when the page is read, then aborted
 # NOTE: not longer: admission reserves part of max_new_tokens (new_token_ratio), and all four must

@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import pytest
 
 from radixserve.server.dashboard import RecentRequests, percentiles, rank_snapshot
 from radixserve.server.http_server import create_app
@@ -108,6 +109,7 @@ def test_api_key_guards_the_state_not_the_page() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.slow  # a real server
 def test_state_of_a_real_server(shared_server: ServerProcess) -> None:
     with shared_server.client() as c:
         state = c.get("/dashboard/state").json()
@@ -124,6 +126,7 @@ def test_state_of_a_real_server(shared_server: ServerProcess) -> None:
     assert set(state["requests"]) == {"aborted", "count", "ttft", "tpot", "recent"}
 
 
+@pytest.mark.slow  # a real server
 def test_router_state_shows_each_worker(shared_server: ServerProcess) -> None:
     async def scenario(fleet: Any, client: aiohttp.ClientSession) -> None:
         stub = await fleet.stub()  # a stub worker has no dashboard: its column says so

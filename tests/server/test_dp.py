@@ -15,6 +15,8 @@ from radixserve.server.dp_controller import DPBalancer
 from radixserve.server.io_struct import RankLoad
 from tests.server.helpers import ServerProcess, assert_memory_ok, pid_alive, wait_idle
 
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
+
 
 # --- the balancer --------------------------------------------------------------------------------------
 def test_round_robin_balancer() -> None:

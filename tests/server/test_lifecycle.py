@@ -18,6 +18,8 @@ import pytest
 
 from tests.server.helpers import API_KEY, ServerProcess, assert_memory_ok, pid_alive, started, wait_idle
 
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
+
 ADMIN_KEY = "sk-radixserve-admin"
 
 

@@ -6,8 +6,12 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
+
 from radixserve.server.launch import LOAD_STAGES
 from tests.server.helpers import ServerProcess
+
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
 
 DECODE_LINE = re.compile(
     r"Decode batch\. #running-req: (\d+), #token: (\d+), token usage: (\d+\.\d+), "

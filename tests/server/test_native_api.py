@@ -13,6 +13,8 @@ import pytest
 
 from tests.server.helpers import ServerProcess, assert_memory_ok, wait_idle
 
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
+
 # long enough that only an abort (not the end of generation) can make the server idle in time
 LONG = {"max_new_tokens": 4000, "ignore_eos": True}
 

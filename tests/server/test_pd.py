@@ -15,6 +15,8 @@ import pytest
 
 from tests.server.helpers import ServerProcess, assert_memory_ok, free_port, wait_idle
 
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
+
 TIMEOUT_S = 3
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 

@@ -15,6 +15,8 @@ import pytest
 
 from tests.server.helpers import ServerProcess, assert_memory_ok, free_port, wait_idle
 
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
+
 
 @pytest.fixture(scope="module")
 def pd_dp() -> Iterator[tuple[ServerProcess, ServerProcess, int]]:

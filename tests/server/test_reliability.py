@@ -9,8 +9,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from radixserve.bench.fuzz import clamp_lengths
 from tests.server.helpers import ServerProcess, assert_memory_ok
+
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
 
 
 def _run(out: Path, *args: str) -> tuple[int, dict[str, Any]]:

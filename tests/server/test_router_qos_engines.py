@@ -24,6 +24,8 @@ import pytest
 from tests.router.router_helpers import Fleet, post
 from tests.server.helpers import ServerProcess, assert_memory_ok, wait_idle
 
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
+
 BLOCKER = 40  # tokens of the request that holds the router's only slot while the others queue
 
 

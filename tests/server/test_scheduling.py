@@ -11,6 +11,8 @@ import pytest
 
 from tests.server.helpers import ServerProcess, assert_memory_ok, wait_idle
 
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
+
 CHAT = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 3}
 
 

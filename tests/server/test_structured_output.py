@@ -15,6 +15,8 @@ import pytest
 
 from tests.server.helpers import ServerProcess
 
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
+
 ITEM = {
     "type": "object",
     "properties": {"item": {"type": "string", "maxLength": 16}, "price": {"type": "number", "minimum": 0},

@@ -20,6 +20,8 @@ import pytest
 from tests.model.tiny_llama import make_tiny_llama
 from tests.server.helpers import REPO, ServerProcess, free_port, pid_alive
 
+pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
+
 PREFIX = "A shared system prompt that several requests start with: "
 PROMPTS = [PREFIX + "first question?", PREFIX + "second, longer question here?", "short"]
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
