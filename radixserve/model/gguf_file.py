@@ -52,10 +52,6 @@ class GGUFTensor(NamedTuple):
     shape: tuple[int, ...]  # ``ne`` order: the fastest-moving dimension first (torch's shape reversed)
     data: np.ndarray  # plain types: elements, torch's shape; block types: uint8 rows of blocks
 
-    @property
-    def n_bytes(self) -> int:
-        return int(self.data.nbytes)
-
 
 class GGUFFile:
     """The header of a GGUF file and views of its tensors (the file stays mapped while they live)."""
@@ -95,7 +91,7 @@ class GGUFFile:
 
     def _take(self, n: int) -> memoryview:
         end = self._pos + n
-        if n < 0 or end > len(self._mv):
+        if end > len(self._mv):
             self._refuse(f"it ends inside its header (wanted {n} bytes at offset {self._pos})")
         out = self._mv[self._pos : end]
         self._pos = end
