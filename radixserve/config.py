@@ -24,11 +24,12 @@ def option(default: Any, help: str, choices: tuple[str, ...] | None = None, grou
 class ServerArgs:
     # --- model -------------------------------------------------------------------------------
     model_path: str | None = option(
-        None, "Local GGUF file or safetensors directory. Default: the bundled SmolLM2-135M-Instruct GGUF.", group="model"
+        None, "Local GGUF file or safetensors directory (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3). "
+        "Default: the bundled SmolLM2-135M-Instruct GGUF.", group="model"
     )
     served_model_name: str | None = option(None, "Model name reported by the API (default: derived from the path).", group="model")
     dtype: str = option("auto", "Weights/activations/KV dtype; auto picks the measured-fastest on this device.", ("auto", "float32", "bfloat16"), group="model")
-    context_length: int | None = option(None, "Maximum context length (prompt + output); default: the model's.", group="model")
+    context_length: int | None = option(None, "Maximum context length (prompt + output); default: the model's (a sliding-window model's window).", group="model")
     attention_backend: str = option(
         "auto", "Attention implementation. torch_native: gather each request's KV from the pool, then SDPA. "
         "cpu_paged: decode rows by a C++ kernel that reads the KV in place, 1.4x faster decode steps at batch 64 "

@@ -31,7 +31,7 @@ from radixserve.config import ServerArgs
 from radixserve.grammar import GrammarCompiler
 from radixserve.mem.kv_pool import JournaledReqToTokenPool, ReqToTokenPool
 from radixserve.model.detokenize import IncrementalDetokenizer
-from radixserve.model.model_runner import ModelRunner
+from radixserve.model.model_runner import ModelRunner, runner_from_args
 from radixserve.sched.build import build_kv, request_slots
 from radixserve.sched.build import build_scheduler as build_sched
 from radixserve.sched.core import SchedulerCore
@@ -96,14 +96,13 @@ class Engine:
         if args.tp_size > 1:
             runner = self._start_tp(runner)
             args = self.server_args
-        self.runner = runner or ModelRunner(
-            args.model_path, dtype=args.dtype, attention_backend=args.attention_backend,
-            seed=args.random_seed, num_threads=args.num_threads, quantization=args.quantization,
-            quant_max_rows=args.quantization_max_batch,
-        )
+        self.runner = runner or runner_from_args(args)
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.tokenizer
-        self.context_len = args.context_length or self.model_config.max_position
+        self.context_len = args.context_length or self.runner.max_context_len
+        if self.context_len > self.runner.max_context_len:  # a runner built elsewhere, for a shorter context
+            raise ValueError(f"context_length {self.context_len} is longer than the runner's "
+                             f"{self.runner.max_context_len} (ModelRunner(context_length=...))")
         try:
             self.scheduler = build_scheduler(args, self.runner, self.context_len)
         except BaseException:

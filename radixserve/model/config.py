@@ -3,23 +3,38 @@
 One ``ModelConfig`` is built either from a GGUF file's metadata (llama.cpp key names) or from a
 Hugging Face ``config.json``; ``to_hf_dict`` turns it back into a dict transformers accepts
 (``LlamaConfig(**d)`` for Llama, ``AutoConfig.for_model(**d)`` for any), which the parity tests use.
+
+The families differ from Llama in a few fields, and llama.py reads those fields, never the family:
+
+- ``qwen2``: bias on q/k/v; ``qwen3``: RMSNorm on each head of q and k;
+- ``qwen3moe`` (Qwen3-MoE) and ``llama`` with experts (Mixtral): routed experts in place of the MLP
+  (``num_experts`` > 0), softmax over the router's logits, the top ``num_experts_per_tok``,
+  renormalized where ``norm_topk_prob``;
+- ``phi3`` (Phi-3, 3.5, 4-mini): q/k/v and gate/up fused in the checkpoint (the loaders split them),
+  RoPE on the first ``rotary_dim`` dimensions only, LongRoPE scaling.
+
+A model with sliding-window attention runs with its context limited to the window (ModelRunner),
+where full attention and the window agree.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 # GGUF ``general.architecture`` / HF ``model_type`` values this engine runs.
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
-_HF_ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# HF model_type -> our arch name (mistral is a plain llama here)
-_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3")
+_HF_ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
+# HF model_type -> our arch name (Mistral is a Llama, Mixtral a Llama with experts, as in llama.cpp)
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2",
+                   "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3"}
 
 
 @dataclass
 class ModelConfig:
-    arch: str  # "llama" | "qwen2" | "qwen3"
+    arch: str  # one of SUPPORTED_ARCHS
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -35,6 +50,14 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     rope_scaling: dict[str, Any] | None = None  # HF style, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     rope_freq_factors: list[float] | None = None  # GGUF ``rope_freqs`` tensor: divides each inv_freq
+    rotary_dim: int = 0  # dimensions of each head RoPE rotates (the first ones); 0: all of them
+    sliding_window: int | None = None  # attention span of a sliding-window model (ModelRunner limits the context)
+    # routed experts (0: a dense MLP in every layer)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalized to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = ""
@@ -47,6 +70,13 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+        if self.rotary_dim == 0:
+            self.rotary_dim = self.head_dim
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..{self.num_experts}")
+        self.dense_layers = tuple(self.dense_layers)
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -60,6 +90,9 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -88,6 +121,15 @@ class ModelConfig:
         stype = get("rope.scaling.type")
         if stype in ("linear",) and get("rope.scaling.factor"):
             rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+        if get("rope.scaling.original_context_length") and arch == "phi3":
+            # LongRoPE: the loader adds the per-dimension factors from the rope_factors_* tensors
+            rope_scaling = {
+                "rope_type": "longrope",
+                "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+                "attention_factor": float(get("rope.scaling.attn_factor", 1.0)),
+            }
+        experts = int(get("expert_count", 0) or 0)
+        window = get("attention.sliding_window")
         return cls(
             arch=arch,
             num_layers=int(get("block_count")),
@@ -103,8 +145,16 @@ class ModelConfig:
             max_position=int(get("context_length", 4096)),
             tie_word_embeddings=True,  # the loader flips this when an ``output`` tensor exists
             attention_bias=False,  # the loader flips this when ``attn_q.bias`` exists
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3moe"),
             rope_scaling=rope_scaling,
+            rotary_dim=int(get("rope.dimension_count", head_dim)),
+            sliding_window=int(window) if window else None,
+            num_experts=experts,
+            num_experts_per_tok=int(get("expert_used_count", 0) or 0),
+            # Mixtral's files (arch llama) give the expert size as the feed-forward length
+            moe_intermediate_size=int(get("expert_feed_forward_length", 0) or get("feed_forward_length") or 0)
+            if experts else 0,
+            norm_topk_prob=bool(get("expert_weights_norm", True)),
             bos_token_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
             eos_token_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
             name=str(meta.get("general.name", "")),
@@ -112,7 +162,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """From a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2, Qwen3)."""
+        """From a Hugging Face ``config.json`` dict (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3)."""
         if "text_config" in d and "hidden_size" not in d:
             d = {**d["text_config"], **{k: v for k, v in d.items() if k != "text_config"}}
         model_type = d.get("model_type", "llama")
@@ -125,20 +175,38 @@ class ModelConfig:
         # transformers >= 5 writes ``rope_parameters``; older files ``rope_theta`` + ``rope_scaling``
         rope_params = dict(d.get("rope_parameters") or {})
         theta = rope_params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+        partial = float(rope_params.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0)
         scaling = d.get("rope_scaling") or rope_params or None
         if scaling is not None:
             scaling = dict(scaling)
             scaling.pop("rope_theta", None)
+            scaling.pop("partial_rotary_factor", None)
             if "type" in scaling and "rope_type" not in scaling:
                 scaling["rope_type"] = scaling.pop("type")
             if scaling.get("rope_type", "default") == "default":
                 scaling = None
+        if scaling is not None and scaling.get("rope_type") in ("longrope", "su"):
+            scaling["rope_type"] = "longrope"
+            orig = int(scaling.get("original_max_position_embeddings") or d["original_max_position_embeddings"])
+            scaling["original_max_position_embeddings"] = orig
+            if scaling.get("attention_factor") is None:  # as transformers derives it: from the model's own span
+                factor = float(scaling.get("factor") or d["max_position_embeddings"] / orig)
+                scaling["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        num_layers = int(d["num_hidden_layers"])
+        experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+        dense: list[int] = []
+        if experts and model_type == "qwen3_moe":
+            step, only = int(d.get("decoder_sparse_step", 1) or 1), set(d.get("mlp_only_layers") or [])
+            dense = [i for i in range(num_layers) if i in only or (i + 1) % step]
+        window = d.get("sliding_window")
+        if arch in ("qwen2", "qwen3", "qwen3moe") and not d.get("use_sliding_window", False):
+            window = None
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         return cls(
             arch=arch,
-            num_layers=int(d["num_hidden_layers"]),
+            num_layers=num_layers,
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
@@ -150,8 +218,15 @@ class ModelConfig:
             max_position=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3moe"),
             rope_scaling=scaling,
+            rotary_dim=int(int(head_dim) * partial),
+            sliding_window=int(window) if window else None,
+            num_experts=experts,
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if experts else 0,
+            moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]) if experts else 0,
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)) if model_type == "qwen3_moe" else True,
+            dense_layers=tuple(dense),
             bos_token_id=_opt_int(d.get("bos_token_id")),
             eos_token_id=_opt_int(eos),
             name=str(d.get("_name_or_path", "")),
@@ -164,7 +239,7 @@ class ModelConfig:
         if self.rope_scaling:
             rope_parameters = {**self.rope_scaling, "rope_theta": self.rope_theta}
         d: dict[str, Any] = {
-            "model_type": self.arch,
+            "model_type": {"qwen3moe": "qwen3_moe"}.get(self.arch, self.arch),
             "architectures": [_HF_ARCH_CLASS[self.arch]],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -186,6 +261,12 @@ class ModelConfig:
         if self.arch == "llama":
             d["attention_bias"] = self.attention_bias
             d["mlp_bias"] = False
+        if self.rotary_dim != self.head_dim:
+            rope_parameters["partial_rotary_factor"] = self.rotary_dim / self.head_dim
+        if self.num_experts:
+            d.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
+                     num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
+                     norm_topk_prob=self.norm_topk_prob, mlp_only_layers=list(self.dense_layers))
         return d
 
 

@@ -17,6 +17,7 @@ import torch
 
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_file import open_gguf
+from radixserve.model.safetensors_loader import canonical_names
 
 # Tensors outside the blocks.
 _GLOBAL_NAMES = {
@@ -37,19 +38,29 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: fused, cut up by canonical_names
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
+    "ffn_gate_exps": "mlp.experts.gate_proj",  # [experts, rows, cols]: one tensor for every expert
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Per-architecture exceptions: Phi-3's fused gate/up is stored as ``ffn_up``.
+_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Tensors that carry no weights of their own (rope frequency factors go into the config).
-_SPECIAL = {"rope_freqs.weight"}
+# LongRoPE's factor sets go into the config's rope_scaling (HF's keys).
+_SPECIAL = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
     """The HF state-dict name of a GGUF tensor; KeyError for one this engine does not know."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK_RE.match(name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if m:
+        hf = _ARCH_BLOCK_NAMES.get(arch, {}).get(m.group(2)) or _BLOCK_NAMES.get(m.group(2))
+        if hf:
+            return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}"
     raise KeyError(f"unknown GGUF tensor name {name!r}")
 
 
@@ -81,7 +92,7 @@ def load_gguf(
     config = ModelConfig.from_gguf_metadata(reader.metadata)
     state: dict[str, torch.Tensor] = {}
     names = [t.name for t in reader.tensors]
-    unknown = [n for n in names if n not in _SPECIAL and not _is_known(n)]
+    unknown = [n for n in names if n not in _SPECIAL and not _is_known(n, config.arch)]
     if unknown:
         raise ValueError(f"{path}: GGUF tensors this loader cannot map: {unknown[:8]}")
     permute = config.arch == "llama"  # convert_hf_to_gguf permutes q/k for LlamaModel only
@@ -93,13 +104,24 @@ def load_gguf(
             arr = arr.copy()
         tensor = torch.from_numpy(arr)
         if t.name in _SPECIAL:
-            config.rope_freq_factors = [float(x) for x in tensor.reshape(-1).tolist()]
+            values = [float(x) for x in tensor.reshape(-1).tolist()]
+            if t.name == "rope_freqs.weight":
+                config.rope_freq_factors = values
+            elif config.rope_scaling is not None and config.rope_scaling.get("rope_type") == "longrope":
+                config.rope_scaling[t.name.removeprefix("rope_factors_").split(".")[0] + "_factor"] = values
+            else:
+                raise ValueError(f"{path}: {t.name} without LongRoPE metadata (rope.scaling.original_context_length)")
             continue
-        name = gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name, config.arch)
         if permute and (".q_proj." in name or ".k_proj." in name):
             n_head = config.num_heads if ".q_proj." in name else config.num_kv_heads
             tensor = unpermute_qk(tensor, n_head)
         state[name] = tensor.to(dtype)
+    state = canonical_names(config, state)
+    if config.num_experts:  # llama.cpp's MoE families have no dense layers; a file may say otherwise
+        config.dense_layers = tuple(
+            i for i in range(config.num_layers) if f"model.layers.{i}.mlp.gate.weight" not in state
+        )
     config.tie_word_embeddings = "lm_head.weight" not in state
     config.attention_bias = "model.layers.0.self_attn.q_proj.bias" in state
     config.qk_norm = "model.layers.0.self_attn.q_norm.weight" in state
@@ -110,13 +132,24 @@ def load_gguf(
 
 
 def gguf_tensor_types(path: str) -> dict[str, str]:
-    """HF name -> GGUF type name (``Q4_1``, ``Q8_0``, ``F32``...) of every weight in the file."""
-    return {gguf_to_hf_name(t.name): t.tensor_type.name for t in open_gguf(path).tensors if t.name not in _SPECIAL}
+    """HF name -> GGUF type name (``Q4_1``, ``Q8_0``, ``F32``...) of every weight in the file, under
+    the names ``load_gguf`` gives its parts (a fused or stacked tensor's type is each part's)."""
+    reader = open_gguf(path)
+    config = ModelConfig.from_gguf_metadata(reader.metadata)
+    out: dict[str, str] = {}
+    for t in reader.tensors:
+        if t.name in _SPECIAL:
+            continue
+        name = gguf_to_hf_name(t.name, config.arch)
+        shape = tuple(reversed(t.shape))
+        parts = canonical_names(config, {name: torch.empty(shape, device="meta")})
+        out.update(dict.fromkeys(parts, t.tensor_type.name))
+    return out
 
 
-def _is_known(name: str) -> bool:
+def _is_known(name: str, arch: str) -> bool:
     try:
-        gguf_to_hf_name(name)
+        gguf_to_hf_name(name, arch)
     except KeyError:
         return False
     return True

@@ -1,8 +1,15 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain PyTorch, over a paged KV pool.
+"""Llama-family decoder (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3) in plain PyTorch,
+over a paged KV pool. How the families differ, and which config fields say so: config.py.
 
 The state dict stays in Hugging Face naming (``model.layers.N.self_attn.q_proj.weight``...), which is
-what the loaders produce and what the parity tests feed to transformers; at build time q/k/v are
-fused into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (fewer, larger GEMMs).
+what the loaders produce and what the parity tests feed to transformers. Every family's checkpoint
+comes in one spelling (loader.py): q/k/v and gate/up as separate tensors, experts as Qwen3-MoE names
+them (``mlp.gate``, ``mlp.experts.E.gate_proj``...). At build time q/k/v are fused into one
+``qkv_proj`` and gate/up into one ``gate_up_proj`` (fewer, larger GEMMs).
+
+An MoE layer runs each expert on the rows routed to it (a gather, the expert's two GEMMs, a
+weighted scatter-add): each expert is an ordinary MLP of ``Linear`` layers, so packing and weight
+quantization treat experts as they treat any other linear.
 
 ``forward`` consumes a ``ForwardBatch`` (flat new tokens of all requests) and returns the logits of
 each request's last new token only: the LM head never runs on the other positions.
@@ -41,11 +48,16 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies exactly as transformers computes them (float32), plus scaling."""
+def rope_inv_freq(config: ModelConfig, context_len: int | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies exactly as transformers computes them (float32), plus scaling, for
+    the ``rotary_dim`` dimensions RoPE turns.
+
+    LongRoPE has two sets of per-dimension factors, short and long; ``context_len`` (the longest
+    sequence this model will run; default the model's own span) picks one for every position, as
+    llama.cpp does by its context size: short where the context fits the original span."""
     import math
 
-    dim = config.head_dim
+    dim = config.rotary_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if config.rope_freq_factors is not None:
         inv = inv / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
@@ -55,6 +67,12 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv
     if kind == "linear":
         return inv / float(sc["factor"])
+    if kind == "longrope":
+        long = (context_len or config.max_position) > int(sc["original_max_position_embeddings"])
+        factors = torch.tensor(sc["long_factor" if long else "short_factor"], dtype=torch.float32)
+        if factors.shape != inv.shape:
+            raise ValueError(f"LongRoPE needs {inv.numel()} factors per set, the model gives {factors.numel()}")
+        return inv / factors
     if kind == "llama3":
         factor = float(sc["factor"])
         low = float(sc.get("low_freq_factor", 1.0))
@@ -70,6 +88,12 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
 
 
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What LongRoPE multiplies cos and sin by (1 for every other kind)."""
+    sc = config.rope_scaling or {}
+    return float(sc.get("attention_factor") or 1.0) if sc.get("rope_type") == "longrope" else 1.0
+
+
 class Attention(nn.Module):
     """Under tensor parallelism: this rank's heads only (column-parallel qkv), and a row-parallel
     o_proj whose partial sums are all-reduced."""
@@ -82,6 +106,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads // tp_size
         self.num_kv_heads = config.num_kv_heads // tp_size
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
@@ -102,7 +127,7 @@ class Attention(nn.Module):
         r2t: ReqToTokenPool,
         ops: TorchOps = _TORCH_OPS,
     ) -> torch.Tensor:
-        """``cos, sin: [T, D/2]``. ``ops`` rotates q and k (the C++ ops in place, inside ``qkv``)."""
+        """``cos, sin: [T, rotary_dim/2]``. ``ops`` rotates q and k (the C++ ops in place, inside ``qkv``)."""
         T = x.shape[0]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # .forward: see DecoderLayer.forward_fused
@@ -113,7 +138,11 @@ class Attention(nn.Module):
             qk = torch.cat([q, k], dim=1)
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KVH, D)
-        qk = ops.rope(qk, cos, sin)  # q and k rotated in one go: [T, H + KVH, D]
+        if self.rotary_dim == D:  # q and k rotated in one go: [T, H + KVH, D]
+            qk = ops.rope(qk, cos, sin)
+        else:  # partial rotary: the first rotary_dim dimensions of each head turn, the rest pass
+            R = self.rotary_dim
+            qk = torch.cat([ops.rope(qk[..., :R], cos, sin), qk[..., R:]], dim=-1)
         q, k = qk[:, :H], qk[:, H:]
         out = self.o_proj.forward(backend.forward(q, k, v, self.layer_id, fb, kv_pool, r2t))
         return out if self.tp is None else self.tp.all_reduce_(out)
@@ -121,19 +150,60 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """Under tensor parallelism: this rank's slice of the intermediate rows (column-parallel
-    gate/up, row-parallel down_proj, all-reduced)."""
+    gate/up, row-parallel down_proj, all-reduced unless ``reduce`` is off: an expert's partial
+    sums are reduced once for the whole MoE layer)."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, dtype: torch.dtype, tp: TPGroup | None = None, reduce: bool = True
+    ) -> None:
+        super().__init__()
+        self.tp = tp if reduce else None
+        start, end = tp.split(intermediate) if tp is not None else (0, intermediate)
+        self.rows = (start, end)
+        self.intermediate = end - start
+        self.gate_up_proj = Linear(hidden, 2 * self.intermediate, False, dtype)
+        self.down_proj = Linear(self.intermediate, hidden, False, dtype)
+
+    def forward(self, x: torch.Tensor, ops: TorchOps = _TORCH_OPS) -> torch.Tensor:
+        out = self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
+        return out if self.tp is None else self.tp.all_reduce_(out)
+
+
+class SparseMoE(nn.Module):
+    """Routed experts: each token goes to the ``num_experts_per_tok`` experts with the largest
+    softmax probability, weighted by it (renormalized over the chosen ones where the family does).
+    The router is kept in the model's float dtype, never quantized: a rounded router changes which
+    experts run, not just by how much."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp
-        start, end = tp.split(config.intermediate_size) if tp is not None else (0, config.intermediate_size)
-        self.rows = (start, end)
-        self.intermediate = end - start
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, False, dtype)
-        self.down_proj = Linear(self.intermediate, config.hidden_size, False, dtype)
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = empty_param(config.num_experts, config.hidden_size, dtype=dtype)
+        self.experts = nn.ModuleList(
+            MLP(config.hidden_size, config.moe_intermediate_size, dtype, tp, reduce=False)
+            for _ in range(config.num_experts)
+        )
 
     def forward(self, x: torch.Tensor, ops: TorchOps = _TORCH_OPS) -> torch.Tensor:
-        out = self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
+        probs = torch.softmax(F.linear(x, self.gate), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # group the (token, choice) pairs by expert: one gather and two GEMMs per expert in use
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)
+        rows_of = order // self.top_k
+        weight_of = weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
+            if n:
+                rows = rows_of[start : start + n]
+                y = self.experts[e].forward(x.index_select(0, rows), ops)
+                out.index_add_(0, rows, y * weight_of[start : start + n])
+                start += n
         return out if self.tp is None else self.tp.all_reduce_(out)
 
 
@@ -143,7 +213,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps, dtype)
         self.self_attn = Attention(config, layer_id, dtype, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps, dtype)
-        self.mlp = MLP(config, dtype, tp)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config, dtype, tp) if config.is_moe_layer(layer_id)
+            else MLP(config.hidden_size, config.intermediate_size, dtype, tp)
+        )
 
     def forward(
         self,
@@ -197,9 +270,12 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         attention_backend: str | AttentionBackend = "auto",
         tp: TPGroup | None = None,
+        context_len: int | None = None,
     ) -> None:
         """``tp``: build this rank's shard only (the vocabulary rows of the embedding and LM head,
-        the heads and intermediate rows of every layer); the heads must divide (check_tp_size)."""
+        the heads and intermediate rows of every layer); the heads must divide (check_tp_size).
+        ``context_len``: the longest sequence it will run (default the model's span): the RoPE
+        tables cover it, and LongRoPE picks its factors by it."""
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -221,10 +297,11 @@ class LlamaForCausalLM(nn.Module):
         # the small per-layer ops go with the backend: the C++ ones where the backend is the C++ one
         self.small_ops: TorchOps = make_small_ops("auto" if attention_backend.fused_small_ops else "torch")
         # cos/sin per position, computed in float32 as HF does, then cast; only one half is kept.
-        positions = torch.arange(config.max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(config))  # [P, D/2]
-        self.register_buffer("cos_cache", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().to(dtype), persistent=False)
+        positions = torch.arange(context_len or config.max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, rope_inv_freq(config, context_len))  # [P, rotary_dim/2]
+        scale = rope_attention_factor(config)
+        self.register_buffer("cos_cache", (freqs.cos() * scale).to(dtype), persistent=False)
+        self.register_buffer("sin_cache", (freqs.sin() * scale).to(dtype), persistent=False)
 
     # ------------------------------------------------------------------ weights
     @classmethod
@@ -235,8 +312,9 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         attention_backend: str | AttentionBackend = "auto",
         tp: TPGroup | None = None,
+        context_len: int | None = None,
     ) -> LlamaForCausalLM:
-        model = cls(config, dtype, attention_backend, tp)
+        model = cls(config, dtype, attention_backend, tp, context_len)
         model.load_weights(state_dict)
         return model.eval()
 
@@ -285,11 +363,14 @@ class LlamaForCausalLM(nn.Module):
             if a.q_norm is not None and a.k_norm is not None:
                 a.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
                 a.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
-            r0, r1 = layer.mlp.rows
-            layer.mlp.gate_up_proj.weight.copy_(
-                torch.cat([take(p + "mlp.gate_proj.weight")[r0:r1], take(p + "mlp.up_proj.weight")[r0:r1]], dim=0)
-            )
-            layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight")[:, r0:r1])
+            for mlp, prefix in self._mlps(layer, p):
+                r0, r1 = mlp.rows
+                mlp.gate_up_proj.weight.copy_(
+                    torch.cat([take(prefix + "gate_proj.weight")[r0:r1], take(prefix + "up_proj.weight")[r0:r1]])
+                )
+                mlp.down_proj.weight.copy_(take(prefix + "down_proj.weight")[:, r0:r1])
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.gate.copy_(take(p + "mlp.gate.weight"))
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
         unused = [
@@ -297,6 +378,13 @@ class LlamaForCausalLM(nn.Module):
         ]
         if unused:
             raise ValueError(f"state dict has tensors this model does not use: {unused[:8]}")
+
+    @staticmethod
+    def _mlps(layer: DecoderLayer, p: str) -> list[tuple[MLP, str]]:
+        """A layer's MLPs (the dense one, or every expert) and their state-dict name prefixes."""
+        if isinstance(layer.mlp, SparseMoE):
+            return [(e, p + f"mlp.experts.{i}.") for i, e in enumerate(layer.mlp.experts) if isinstance(e, MLP)]
+        return [(layer.mlp, p + "mlp.")]
 
     def pack_linears(self, batch_hint: int = 64, drop_plain_weights: bool = False) -> int:
         """Pre-pack every linear for oneDNN where possible; returns how many were packed.
@@ -334,8 +422,9 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             out[layer.self_attn.qkv_proj] = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
             out[layer.self_attn.o_proj] = [p + "self_attn.o_proj.weight"]
-            out[layer.mlp.gate_up_proj] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-            out[layer.mlp.down_proj] = [p + "mlp.down_proj.weight"]
+            for mlp, prefix in self._mlps(layer, p):
+                out[mlp.gate_up_proj] = [prefix + "gate_proj.weight", prefix + "up_proj.weight"]
+                out[mlp.down_proj] = [prefix + "down_proj.weight"]
         tied = self.config.tie_word_embeddings
         out[self.lm_head] = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
         return out

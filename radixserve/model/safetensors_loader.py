@@ -1,9 +1,14 @@
-"""Reading a Hugging Face checkpoint directory: ``config.json`` plus ``*.safetensors`` shards."""
+"""Reading a Hugging Face checkpoint directory: ``config.json`` plus ``*.safetensors`` shards.
+
+Tensors come out in the one spelling llama.py reads (``canonical_names``): Mixtral's experts under
+Qwen3-MoE's names, Phi-3's fused q/k/v and gate/up cut into the separate tensors Llama has.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import torch
@@ -12,6 +17,37 @@ from radixserve.model.config import ModelConfig
 
 # Buffers some checkpoints carry that are recomputed here.
 _SKIP_SUFFIXES = ("rotary_emb.inv_freq",)
+# Mixtral's expert names -> Qwen3-MoE's
+_MIXTRAL = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.w[123])\.weight$")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_STACKED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate|up|down)_proj\.weight$")
+
+
+def canonical_names(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` renamed and split into the tensors llama.py loads (views: nothing is copied)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        m = _MIXTRAL.match(key)
+        if m:
+            prefix, part = m.groups()
+            if part != "gate":
+                expert, w = part.rsplit(".", 1)
+                part = f"{expert}.{_MIXTRAL_PROJ[w]}"
+            out[f"{prefix}mlp.{part}.weight"] = t
+        elif key.endswith("self_attn.qkv_proj.weight"):
+            q, k, v = t.split([config.q_size, config.kv_size, config.kv_size])
+            base = key.removesuffix("qkv_proj.weight")
+            out.update({base + "q_proj.weight": q, base + "k_proj.weight": k, base + "v_proj.weight": v})
+        elif _STACKED.match(key) and t.dim() == 3:  # every expert's tensor in one (GGUF)
+            base, proj = key.removesuffix(".weight").rsplit(".", 1)
+            out.update({f"{base}.{e}.{proj}.weight": t[e] for e in range(t.shape[0])})
+        elif key.endswith("mlp.gate_up_proj.weight") and t.dim() == 2:
+            gate, up = t.chunk(2)
+            base = key.removesuffix("gate_up_proj.weight")
+            out.update({base + "gate_proj.weight": gate, base + "up_proj.weight": up})
+        else:
+            out[key] = t
+    return out
 
 
 def safetensors_files(directory: str) -> list[str]:
@@ -48,6 +84,7 @@ def load_safetensors_dir(
         if key.endswith(_SKIP_SUFFIXES):
             continue
         state[key] = handle.get_tensor(key).to(dtype)
+    state = canonical_names(config, state)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:

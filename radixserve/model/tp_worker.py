@@ -24,7 +24,7 @@ import torch
 
 from radixserve.config import ServerArgs
 from radixserve.mem.kv_pool import ReqToTokenPool, replay_journal
-from radixserve.model.model_runner import ModelRunner
+from radixserve.model.model_runner import ModelRunner, runner_from_args
 from radixserve.model.parallel import TPGroup, init_tp_group, recv_step
 
 logger = logging.getLogger(__name__)
@@ -52,9 +52,7 @@ def load_tp_rank(args: ServerArgs, rank: int, alive: Callable[[], bool] | None =
     assert args.dist_init_addr is not None
     tp = init_tp_group(rank, args.tp_size, args.dist_init_addr, alive=alive)
     try:
-        return ModelRunner(args.model_path, dtype=args.dtype, attention_backend=args.attention_backend,
-                           seed=args.random_seed, num_threads=args.num_threads, quantization=args.quantization,
-                           quant_max_rows=args.quantization_max_batch, progress=False, tp_group=tp)
+        return runner_from_args(args, progress=False, tp_group=tp)
     except BaseException:
         tp.destroy()
         raise

@@ -59,15 +59,11 @@ def make_runner(args: ServerArgs) -> Any:
         from radixserve.model.tp_worker import load_tp_rank
 
         return load_tp_rank(args, 0)
-    from radixserve.model.model_runner import ModelRunner
+    from radixserve.model.model_runner import runner_from_args
 
     # NOTE: progress=False: the HTTP process draws the one loading bar (two processes drawing
     # bars on one terminal garble each other).
-    return ModelRunner(
-        args.model_path, dtype=args.dtype, attention_backend=args.attention_backend,
-        seed=args.random_seed, num_threads=args.num_threads, quantization=args.quantization,
-        quant_max_rows=args.quantization_max_batch, progress=False,
-    )
+    return runner_from_args(args, progress=False)
 
 
 def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_rank: int | None = None) -> None:
@@ -83,7 +79,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_r
         to_tm.send(ENCODER.encode(LoadProgress("loading model weights")))
         runner = make_runner(args)
         to_tm.send(ENCODER.encode(LoadProgress("model loaded")))
-        context_len = args.context_length or runner.model_config.max_position
+        context_len = runner.max_context_len
         scheduler = build_scheduler(args, runner, context_len)
         to_tm.send(ENCODER.encode(LoadProgress("KV cache allocated")))
         publisher = open_cache_events(ctx, args, scheduler, dp_rank or 0)

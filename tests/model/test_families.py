@@ -1,0 +1,195 @@
+"""Every model family besides Llama (Mixtral, Qwen3-MoE, Phi-3 with partial rotary and LongRoPE):
+float32 logits and greedy tokens equal to transformers' own model of the same checkpoint, loaded
+from the HF directory and from the same weights as a GGUF file; the context limit of a
+sliding-window model; experts under tensor parallelism."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from kvharness import Harness
+
+from radixserve.engine import Engine
+from radixserve.model.config import ModelConfig
+from radixserve.model.model_runner import ModelRunner, limit_context
+from tests.model.tiny_models import FAMILIES, make_tiny_model, write_gguf
+
+transformers = pytest.importorskip("transformers")
+
+REL_TOL = 1e-5  # float32 against float32: rounding only (the reductions run in another order)
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, Any]:
+    """(family, checkpoint directory, transformers' model of it)."""
+    d = make_tiny_model(str(tmp_path_factory.mktemp(request.param)), request.param)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    return request.param, d, hf
+
+
+def runner_and_harness(path: str, context_length: int | None = None,
+                       backend: str = "torch_native") -> tuple[ModelRunner, Harness]:
+    r = ModelRunner(path, dtype="float32", attention_backend=backend, progress=False, context_length=context_length)
+    kv = r.make_kv_pool(4096, page_size=16)
+    r2t = r.make_req_to_token_pool(8)
+    r.attach_pools(kv, r2t)
+    return r, Harness(kv, r2t)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.inference_mode()
+def hf_logits(hf: Any, tokens: list[int]) -> torch.Tensor:
+    return hf(torch.tensor([tokens])).logits[0, -1]
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_prefill_extend_and_decode_match_transformers(family: tuple[str, str, Any], fmt: str, tmp_path: Any) -> None:
+    name, d, hf = family
+    path = d if fmt == "hf" else write_gguf(d, str(tmp_path / "model.gguf"))
+    # Phi-3: a context within the original 128 positions runs LongRoPE's short factors, as
+    # transformers does for a sequence that fits them
+    runner, h = runner_and_harness(path, context_length=128 if name == "phi3" else None, backend="cpu_paged")
+    cfg = runner.model_config
+    assert cfg.num_experts == {"mixtral": 4, "qwen3_moe": 6, "phi3": 0}[name]
+    if name == "qwen3_moe":
+        assert cfg.dense_layers == (1,) and not cfg.norm_topk_prob and cfg.qk_norm
+    if name == "phi3":
+        assert cfg.rotary_dim == 12 and cfg.rope_scaling is not None
+    # a batch of prompts of different lengths, one of them a single token
+    prompts = [ids(n, seed=n) for n in (1, 9, 60)]
+    reqs = [h.new_request() for _ in prompts]
+    out = runner.forward(h.batch(reqs, prompts)).logits
+    for i, p in enumerate(prompts):
+        assert rel_err(out[i], hf_logits(hf, p)) < REL_TOL
+    # greedy decode, all three at once, every step against transformers' full recompute
+    seqs = [list(p) for p in prompts]
+    last = out.argmax(-1).tolist()
+    for _ in range(6):
+        for s, t in zip(seqs, last, strict=True):
+            s.append(t)
+        out = runner.forward(h.batch(reqs, [[t] for t in last])).logits
+        for i, s in enumerate(seqs):
+            ref = hf_logits(hf, s)
+            assert rel_err(out[i], ref) < REL_TOL
+            assert int(out[i].argmax()) == int(ref.argmax())
+        last = out.argmax(-1).tolist()
+    # a new request sharing the longest one's first 40 tokens from its KV slots (a cache hit)
+    fork = h.fork(reqs[2], 40)
+    rest = seqs[2][40:50]
+    assert rel_err(runner.forward(h.batch([fork], [rest])).logits[0], hf_logits(hf, seqs[2][:50])) < REL_TOL
+
+
+def test_gguf_and_hf_checkpoints_load_the_same_model(family: tuple[str, str, Any], tmp_path: Any) -> None:
+    from radixserve.model.gguf_loader import gguf_tensor_types
+    from radixserve.model.loader import load_model
+
+    _, d, _ = family
+    path = write_gguf(d, str(tmp_path / "model.gguf"))
+    hf_cfg, hf_sd = load_model(d, progress=False)
+    g_cfg, g_sd = load_model(path, progress=False)
+    for field in ("arch", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "dense_layers", "rotary_dim", "qk_norm", "tie_word_embeddings"):
+        assert getattr(g_cfg, field) == getattr(hf_cfg, field), field
+    g_rope, hf_rope = g_cfg.rope_scaling or {}, hf_cfg.rope_scaling or {}
+    assert sorted(g_rope) == sorted(hf_rope)
+    for key, value in hf_rope.items():  # GGUF holds the factors as float32
+        assert g_rope[key] == (value if isinstance(value, str) else pytest.approx(value, rel=1e-7)), key
+    assert sorted(g_sd) == sorted(hf_sd)
+    for k in hf_sd:
+        assert torch.equal(g_sd[k], hf_sd[k]), k
+    # the per-tensor types name exactly the tensors the model's linears are made of
+    types = gguf_tensor_types(path)
+    runner = ModelRunner(path, dtype="float32", progress=False, pack_weights=False)
+    sources = {n for names in runner.model.linear_sources().values() for n in names}
+    assert sources <= set(types) and set(types.values()) == {"F32"}
+
+
+def test_phi3_long_context_uses_the_long_factors(family: tuple[str, str, Any]) -> None:
+    name, d, hf = family
+    if name != "phi3":
+        pytest.skip("LongRoPE is Phi-3's")
+    # a 512-token context picks the long factors; transformers does for a sequence past 128
+    runner, h = runner_and_harness(d, context_length=512)
+    long = ids(200, seed=3)
+    r = h.new_request()
+    assert rel_err(runner.forward(h.batch([r], [long])).logits[0], hf_logits(hf, long)) < REL_TOL
+    short_runner, h2 = runner_and_harness(d, context_length=128)
+    assert not torch.equal(runner.model.cos_cache[:10], short_runner.model.cos_cache[:10])
+
+
+def test_engine_serves_each_family_greedy_as_transformers(family: tuple[str, str, Any]) -> None:
+    """Through the scheduler: chunked prefill, batched decode, the radix cache; nothing leaks."""
+    name, d, hf = family
+    ctx = 128 if name == "phi3" else None
+    with Engine(d, dtype="float32", max_total_tokens=2048, chunked_prefill_size=16, context_length=ctx) as eng:
+        prompts = ["the same opening words, then one", "the same opening words, then two", "x"]
+        outs = eng.generate(prompts, {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+        assert isinstance(outs, list)
+        for prompt, o in zip(prompts, outs, strict=True):
+            tokens = eng.tokenizer.encode(prompt)
+            with torch.inference_mode():
+                want = hf.generate(torch.tensor([tokens]), max_new_tokens=8, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(tokens):].tolist()
+            assert o["output_ids"] == want
+        eng.check_memory_invariant()
+
+
+def _cfg(**kw: Any) -> ModelConfig:
+    return ModelConfig("llama", 2, 64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                       vocab_size=257, **kw)
+
+
+def test_sliding_window_limits_the_context(caplog: pytest.LogCaptureFixture) -> None:
+    assert limit_context(_cfg(max_position=4096), None) == 4096
+    assert limit_context(_cfg(max_position=4096, sliding_window=8192), None) == 4096
+    with caplog.at_level(logging.WARNING):
+        assert limit_context(_cfg(max_position=32768, sliding_window=4096), None) == 4096
+    assert "sliding window of 4096" in caplog.text
+    assert limit_context(_cfg(max_position=32768, sliding_window=4096), 2048) == 2048
+    with pytest.raises(ValueError, match="sliding window of 4096"):
+        limit_context(_cfg(max_position=32768, sliding_window=4096), 8192)
+
+
+def test_hf_configs_of_the_families() -> None:
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4, "intermediate_size": 96,
+            "vocab_size": 257}
+    mistral = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": 4096})
+    assert mistral.arch == "llama" and mistral.sliding_window == 4096
+    # Qwen2 names a window but does not use it unless use_sliding_window says so
+    assert ModelConfig.from_hf_dict({**base, "model_type": "qwen2", "sliding_window": 4096}).sliding_window is None
+    moe = ModelConfig.from_hf_dict({**base, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 32, "decoder_sparse_step": 2, "norm_topk_prob": True})
+    assert moe.arch == "qwen3moe" and moe.dense_layers == (0, 2) and moe.norm_topk_prob
+    assert [moe.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    # Phi-3.5's config.json: the older rope_scaling spelling ("su"/"longrope" under "type")
+    phi = ModelConfig.from_hf_dict({**base, "model_type": "phi3", "max_position_embeddings": 131072,
+                                    "original_max_position_embeddings": 4096,
+                                    "rope_scaling": {"type": "su", "short_factor": [1.0] * 8,
+                                                     "long_factor": [2.0] * 8}})
+    assert phi.rope_scaling is not None and phi.rope_scaling["rope_type"] == "longrope"
+    assert phi.rope_scaling["attention_factor"] == pytest.approx((1 + 5 * 0.6931471805599453 / 8.317766166719343) ** 0.5)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        _cfg(num_experts=4, num_experts_per_tok=5)
+
+
+@pytest.mark.slow
+def test_moe_tp2_equals_tp1(tmp_path: Any) -> None:
+    d = make_tiny_model(str(tmp_path / "moe"), "qwen3_moe")
+    kw: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 2048}
+    prompts = ["some words to route", "and other words"]
+    greedy = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    want = [o["output_ids"] for o in Engine(d, **kw).generate(prompts, greedy)]
+    with Engine(d, tp_size=2, **kw) as tp2:
+        got = [o["output_ids"] for o in tp2.generate(prompts, greedy)]
+        tp2.check_memory_invariant()
+    assert got == want

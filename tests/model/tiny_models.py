@@ -1,0 +1,151 @@
+"""Tiny random-weight checkpoints of every model family the engine runs, made with transformers'
+own classes (``from_config``) so that their config.json and tensor names are exactly what a user's
+download holds, and the same weights written as a GGUF file in llama.cpp's names and layout.
+
+Weights are redrawn at the scale tiny_llama uses (logits with clear winners: greedy tokens do not
+hinge on rounding). The tokenizer is tiny_llama's byte tokenizer: id = byte, 256 = end of text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.model.tiny_llama import EOS, _write_byte_tokenizer
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=257,
+    max_position_embeddings=512, eos_token_id=256, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    # model_type, config overrides
+    "mixtral": ("mixtral", dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)),
+    # the second layer dense (mlp_only_layers), the chosen experts' weights not renormalized
+    "qwen3_moe": ("qwen3_moe", dict(intermediate_size=80, moe_intermediate_size=40, num_experts=6,
+                                    num_experts_per_tok=2, head_dim=16, mlp_only_layers=[1], norm_topk_prob=False,
+                                    rms_norm_eps=1e-6)),
+    # Phi-4-mini's shape: RoPE over 3/4 of each head, LongRoPE from 128 to 512 positions, tied head
+    "phi3": ("phi3", dict(intermediate_size=96, original_max_position_embeddings=128, partial_rotary_factor=0.75,
+                          tie_word_embeddings=True, pad_token_id=0,
+                          rope_scaling={"rope_type": "longrope", "rope_theta": 10000.0,
+                                        "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0],
+                                        "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})),
+}
+
+
+def make_tiny_model(directory: str, family: str, seed: int = 0) -> str:
+    """Write a ``family`` checkpoint (a key of FAMILIES) into ``directory``; returns it."""
+    import transformers
+
+    model_type, overrides = FAMILIES[family]
+    config = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norms
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory)
+    _write_byte_tokenizer(directory)
+    return directory
+
+
+def write_gguf(hf_dir: str, path: str) -> str:
+    """The checkpoint at ``hf_dir`` as a float32 GGUF file, laid out as llama.cpp's converter lays
+    it out: its tensor names, q/k rows permuted for the llama architecture, experts stacked into one
+    tensor per projection, Phi-3's q/k/v and gate/up fused, LongRoPE factors as tensors."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from radixserve.model.config import ModelConfig
+    from radixserve.model.gguf_loader import permute_qk
+    from radixserve.model.tokenizer import bytes_to_unicode
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    c = ModelConfig.from_hf_dict(hf)
+    sd = load_file(os.path.join(hf_dir, "model.safetensors"))
+    arch = c.arch
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(c.num_layers)
+    w.add_context_length(c.max_position)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.rotary_dim)
+    w.add_layer_norm_rms_eps(c.rms_eps)
+    w.add_rope_freq_base(c.rope_theta)
+    if c.num_experts:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_weights_norm(c.norm_topk_prob)  # llama.cpp assumes true where the key is absent
+    sc = c.rope_scaling or {}
+    if sc.get("rope_type") == "longrope":
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", sc["original_max_position_embeddings"])
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", sc["attention_factor"])
+        w.add_tensor("rope_factors_long.weight", np.array(sc["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(sc["short_factor"], dtype=np.float32))
+    byte_map = bytes_to_unicode()
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([byte_map[b] for b in range(256)] + [EOS])
+    w.add_token_types([1] * 256 + [3])
+    w.add_eos_token_id(256)
+
+    def put(name: str, t: torch.Tensor) -> None:
+        w.add_tensor(name, t.float().contiguous().numpy())
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    if "lm_head.weight" in sd and not c.tie_word_embeddings:
+        put("output.weight", sd["lm_head.weight"])
+    for i in range(c.num_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        if arch == "phi3":
+            put(b + "attn_qkv.weight", sd[p + "self_attn.qkv_proj.weight"])
+        else:
+            q, k = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
+            if arch == "llama":
+                q, k = permute_qk(q, c.num_heads), permute_qk(k, c.num_kv_heads)
+            put(b + "attn_q.weight", q)
+            put(b + "attn_k.weight", k)
+            put(b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        if c.qk_norm:
+            put(b + "attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
+            put(b + "attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
+        moe = "block_sparse_moe." if arch == "llama" and c.num_experts else "mlp."
+        if c.is_moe_layer(i):
+            names = {"w1": "gate", "w3": "up", "w2": "down"} if moe == "block_sparse_moe." else \
+                {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+            put(b + "ffn_gate_inp.weight", sd[p + moe + "gate.weight"])
+            for hf_name, g_name in names.items():
+                stacked = torch.stack([sd[p + f"{moe}experts.{e}.{hf_name}.weight"] for e in range(c.num_experts)])
+                put(b + f"ffn_{g_name}_exps.weight", stacked)
+        elif arch == "phi3":
+            put(b + "ffn_up.weight", sd[p + "mlp.gate_up_proj.weight"])
+            put(b + "ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+        else:
+            for n in ("gate", "up", "down"):
+                put(b + f"ffn_{n}.weight", sd[p + f"mlp.{n}_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
