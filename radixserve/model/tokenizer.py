@@ -1,8 +1,17 @@
 """Text <-> token ids, and chat prompts, for the loaded model.
 
-Built with the ``tokenizers`` library either from a GGUF file's metadata (byte-level BPE:
-``tokenizer.ggml.model == "gpt2"``) or from ``tokenizer.json`` in a checkpoint directory. The chat
-template is rendered with a sandboxed jinja2 environment set up like transformers' one.
+Built with the ``tokenizers`` library either from a GGUF file's metadata or from ``tokenizer.json``
+in a checkpoint directory. The chat template is rendered with a sandboxed jinja2 environment set up
+like transformers' one. A GGUF file holds one of two kinds:
+
+- ``gpt2``: byte-level BPE (Llama 3, Qwen, SmolLM2): the tokens and the merges are in the file;
+- ``llama``: SentencePiece (Llama 2, Mistral, Phi-3, Gemma): pieces with scores, no merges. llama.cpp
+  encodes by merging, again and again, the adjacent pair whose union is the piece of highest score,
+  with characters outside the vocabulary as ``<0xXX>`` byte pieces. A BPE whose merges are ranked
+  by the score of the piece they make does the same, so the merges are derived from the scores
+  (``_spm_merges``), spaces become ``▁``, and the text gets the leading ``▁`` where
+  ``tokenizer.ggml.add_space_prefix`` (default true) asks for it: before the text and after every
+  special token, as llama.cpp writes it.
 
 The GGUF pre-tokenizer follows ``tokenizer.ggml.pre`` the way llama.cpp does. For ``smollm`` (and
 the other StarCoder-style vocabularies) digits are split off one by one before the GPT-2 regex, as
@@ -146,6 +155,8 @@ class Tokenizer:
         self.special_token_ids: frozenset[int] = frozenset(
             int(tid) for tid, added in backend.get_added_tokens_decoder().items() if added.special
         )
+        self._piece_bytes: list[bytes] | None = None  # SentencePiece from GGUF: each token's bytes
+        self._strip_space = False  # ... and the leading space its decoding drops
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -167,10 +178,12 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
+        if kind == "llama":
+            return cls._from_gguf_spm(meta)
         if kind != "gpt2":
             raise NotImplementedError(
-                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
-                "use a checkpoint directory with tokenizer.json instead"
+                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and SentencePiece "
+                "'llama' are); use a checkpoint directory with tokenizer.json instead"
             )
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         token_types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
@@ -226,6 +239,54 @@ class Tokenizer:
             extra_stop_token_ids=[int(x) for x in [meta.get("tokenizer.ggml.eot_token_id")] if x is not None],
             byte_level=True,
         )
+
+    @classmethod
+    def _from_gguf_spm(cls, meta: dict[str, Any]) -> Tokenizer:
+        from tokenizers import normalizers
+
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        scores: list[float] = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        unk_id = _opt_int(meta.get("tokenizer.ggml.unknown_token_id"))
+        unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+        backend = BackendTokenizer(
+            models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, types), unk_token=unk,
+                       fuse_unk=True, byte_fallback=True)
+        )
+        space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        steps = [normalizers.Prepend("▁")] if space_prefix else []
+        backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+        parts = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if space_prefix:
+            parts.append(decoders.Strip(" ", 1, 0))
+        backend.decoder = decoders.Sequence(parts)
+        control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types, strict=True)
+                   if k == _CONTROL]
+        user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types, strict=True)
+                if k == _USER_DEFINED]
+        if control:
+            backend.add_special_tokens(control)
+        if user:
+            backend.add_tokens(user)
+        eot = meta.get("tokenizer.ggml.eot_token_id")
+        tok = cls(
+            backend,
+            bos_token_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
+            eos_token_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+            extra_stop_token_ids=[int(eot)] if eot is not None else [],
+            byte_level=False,
+        )
+        # decoding joins each piece's bytes, as llama.cpp and SentencePiece do: tokenizers'
+        # ByteFallback turns every byte of an invalid UTF-8 run into U+FFFD, valid bytes among them too
+        tok._piece_bytes = [
+            bytes([int(t[3:5], 16)]) if k == _BYTE and len(t) == 6 and t.startswith("<0x") else
+            t.replace("▁", " ").encode("utf-8") for t, k in zip(tokens, types, strict=True)
+        ]
+        tok._strip_space = space_prefix
+        return tok
 
     @classmethod
     def from_pretrained_dir(cls, directory: str) -> Tokenizer:
@@ -292,7 +353,13 @@ class Tokenizer:
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        if self._piece_bytes is None:
+            return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        table, special, n = self._piece_bytes, self.special_token_ids, len(self._piece_bytes)
+        # ids past the tokenizer's own (a model's padded vocabulary rows) stand for nothing
+        data = b"".join(table[i] for i in ids if i < n and not (skip_special_tokens and i in special))
+        text = data.decode("utf-8", errors="replace")
+        return text[1:] if self._strip_space and text.startswith(" ") else text
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
@@ -305,8 +372,14 @@ class Tokenizer:
         tok = self.backend.id_to_token(token_id)
         if tok is None:
             return b""
-        if token_id in self.special_token_ids or not self.byte_level:
+        if token_id in self.special_token_ids:
             return self.backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        if self._piece_bytes is not None:
+            return self._piece_bytes[token_id]
+        if not self.byte_level:  # SentencePiece spellings: a byte piece, or text with ▁ for spaces
+            if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+                return bytes([int(tok[3:5], 16)])
+            return tok.replace("▁", " ").encode("utf-8")
         table = unicode_to_bytes()
         try:
             return bytes(table[c] for c in tok)
@@ -345,6 +418,27 @@ class Tokenizer:
 
 def _opt_int(x: Any) -> int | None:
     return None if x is None else int(x)
+
+
+# GGUF token types (llama.cpp's llama_token_type)
+_NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
+
+
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's score-ordered merging: every split of a normal
+    piece into two pieces of the vocabulary, the merges of higher-scoring pieces first."""
+    index = {t: i for i, t in enumerate(tokens) if types[i] in (_NORMAL, _USER_DEFINED)}
+    ranked: list[tuple[float, int, int, int, str, str]] = []
+    for i, piece in enumerate(tokens):
+        if types[i] != _NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            li, ri = index.get(left), index.get(right)
+            if li is not None and ri is not None:
+                ranked.append((-scores[i], i, li, ri, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
 
 
 def _read_json(path: str) -> dict[str, Any]:

@@ -37,12 +37,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def make_tiny_model(directory: str, family: str, seed: int = 0) -> str:
-    """Write a ``family`` checkpoint (a key of FAMILIES) into ``directory``; returns it."""
+def make_tiny_model(directory: str, family: str, seed: int = 0, vocab_size: int = 257) -> str:
+    """Write a ``family`` checkpoint (a key of FAMILIES) into ``directory``; returns it. A
+    ``vocab_size`` past 257 has ids the byte tokenizer never produces (for a GGUF file given
+    another tokenizer)."""
     import transformers
 
     model_type, overrides = FAMILIES[family]
-    config = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
+    config = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **overrides, "vocab_size": vocab_size})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     g = torch.Generator().manual_seed(seed)
@@ -60,10 +62,11 @@ def make_tiny_model(directory: str, family: str, seed: int = 0) -> str:
     return directory
 
 
-def write_gguf(hf_dir: str, path: str) -> str:
+def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) -> str:
     """The checkpoint at ``hf_dir`` as a float32 GGUF file, laid out as llama.cpp's converter lays
     it out: its tensor names, q/k rows permuted for the llama architecture, experts stacked into one
-    tensor per projection, Phi-3's q/k/v and gate/up fused, LongRoPE factors as tensors."""
+    tensor per projection, Phi-3's q/k/v and gate/up fused, LongRoPE factors as tensors.
+    ``tokenizer``: ``tokenizer.ggml.*`` metadata to write instead of the byte tokenizer's."""
     import gguf
     from safetensors.torch import load_file
 
@@ -100,11 +103,22 @@ def write_gguf(hf_dir: str, path: str) -> str:
         w.add_float32(f"{arch}.rope.scaling.attn_factor", sc["attention_factor"])
         w.add_tensor("rope_factors_long.weight", np.array(sc["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(sc["short_factor"], dtype=np.float32))
-    byte_map = bytes_to_unicode()
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([byte_map[b] for b in range(256)] + [EOS])
-    w.add_token_types([1] * 256 + [3])
-    w.add_eos_token_id(256)
+    if tokenizer is None:
+        byte_map = bytes_to_unicode()
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([byte_map[b] for b in range(256)] + [EOS])
+        w.add_token_types([1] * 256 + [3])
+        w.add_eos_token_id(256)
+    else:
+        for key, value in tokenizer.items():
+            if isinstance(value, list):
+                w.add_array(key, value)
+            elif isinstance(value, bool):
+                w.add_bool(key, value)
+            elif isinstance(value, int):
+                w.add_uint32(key, value)
+            else:
+                w.add_string(key, value)
 
     def put(name: str, t: torch.Tensor) -> None:
         w.add_tensor(name, t.float().contiguous().numpy())
