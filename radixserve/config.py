@@ -24,7 +24,7 @@ def option(default: Any, help: str, choices: tuple[str, ...] | None = None, grou
 class ServerArgs:
     # --- model -------------------------------------------------------------------------------
     model_path: str | None = option(
-        None, "Local GGUF file or safetensors directory (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3). "
+        None, "Local GGUF file or safetensors directory (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Granite, OLMo 2). "
         "Default: the bundled SmolLM2-135M-Instruct GGUF.", group="model"
     )
     served_model_name: str | None = option(None, "Model name reported by the API (default: derived from the path).", group="model")

@@ -11,7 +11,11 @@ The families differ from Llama in a few fields, and llama.py reads those fields,
   (``num_experts`` > 0), softmax over the router's logits, the top ``num_experts_per_tok``,
   renormalized where ``norm_topk_prob``;
 - ``phi3`` (Phi-3, 3.5, 4-mini): q/k/v and gate/up fused in the checkpoint (the loaders split them),
-  RoPE on the first ``rotary_dim`` dimensions only, LongRoPE scaling.
+  RoPE on the first ``rotary_dim`` dimensions only, LongRoPE scaling;
+- ``granite`` (Granite 3): scalars on the embedding, each residual branch, the attention scores
+  and the logits;
+- ``olmo2`` (OLMo 2): a norm after attention and after the MLP instead of before, and q/k norms
+  over the whole projection rather than per head.
 
 A model with sliding-window attention runs with its context limited to the window (ModelRunner),
 where full attention and the window agree.
@@ -24,12 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # GGUF ``general.architecture`` / HF ``model_type`` values this engine runs.
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "granite", "olmo2")
 _HF_ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
+                  "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
+                  "olmo2": "Olmo2ForCausalLM"}
 # HF model_type -> our arch name (Mistral is a Llama, Mixtral a Llama with experts, as in llama.cpp)
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2",
-                   "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3"}
+                   "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3", "granite": "granite", "olmo2": "olmo2"}
 
 
 @dataclass
@@ -58,6 +63,14 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the chosen experts' weights renormalized to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model that keep a dense MLP
+    # Granite's scalars: embeddings times, each branch's output times (before its residual add),
+    # the attention scale (None: head_dim ** -0.5), logits divided by
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    post_norm: bool = False  # OLMo 2: norms on the attention and MLP outputs, none on their inputs
+    qk_norm_whole: bool = False  # OLMo 2: the q/k norms span the whole projection, not each head
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = ""
@@ -130,6 +143,7 @@ class ModelConfig:
             }
         experts = int(get("expert_count", 0) or 0)
         window = get("attention.sliding_window")
+        attn_scale = get("attention.scale")
         return cls(
             arch=arch,
             num_layers=int(get("block_count")),
@@ -145,7 +159,13 @@ class ModelConfig:
             max_position=int(get("context_length", 4096)),
             tie_word_embeddings=True,  # the loader flips this when an ``output`` tensor exists
             attention_bias=False,  # the loader flips this when ``attn_q.bias`` exists
-            qk_norm=arch in ("qwen3", "qwen3moe"),
+            qk_norm=arch in ("qwen3", "qwen3moe", "olmo2"),
+            qk_norm_whole=arch == "olmo2",
+            post_norm=arch == "olmo2",
+            embedding_multiplier=float(get("embedding_scale", 1.0)),
+            residual_multiplier=float(get("residual_scale", 1.0)),
+            attention_multiplier=float(attn_scale) if attn_scale else None,
+            logits_scaling=float(get("logit_scale", 1.0)),
             rope_scaling=rope_scaling,
             rotary_dim=int(get("rope.dimension_count", head_dim)),
             sliding_window=int(window) if window else None,
@@ -162,7 +182,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """From a Hugging Face ``config.json`` dict (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3)."""
+        """From a Hugging Face ``config.json`` dict (any model type ``_HF_MODEL_TYPES`` maps)."""
         if "text_config" in d and "hidden_size" not in d:
             d = {**d["text_config"], **{k: v for k, v in d.items() if k != "text_config"}}
         model_type = d.get("model_type", "llama")
@@ -218,7 +238,13 @@ class ModelConfig:
             max_position=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch in ("qwen3", "qwen3moe"),
+            qk_norm=arch in ("qwen3", "qwen3moe", "olmo2"),
+            qk_norm_whole=arch == "olmo2",
+            post_norm=arch == "olmo2",
+            embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(d.get("residual_multiplier", 1.0)),
+            attention_multiplier=float(d["attention_multiplier"]) if d.get("attention_multiplier") else None,
+            logits_scaling=float(d.get("logits_scaling", 1.0)),
             rope_scaling=scaling,
             rotary_dim=int(int(head_dim) * partial),
             sliding_window=int(window) if window else None,

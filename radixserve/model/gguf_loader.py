@@ -43,6 +43,8 @@ _BLOCK_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",  # [experts, rows, cols]: one tensor for every expert
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    "post_attention_norm": "post_attention_layernorm",  # OLMo 2's norms on the branch outputs
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 # Per-architecture exceptions: Phi-3's fused gate/up is stored as ``ffn_up``.
 _ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
@@ -95,7 +97,7 @@ def load_gguf(
     unknown = [n for n in names if n not in _SPECIAL and not _is_known(n, config.arch)]
     if unknown:
         raise ValueError(f"{path}: GGUF tensors this loader cannot map: {unknown[:8]}")
-    permute = config.arch == "llama"  # convert_hf_to_gguf permutes q/k for LlamaModel only
+    permute = config.arch in ("llama", "granite")  # convert_hf_to_gguf permutes q/k for LlamaModel and its subclasses
     for t in tqdm(reader.tensors, desc="loading gguf", unit="tensor", file=sys.stderr, disable=not progress):
         arr = quants.dequantize(t.data, t.tensor_type)
         shape = tuple(reversed(t.shape))  # ne order -> torch order

@@ -100,8 +100,10 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_eps, dtype) if config.qk_norm else None
+        # per head (Qwen3), or over the whole projection (OLMo 2; tensor parallelism refuses it)
+        q_dim, k_dim = (self.q_size, self.kv_size) if config.qk_norm_whole else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_dim, config.rms_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, config.rms_eps, dtype) if config.qk_norm else None
 
     def forward(
         self,
@@ -120,8 +122,11 @@ class Attention(nn.Module):
         qkv = self.qkv_proj.forward(x)  # .forward: see DecoderLayer.forward_fused
         v = qkv[:, self.q_size + self.kv_size :].view(T, KVH, D)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(qkv[:, : self.q_size].view(T, H, D))
-            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(T, KVH, D))
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            if self.q_norm.weight.numel() == D:
+                q, k = q.view(T, H, D), k.view(T, KVH, D)
+            q = self.q_norm(q).view(T, H, D)
+            k = self.k_norm(k).view(T, KVH, D)
             qk = torch.cat([q, k], dim=1)
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KVH, D)

@@ -34,11 +34,19 @@ from radixserve.model.quant import DEFAULT_MAX_ROWS
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm (``h + attn(norm(h))``, then the same for the MLP), or with ``post_norm`` (OLMo 2)
+    ``h + norm(attn(h))``: there ``post_attention_layernorm`` is the attention output's norm and
+    ``post_feedforward_layernorm`` the MLP output's, as HF names them; in the pre-norm families
+    ``post_attention_layernorm`` is the MLP's input norm."""
+
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps, dtype)
+        self.post_norm = config.post_norm
+        self.residual_multiplier = config.residual_multiplier
+        self.input_layernorm = None if self.post_norm else RMSNorm(config.hidden_size, config.rms_eps, dtype)
         self.self_attn = Attention(config, layer_id, dtype, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps, dtype)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_eps, dtype) if self.post_norm else None
         self.mlp: MLP | SparseMoE = (
             SparseMoE(config, dtype, tp) if config.is_moe_layer(layer_id)
             else MLP(config.hidden_size, config.intermediate_size, dtype, tp)
@@ -54,8 +62,15 @@ class DecoderLayer(nn.Module):
         kv_pool: KVPool,
         r2t: ReqToTokenPool,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend, fb, kv_pool, r2t)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if self.input_layernorm is None:
+            assert self.post_feedforward_layernorm is not None
+            h = h + self.post_attention_layernorm(self.self_attn(h, cos, sin, backend, fb, kv_pool, r2t))
+            return h + self.post_feedforward_layernorm(self.mlp(h))
+        rm = self.residual_multiplier
+        a = self.self_attn(self.input_layernorm(h), cos, sin, backend, fb, kv_pool, r2t)
+        h = h + (a if rm == 1 else a * rm)
+        m = self.mlp(self.post_attention_layernorm(h))
+        return h + (m if rm == 1 else m * rm)
 
     def forward_fused(
         self,
@@ -76,10 +91,15 @@ class DecoderLayer(nn.Module):
         (``residual`` then holds the output)."""
         # submodules are run through .forward, not nn.Module.__call__: no hooks are used here, and
         # __call__'s ~1 us times six calls a layer is ~0.2 ms of a batch-1 decode step
+        rm = self.residual_multiplier
         a = self.self_attn.forward(x, cos, sin, backend, fb, kv_pool, r2t, ops)
+        if rm != 1:
+            a.mul_(rm)
         n = self.post_attention_layernorm
         x = ops.add_rms_norm(a, residual, n.weight, n.eps)
         m = self.mlp.forward(x, ops)
+        if rm != 1:
+            m.mul_(rm)
         if next_norm is None:
             residual.add_(m)
             return residual
@@ -117,7 +137,8 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(attention_backend, str):
             tp_size = tp.size if tp else 1
             attention_backend = create_attention_backend(
-                attention_backend, config.num_heads // tp_size, config.num_kv_heads // tp_size, config.head_dim
+                attention_backend, config.num_heads // tp_size, config.num_kv_heads // tp_size, config.head_dim,
+                config.attention_multiplier,
             )
         self.attn_backend = attention_backend
         # the small per-layer ops go with the backend: the C++ ones where the backend is the C++ one
@@ -189,6 +210,8 @@ class LlamaForCausalLM(nn.Module):
             if a.q_norm is not None and a.k_norm is not None:
                 a.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
                 a.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
+            if layer.post_feedforward_layernorm is not None:
+                layer.post_feedforward_layernorm.weight.copy_(take(p + "post_feedforward_layernorm.weight"))
             for mlp, prefix in self._mlps(layer, p):
                 r0, r1 = mlp.rows
                 mlp.gate_up_proj.weight.copy_(
@@ -197,7 +220,8 @@ class LlamaForCausalLM(nn.Module):
                 mlp.down_proj.weight.copy_(take(prefix + "down_proj.weight")[:, r0:r1])
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.gate.copy_(take(p + "mlp.gate.weight"))
-            layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+            if layer.input_layernorm is not None:
+                layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
         unused = [
             k for k in sd if k not in used and not (k == "lm_head.weight" and c.tie_word_embeddings)
@@ -299,16 +323,19 @@ class LlamaForCausalLM(nn.Module):
         cos = self.cos_cache.index_select(0, positions)  # [T, D/2]
         sin = self.sin_cache.index_select(0, positions)
         h = F.embedding(fb.input_ids, self.embed_tokens) if self.tp is None else self._embed_sharded(fb.input_ids)
+        if self.config.embedding_multiplier != 1:
+            h = h * self.config.embedding_multiplier
         ops = self.small_ops
-        if not ops.fused:  # the reference: each layer as HF writes it
+        if not ops.fused or self.config.post_norm:  # the reference: each layer as HF writes it
             for layer in self.layers:
                 h = layer(h, cos, sin, backend, fb, kv_pool, req_to_token_pool)
             return h
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
-        first = layers[0].input_layernorm
-        x = ops.rms_norm(h, first.weight, first.eps)  # h: a fresh tensor, the residual stream from here
+        norms = [layer.input_layernorm for layer in layers if layer.input_layernorm is not None]
+        assert len(norms) == len(layers)  # pre-norm layers (post_norm ones took the branch above)
+        x = ops.rms_norm(h, norms[0].weight, norms[0].eps)  # h: a fresh tensor, the residual stream from here
         for i, layer in enumerate(layers):
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            nxt = norms[i + 1] if i + 1 < len(layers) else None
             x = layer.forward_fused(x, h, nxt, ops, cos, sin, backend, fb, kv_pool, req_to_token_pool)
         return h
 
@@ -328,10 +355,11 @@ class LlamaForCausalLM(nn.Module):
             last = hidden.index_select(0, torch.tensor(ends, dtype=torch.int64))
         normed = self.norm(last, self.small_ops)
         if self.tp is None:
-            return self.lm_head(normed)
-        # rank 0 gets every rank's slice side by side; the padding columns past the vocabulary go
-        logits = self.tp.gather_last_dim(self.lm_head(normed))
-        return logits[:, : self.config.vocab_size]
+            logits = self.lm_head(normed)
+        else:  # rank 0 gets every rank's slice side by side; the padding columns past the vocabulary go
+            logits = self.tp.gather_last_dim(self.lm_head(normed))[:, : self.config.vocab_size]
+        scale = self.config.logits_scaling
+        return logits if scale == 1 else logits / scale
 
     def _embed_sharded(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: rows of other ranks' tokens are zeros here, and the

@@ -131,6 +131,9 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
     """Refuse a model whose heads cannot be split evenly over ``tp_size`` ranks."""
     if tp_size == 1:
         return
+    if config.qk_norm_whole:
+        raise ValueError(f"--tp-size {tp_size}: this model ({config.arch}) normalizes q and k over all heads "
+                         "together, which tensor parallelism does not split; run it with --tp-size 1")
     bad = [f"{name} = {n}" for name, n in (("num_attention_heads", config.num_heads),
                                            ("num_key_value_heads", config.num_kv_heads)) if n % tp_size]
     if bad:

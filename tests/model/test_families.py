@@ -1,4 +1,5 @@
-"""Every model family besides Llama (Mixtral, Qwen3-MoE, Phi-3 with partial rotary and LongRoPE):
+"""Every model family besides Llama (Mixtral, Qwen3-MoE, Phi-3 with partial rotary and LongRoPE,
+Granite's scalars, OLMo 2's output norms):
 float32 logits and greedy tokens equal to transformers' own model of the same checkpoint, loaded
 from the HF directory and from the same weights as a GGUF file; the context limit of a
 sliding-window model; experts under tensor parallelism."""
@@ -52,15 +53,24 @@ def hf_logits(hf: Any, tokens: list[int]) -> torch.Tensor:
     return hf(torch.tensor([tokens])).logits[0, -1]
 
 
-@pytest.mark.parametrize("fmt", ["hf", "gguf"])
-def test_prefill_extend_and_decode_match_transformers(family: tuple[str, str, Any], fmt: str, tmp_path: Any) -> None:
+# the paged kernel runs the C++ small ops (each layer's residual add folded into the next norm),
+# torch_native the reference ops (each layer as transformers writes it)
+@pytest.mark.parametrize("fmt, backend", [("hf", "cpu_paged"), ("gguf", "cpu_paged"), ("hf", "torch_native")])
+def test_prefill_extend_and_decode_match_transformers(
+    family: tuple[str, str, Any], fmt: str, backend: str, tmp_path: Any
+) -> None:
     name, d, hf = family
     path = d if fmt == "hf" else write_gguf(d, str(tmp_path / "model.gguf"))
     # Phi-3: a context within the original 128 positions runs LongRoPE's short factors, as
     # transformers does for a sequence that fits them
-    runner, h = runner_and_harness(path, context_length=128 if name == "phi3" else None, backend="cpu_paged")
+    runner, h = runner_and_harness(path, context_length=128 if name == "phi3" else None, backend=backend)
     cfg = runner.model_config
-    assert cfg.num_experts == {"mixtral": 4, "qwen3_moe": 6, "phi3": 0}[name]
+    assert cfg.num_experts == {"mixtral": 4, "qwen3_moe": 6}.get(name, 0)
+    if name == "granite":
+        assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == (3.0, 0.5, 4.0)
+        assert cfg.attention_multiplier == pytest.approx(0.2)
+    if name == "olmo2":
+        assert cfg.post_norm and cfg.qk_norm_whole
     if name == "qwen3_moe":
         assert cfg.dense_layers == (1,) and not cfg.norm_topk_prob and cfg.qk_norm
     if name == "phi3":
@@ -98,8 +108,11 @@ def test_gguf_and_hf_checkpoints_load_the_same_model(family: tuple[str, str, Any
     hf_cfg, hf_sd = load_model(d, progress=False)
     g_cfg, g_sd = load_model(path, progress=False)
     for field in ("arch", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                  "dense_layers", "rotary_dim", "qk_norm", "tie_word_embeddings"):
+                  "dense_layers", "rotary_dim", "qk_norm", "tie_word_embeddings", "post_norm", "qk_norm_whole"):
         assert getattr(g_cfg, field) == getattr(hf_cfg, field), field
+    for field in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        want = getattr(hf_cfg, field)
+        assert getattr(g_cfg, field) == (None if want is None else pytest.approx(want, rel=1e-7)), field
     g_rope, hf_rope = g_cfg.rope_scaling or {}, hf_cfg.rope_scaling or {}
     assert sorted(g_rope) == sorted(hf_rope)
     for key, value in hf_rope.items():  # GGUF holds the factors as float32
@@ -180,6 +193,12 @@ def test_hf_configs_of_the_families() -> None:
     assert phi.rope_scaling["attention_factor"] == pytest.approx((1 + 5 * 0.6931471805599453 / 8.317766166719343) ** 0.5)
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         _cfg(num_experts=4, num_experts_per_tok=5)
+    olmo = ModelConfig.from_hf_dict({**base, "model_type": "olmo2"})
+    assert olmo.post_norm and olmo.qk_norm_whole and olmo.qk_norm
+    from radixserve.model.parallel import check_tp_size
+
+    with pytest.raises(ValueError, match="normalizes q and k over all heads"):
+        check_tp_size(olmo, 2)
 
 
 @pytest.mark.slow

@@ -34,6 +34,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                           rope_scaling={"rope_type": "longrope", "rope_theta": 10000.0,
                                         "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0],
                                         "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})),
+    # every Granite scalar away from 1, so that leaving one out shows
+    "granite": ("granite", dict(intermediate_size=96, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                attention_multiplier=0.2, logits_scaling=4.0)),
+    "olmo2": ("olmo2", dict(intermediate_size=96, pad_token_id=0)),
 }
 
 
@@ -91,6 +95,11 @@ def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) 
     w.add_rope_dimension_count(c.rotary_dim)
     w.add_layer_norm_rms_eps(c.rms_eps)
     w.add_rope_freq_base(c.rope_theta)
+    if arch == "granite":
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_attention_scale(c.attention_multiplier or c.head_dim**-0.5)
+        w.add_logit_scale(c.logits_scaling)
     if c.num_experts:
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
@@ -129,14 +138,18 @@ def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) 
         put("output.weight", sd["lm_head.weight"])
     for i in range(c.num_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
-        put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
-        put(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        if c.post_norm:
+            put(b + "post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
+            put(b + "post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
+        else:
+            put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+            put(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
         put(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
         if arch == "phi3":
             put(b + "attn_qkv.weight", sd[p + "self_attn.qkv_proj.weight"])
         else:
             q, k = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
-            if arch == "llama":
+            if arch in ("llama", "granite"):
                 q, k = permute_qk(q, c.num_heads), permute_qk(k, c.num_kv_heads)
             put(b + "attn_q.weight", q)
             put(b + "attn_k.weight", k)
