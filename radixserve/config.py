@@ -24,7 +24,7 @@ def option(default: Any, help: str, choices: tuple[str, ...] | None = None, grou
 class ServerArgs:
     # --- model -------------------------------------------------------------------------------
     model_path: str | None = option(
-        None, "Local GGUF file or safetensors directory (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Granite, OLMo 2). "
+        None, "Local GGUF file or safetensors directory (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Granite, OLMo 2, Gemma 2/3). "
         "Default: the bundled SmolLM2-135M-Instruct GGUF.", group="model"
     )
     served_model_name: str | None = option(None, "Model name reported by the API (default: derived from the path).", group="model")
@@ -36,7 +36,7 @@ class ServerArgs:
         "(compiled by scripts/setup.sh, or on first use; needs g++ and ninja: if it cannot be built, choosing it "
         "fails at start with the reason); it also brings the fused C++ small ops (RMSNorm + residual, RoPE, "
         "SiLU x up; torch_native keeps the torch ones, the reference). auto: cpu_paged when its kernel builds "
-        "here, else torch_native.",
+        "here, else torch_native (and torch_native for layers with sliding windows or soft-capped scores: Gemma).",
         ("auto", "torch_native", "cpu_paged"), group="model")
     quantization: str = option(
         "auto", "Weight-only quantized copies of the linear weights, read by decode steps of at most "

@@ -6,6 +6,10 @@ with ``q: [T, H, D]``, ``k, v: [T, KVH, D]`` for the ``T`` new tokens of the bat
 ``[T, H * D]``. Everything that only depends on the batch (gather indices, masks) belongs in the
 metadata, so the per-layer work is a handful of tensor ops.
 
+A backend may also attend over a sliding window (each token sees the ``window`` latest positions,
+itself included) and soft-cap the scores (``cap * tanh(score / cap)``), as Gemma's layers do; only
+``torch_native`` does both, and ``auto`` picks it for a model that needs them.
+
 Backends register by name (``@register_attention_backend("name")``); ``create_attention_backend``
 builds one. A GPU kernel (FlashInfer, Triton...) is one more subclass. Backends in their own module
 are listed in ``_LAZY_BACKENDS`` and imported only when asked for (``cpu_paged``, a C++ kernel,
@@ -34,15 +38,28 @@ class AttentionBackend(ABC):
     # whether the model pairs this backend with the C++ small ops (fused_ops.py): the backends that
     # need a compiler anyway
     fused_small_ops = False
+    # whether it implements ``window`` and ``softcap``
+    windows_and_softcap = False
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scaling: float | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scaling = scaling if scaling is not None else head_dim**-0.5
+        if (window or softcap) and not self.windows_and_softcap:
+            raise ValueError(f"the {type(self).__name__} backend has no sliding window or score soft-capping, "
+                             "which this model needs; use --attention-backend torch_native (or auto)")
+        self.window = window
+        self.softcap = softcap
 
     def init_forward_metadata(self, forward_batch: ForwardBatch, req_to_token_pool: ReqToTokenPool) -> None:  # noqa: B027
         """Precompute what every layer of this forward shares. Optional for a backend."""
@@ -79,8 +96,11 @@ def available_attention_backends() -> list[str]:
     return sorted(set(_BACKENDS) | set(_LAZY_BACKENDS))
 
 
-def resolve_auto_backend() -> str:
-    """What ``auto`` means here: the paged kernel if its extension builds, else the torch path."""
+def resolve_auto_backend(needs_windows_or_softcap: bool = False) -> str:
+    """What ``auto`` means here: the paged kernel if its extension builds, else the torch path (and
+    the torch path for a model with sliding windows or soft-capped scores, which the kernel lacks)."""
+    if needs_windows_or_softcap:
+        return "torch_native"
     from radixserve.model import paged_attention
 
     err = paged_attention.extension_error()
@@ -91,18 +111,25 @@ def resolve_auto_backend() -> str:
 
 
 def create_attention_backend(
-    name: str, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scaling: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> AttentionBackend:
-    """Raises ``ValueError`` for an unknown name; a backend that cannot run here (``cpu_paged``
-    without its compiled extension) raises ``RuntimeError`` saying why. ``auto``: ``cpu_paged``
-    where its kernel builds, else ``torch_native`` (with a warning saying why)."""
+    """Raises ``ValueError`` for an unknown name or one without the ``window`` / ``softcap`` asked
+    for; a backend that cannot run here (``cpu_paged`` without its compiled extension) raises
+    ``RuntimeError`` saying why. ``auto``: ``cpu_paged`` where its kernel builds, else (or when
+    ``window`` or ``softcap`` is asked for) ``torch_native``."""
     if name == "auto":
-        name = resolve_auto_backend()
+        name = resolve_auto_backend(bool(window or softcap))
     if name not in _BACKENDS and name in _LAZY_BACKENDS:
         importlib.import_module(_LAZY_BACKENDS[name])
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {available_attention_backends()}")
-    return _BACKENDS[name](num_heads, num_kv_heads, head_dim, scaling)
+    return _BACKENDS[name](num_heads, num_kv_heads, head_dim, scaling, window, softcap)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -178,15 +205,29 @@ class TorchNativeAttention(AttentionBackend):
     extends are looped, one SDPA call each, with a causal mask offset by their cached prefix.
     Decode requests that share a long enough prefix of KV slots (radix cache hits) are attended as
     groups that read the prefix once (``cascade.py``); ``share_prefixes = False`` turns that off.
+
+    With a ``window`` a decode row gathers only its last ``window`` positions and an extend's mask
+    also hides what lies before each token's window (the pool still holds those positions); with
+    ``softcap`` the scores are computed, capped and normalized here, as transformers' eager
+    attention does, instead of by SDPA.
     """
 
+    windows_and_softcap = True
+
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scaling: float | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scaling)
+        super().__init__(num_heads, num_kv_heads, head_dim, scaling, window, softcap)
         self._meta: _Metadata | None = None
-        # decode requests that share a cached prefix read it once per group (see cascade.py)
-        self.share_prefixes = True
+        # decode requests that share a cached prefix read it once per group (see cascade.py); its
+        # merged softmax has neither windows nor capping
+        self.share_prefixes = not (window or softcap)
         self._gather_bufs: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def init_forward_metadata(self, forward_batch: ForwardBatch, req_to_token_pool: ReqToTokenPool) -> None:
@@ -205,6 +246,8 @@ class TorchNativeAttention(AttentionBackend):
             starts = list(range(len(ext_lens))) if all_decode else _starts(ext_lens)
             rpi_list = rpi.tolist()
             lens = [prefix_lens[i] + 1 for i in dec_rows]
+            # a window: each row attends its last `window` positions, from offset `len - window`
+            firsts = [max(0, n - self.window) for n in lens] if self.window else None
             grouped: set[int] = set()
             if self.share_prefixes and len(dec_rows) > 1:
                 dec_rpi = [rpi_list[i] for i in dec_rows]
@@ -221,7 +264,9 @@ class TorchNativeAttention(AttentionBackend):
                 else:
                     token_idx = torch.tensor([starts[dec_rows[j]] for j in rest], dtype=torch.int64)
                     rows_rpi = torch.tensor([rpi_list[dec_rows[j]] for j in rest], dtype=torch.int64)
-                decode = self._decode_group(r2t, rows_rpi, [lens[j] for j in rest], token_idx)
+                decode = self._decode_group(
+                    r2t, rows_rpi, [lens[j] for j in rest], token_idx, None if firsts is None else [firsts[j] for j in rest]
+                )
         extends: list[_Extend] = []
         start = 0
         for i, n in enumerate(ext_lens):
@@ -230,14 +275,26 @@ class TorchNativeAttention(AttentionBackend):
                 kv_idx = mask = None
                 if p > 0:
                     kv_idx = r2t[int(rpi[i]), : p + n]
-                    mask = torch.arange(p + n).unsqueeze(0) <= (torch.arange(n) + p).unsqueeze(1)
+                if p > 0 or (self.window and n > self.window):
+                    key_pos, query_pos = torch.arange(p + n).unsqueeze(0), (torch.arange(n) + p).unsqueeze(1)
+                    mask = key_pos <= query_pos
+                    if self.window:
+                        mask &= key_pos > query_pos - self.window
                 extends.append(_Extend(start, start + n, p, kv_idx, mask))
             start += n
         return _Metadata(id(fb), decode, extends, shared)
 
     def _decode_group(
-        self, r2t: torch.Tensor, rows_rpi: torch.Tensor, lens: list[int], token_idx: torch.Tensor | None
+        self,
+        r2t: torch.Tensor,
+        rows_rpi: torch.Tensor,
+        lens: list[int],
+        token_idx: torch.Tensor | None,
+        firsts: list[int] | None = None,
     ) -> _DecodeGroup:
+        """``firsts``: each row's first position to attend (a sliding window); None: 0."""
+        if firsts is not None and any(firsts):
+            return self._window_decode_group(r2t, rows_rpi, lens, token_idx, firsts)
         B = len(lens)
         order = sorted(range(B), key=lambda i: -lens[i])  # longest first: chunks pad less
         sorted_ok = all(lens[order[i]] == lens[i] for i in range(B))  # already in that order
@@ -260,6 +317,41 @@ class TorchNativeAttention(AttentionBackend):
             s = e
         max_rows = max((c.end - c.start) * c.max_len for c in chunks)
         return _DecodeGroup(token_idx, B, chunks, max_rows)
+
+    def _window_decode_group(
+        self, r2t: torch.Tensor, rows_rpi: torch.Tensor, lens: list[int], token_idx: torch.Tensor | None,
+        firsts: list[int],
+    ) -> _DecodeGroup:
+        """Decode rows that attend positions ``[first, len)``: one chunk, padded to the longest span."""
+        spans = [n - f for n, f in zip(lens, firsts, strict=True)]
+        L = max(spans)
+        cols = torch.tensor(firsts).unsqueeze(1) + torch.arange(L).unsqueeze(0)  # [B, L]
+        keep = torch.arange(L).unsqueeze(0) < torch.tensor(spans).unsqueeze(1)
+        idx = r2t.index_select(0, rows_rpi).gather(1, cols.clamp_(max=r2t.shape[1] - 1)).masked_fill_(~keep, 0)
+        valid = None if all(s == L for s in spans) else keep.view(len(lens), 1, 1, L)
+        chunk = _DecodeChunk(0, len(lens), None, idx.reshape(-1).contiguous(), valid, L)
+        return _DecodeGroup(token_idx, len(lens), [chunk], len(lens) * L)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+    ) -> torch.Tensor:
+        """SDPA, or, with a soft cap, the same computed here (``q: [.., H, n, D]``, ``k, v: [.., KVH,
+        L, D]``; ``mask``: bool (True = attend) or additive)."""
+        if self.softcap is None:
+            gqa = q.shape[-3] != k.shape[-3]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling,
+                                                  enable_gqa=gqa)
+        if q.shape[-3] != k.shape[-3]:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if causal:
+            n, L = scores.shape[-2:]
+            mask = torch.ones(n, L, dtype=torch.bool).tril_(L - n)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
     def forward(
         self,
@@ -306,15 +398,7 @@ class TorchNativeAttention(AttentionBackend):
                 ve = v_buf.index_select(0, ext.kv_idx)
             ke = ke.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
             ve = ve.to(q.dtype).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qe,
-                ke,
-                ve,
-                attn_mask=ext.mask,
-                is_causal=ext.mask is None,
-                scale=self.scaling,
-                enable_gqa=G > 1,
-            )
+            o = self._attend(qe, ke, ve, ext.mask, causal=ext.mask is None)
             out[ext.start : ext.end] = o.squeeze(0).transpose(0, 1).reshape(n, H * D)
         return out
 
@@ -346,7 +430,7 @@ class TorchNativeAttention(AttentionBackend):
             if kt.dtype != q.dtype:
                 kt, vt = kt.to(q.dtype), vt.to(q.dtype)
             qc = qg[c.start : c.end] if c.rows is None else qg.index_select(0, c.rows)
-            o = F.scaled_dot_product_attention(qc, kt, vt, attn_mask=c.mask(q.dtype), scale=self.scaling)
+            o = self._attend(qc, kt, vt, c.mask(q.dtype), causal=False)
             if c.rows is None:
                 out[c.start : c.end] = o.reshape(n, KVH * G * D)
             else:

@@ -15,9 +15,13 @@ The families differ from Llama in a few fields, and llama.py reads those fields,
 - ``granite`` (Granite 3): scalars on the embedding, each residual branch, the attention scores
   and the logits;
 - ``olmo2`` (OLMo 2): a norm after attention and after the MLP instead of before, and q/k norms
-  over the whole projection rather than per head.
+  over the whole projection rather than per head;
+- ``gemma2``, ``gemma3``: norms before and after each branch, norm weights stored as offsets from
+  1, GELU, embeddings scaled by sqrt(hidden), sliding-window layers among global ones (Gemma 3's
+  with their own RoPE base), soft-capped scores and logits (Gemma 2), q/k norms (Gemma 3).
 
-A model with sliding-window attention runs with its context limited to the window (ModelRunner),
+A model whose sliding window is implemented per layer (``sliding_layers``: Gemma) runs at its full
+context; any other with a sliding window runs with its context limited to the window (ModelRunner),
 where full attention and the window agree.
 """
 
@@ -28,13 +32,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # GGUF ``general.architecture`` / HF ``model_type`` values this engine runs.
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "granite", "olmo2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "granite", "olmo2", "gemma2", "gemma3")
 _HF_ARCH_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
-                  "olmo2": "Olmo2ForCausalLM"}
+                  "olmo2": "Olmo2ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # HF model_type -> our arch name (Mistral is a Llama, Mixtral a Llama with experts, as in llama.cpp)
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2",
-                   "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3", "granite": "granite", "olmo2": "olmo2"}
+                   "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3", "granite": "granite", "olmo2": "olmo2",
+                   "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 
 
 @dataclass
@@ -69,8 +74,16 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    post_norm: bool = False  # OLMo 2: norms on the attention and MLP outputs, none on their inputs
+    # where each layer's norms are: "pre" (the inputs of attention and MLP), "post" (their outputs:
+    # OLMo 2) or "sandwich" (both: Gemma)
+    norm_layout: str = "pre"
+    norm_weight_offset: float = 0.0  # added to every RMSNorm weight at load (Gemma stores w - 1)
     qk_norm_whole: bool = False  # OLMo 2: the q/k norms span the whole projection, not each head
+    hidden_act: str = "silu"  # the MLP gate's activation: "silu" or "gelu_tanh"
+    attn_softcap: float | None = None  # scores become cap * tanh(score / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits
+    sliding_layers: tuple[int, ...] = ()  # layers attending over sliding_window only (Gemma)
+    local_rope_theta: float | None = None  # those layers' RoPE base, without scaling (Gemma 3)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = ""
@@ -90,6 +103,13 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..{self.num_experts}")
         self.dense_layers = tuple(self.dense_layers)
+        self.sliding_layers = tuple(self.sliding_layers)
+        if self.norm_layout not in ("pre", "post", "sandwich"):
+            raise ValueError(f"norm_layout {self.norm_layout!r}: one of pre, post, sandwich")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act {self.hidden_act!r}: silu or gelu_tanh")
+        if self.sliding_layers and not self.sliding_window:
+            raise ValueError("sliding_layers without a sliding_window")
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -106,6 +126,15 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def post_norm(self) -> bool:
+        return self.norm_layout == "post"
+
+    @property
+    def needs_windows_or_softcap(self) -> bool:
+        """Whether attention needs what only some backends have (attention.py)."""
+        return bool(self.sliding_layers) or self.attn_softcap is not None
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -144,9 +173,28 @@ class ModelConfig:
         experts = int(get("expert_count", 0) or 0)
         window = get("attention.sliding_window")
         attn_scale = get("attention.scale")
-        return cls(
+        layers = int(get("block_count"))
+        gemma: dict[str, Any] = {}
+        if arch in ("gemma2", "gemma3"):
+            # as llama.cpp reads these files: norms already hold 1 + w, sqrt(hidden) on the
+            # embeddings, local layers every `pattern`, the 27B models' score scale from the hidden
+            # size, Gemma 3's local layers at RoPE base 10000 without scaling
+            pattern = get("attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6)
+            if isinstance(pattern, list):  # one flag per layer: true = sliding
+                sliding = tuple(i for i, flag in enumerate(pattern) if flag)
+            else:
+                sliding = tuple(i for i in range(layers) if i % int(pattern) < int(pattern) - 1)
+            big = layers == (46 if arch == "gemma2" else 62)
+            gemma = dict(
+                norm_layout="sandwich", hidden_act="gelu_tanh", embedding_multiplier=hidden**0.5,
+                attention_multiplier=float(attn_scale) if attn_scale else (hidden / heads if big else head_dim) ** -0.5,
+                attn_softcap=get("attn_logit_softcapping"), final_softcap=get("final_logit_softcapping"),
+                sliding_layers=sliding,
+                local_rope_theta=10000.0 if arch == "gemma3" else None, qk_norm=arch == "gemma3",
+            )
+        fields: dict[str, Any] = dict(
             arch=arch,
-            num_layers=int(get("block_count")),
+            num_layers=layers,
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(kv_heads),
@@ -161,7 +209,7 @@ class ModelConfig:
             attention_bias=False,  # the loader flips this when ``attn_q.bias`` exists
             qk_norm=arch in ("qwen3", "qwen3moe", "olmo2"),
             qk_norm_whole=arch == "olmo2",
-            post_norm=arch == "olmo2",
+            norm_layout="post" if arch == "olmo2" else "pre",
             embedding_multiplier=float(get("embedding_scale", 1.0)),
             residual_multiplier=float(get("residual_scale", 1.0)),
             attention_multiplier=float(attn_scale) if attn_scale else None,
@@ -179,6 +227,8 @@ class ModelConfig:
             eos_token_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
             name=str(meta.get("general.name", "")),
         )
+        fields.update(gemma)
+        return cls(**fields)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -213,6 +263,9 @@ class ModelConfig:
                 factor = float(scaling.get("factor") or d["max_position_embeddings"] / orig)
                 scaling["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
         num_layers = int(d["num_hidden_layers"])
+        gemma: dict[str, Any] = {}
+        if arch in ("gemma2", "gemma3"):
+            gemma, theta, scaling = _gemma_fields(d, arch, num_layers, float(theta), scaling)
         experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
         dense: list[int] = []
         if experts and model_type == "qwen3_moe":
@@ -224,7 +277,7 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        return cls(
+        fields: dict[str, Any] = dict(
             arch=arch,
             num_layers=num_layers,
             hidden_size=hidden,
@@ -240,7 +293,7 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
             qk_norm=arch in ("qwen3", "qwen3moe", "olmo2"),
             qk_norm_whole=arch == "olmo2",
-            post_norm=arch == "olmo2",
+            norm_layout="post" if arch == "olmo2" else "pre",
             embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(d.get("residual_multiplier", 1.0)),
             attention_multiplier=float(d["attention_multiplier"]) if d.get("attention_multiplier") else None,
@@ -257,6 +310,8 @@ class ModelConfig:
             eos_token_id=_opt_int(eos),
             name=str(d.get("_name_or_path", "")),
         )
+        fields.update(gemma)  # Gemma's own values for some of the fields above
+        return cls(**fields)
 
     # ------------------------------------------------------------------ export
     def to_hf_dict(self) -> dict[str, Any]:
@@ -294,6 +349,42 @@ class ModelConfig:
                      num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
                      norm_topk_prob=self.norm_topk_prob, mlp_only_layers=list(self.dense_layers))
         return d
+
+
+def _gemma_fields(
+    d: dict[str, Any], arch: str, num_layers: int, theta: float, scaling: dict[str, Any] | None
+) -> tuple[dict[str, Any], float, dict[str, Any] | None]:
+    """Gemma 2 / 3's fields from an HF config, and the global layers' RoPE base and scaling (Gemma 3
+    configs of transformers 5 give RoPE per layer type)."""
+    types = d.get("layer_types")
+    if not types:  # older configs: Gemma 2 alternates from a local layer, Gemma 3 has 5 local : 1 global
+        pattern = int(d.get("sliding_window_pattern") or (2 if arch == "gemma2" else 6))
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    local_theta = d.get("rope_local_base_freq")
+    params = d.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):
+        full = dict(params["full_attention"])
+        theta = float(full.pop("rope_theta", theta))
+        scaling = full if full.get("rope_type", "default") != "default" else None
+        local_theta = (params.get("sliding_attention") or {}).get("rope_theta", local_theta)
+    act = str(d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"Gemma with hidden_activation {act!r} is not supported (gelu_pytorch_tanh is)")
+    qpas = d.get("query_pre_attn_scalar")
+    fields = dict(
+        norm_layout="sandwich",
+        norm_weight_offset=1.0,
+        hidden_act="gelu_tanh",
+        embedding_multiplier=float(d["hidden_size"]) ** 0.5,
+        attention_multiplier=float(qpas) ** -0.5 if qpas else None,
+        attn_softcap=d.get("attn_logit_softcapping"),
+        final_softcap=d.get("final_logit_softcapping"),
+        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        local_rope_theta=float(local_theta) if arch == "gemma3" and local_theta else None,
+        qk_norm=arch == "gemma3",
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+    )
+    return fields, theta, scaling
 
 
 def _opt_int(x: Any) -> int | None:

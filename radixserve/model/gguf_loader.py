@@ -46,8 +46,13 @@ _BLOCK_NAMES = {
     "post_attention_norm": "post_attention_layernorm",  # OLMo 2's norms on the branch outputs
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-# Per-architecture exceptions: Phi-3's fused gate/up is stored as ``ffn_up``.
-_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Per-architecture exceptions: Phi-3's fused gate/up is stored as ``ffn_up``; Gemma's ``ffn_norm``
+# is the norm before the MLP in a layer that also has one after it.
+_ARCH_BLOCK_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Tensors that carry no weights of their own (rope frequency factors go into the config).
 # LongRoPE's factor sets go into the config's rope_scaling (HF's keys).

@@ -146,10 +146,17 @@ class MLP(nn.Module):
     sums are reduced once for the whole MoE layer)."""
 
     def __init__(
-        self, hidden: int, intermediate: int, dtype: torch.dtype, tp: TPGroup | None = None, reduce: bool = True
+        self,
+        hidden: int,
+        intermediate: int,
+        dtype: torch.dtype,
+        tp: TPGroup | None = None,
+        reduce: bool = True,
+        act: str = "silu",
     ) -> None:
         super().__init__()
         self.tp = tp if reduce else None
+        self.gelu = act == "gelu_tanh"  # GeGLU (Gemma): tanh-approximated GELU of the gate
         start, end = tp.split(intermediate) if tp is not None else (0, intermediate)
         self.rows = (start, end)
         self.intermediate = end - start
@@ -157,7 +164,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, hidden, False, dtype)
 
     def forward(self, x: torch.Tensor, ops: TorchOps = _TORCH_OPS) -> torch.Tensor:
-        out = self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
+        gate_up = self.gate_up_proj.forward(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+        else:
+            act = ops.silu_mul(gate_up)
+        out = self.down_proj.forward(act)
         return out if self.tp is None else self.tp.all_reduce_(out)
 
 

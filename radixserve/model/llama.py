@@ -18,6 +18,9 @@ every layer; without one (``tp`` None) nothing of that runs: no collective, no m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,24 +35,36 @@ from radixserve.model.linear import Linear, empty_param
 from radixserve.model.parallel import TPGroup
 from radixserve.model.quant import DEFAULT_MAX_ROWS
 
+# Each layout's norms: our name (by role) -> the HF checkpoint's name. HF's names do not say the
+# role: ``post_attention_layernorm`` is the MLP's input norm in Llama, the attention output's in
+# OLMo 2 and Gemma.
+_NORMS = {
+    "pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+    "post": {"attn_out_norm": "post_attention_layernorm", "mlp_out_norm": "post_feedforward_layernorm"},
+    "sandwich": {"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+                 "mlp_norm": "pre_feedforward_layernorm", "mlp_out_norm": "post_feedforward_layernorm"},
+}
+
 
 class DecoderLayer(nn.Module):
-    """Pre-norm (``h + attn(norm(h))``, then the same for the MLP), or with ``post_norm`` (OLMo 2)
-    ``h + norm(attn(h))``: there ``post_attention_layernorm`` is the attention output's norm and
-    ``post_feedforward_layernorm`` the MLP output's, as HF names them; in the pre-norm families
-    ``post_attention_layernorm`` is the MLP's input norm."""
+    """``h + out_norm(attn(norm(h)))``, then the same for the MLP, with the norms the layout has
+    (``config.norm_layout``: pre, post or sandwich); a missing norm is the identity."""
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.post_norm = config.post_norm
         self.residual_multiplier = config.residual_multiplier
-        self.input_layernorm = None if self.post_norm else RMSNorm(config.hidden_size, config.rms_eps, dtype)
+        self.sliding = layer_id in config.sliding_layers  # attends over the window, with the local RoPE
+        have = _NORMS[config.norm_layout]
+
+        def norm(role: str) -> RMSNorm | None:
+            return RMSNorm(config.hidden_size, config.rms_eps, dtype) if role in have else None
+
+        self.attn_norm, self.attn_out_norm = norm("attn_norm"), norm("attn_out_norm")
+        self.mlp_norm, self.mlp_out_norm = norm("mlp_norm"), norm("mlp_out_norm")
         self.self_attn = Attention(config, layer_id, dtype, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps, dtype)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_eps, dtype) if self.post_norm else None
         self.mlp: MLP | SparseMoE = (
             SparseMoE(config, dtype, tp) if config.is_moe_layer(layer_id)
-            else MLP(config.hidden_size, config.intermediate_size, dtype, tp)
+            else MLP(config.hidden_size, config.intermediate_size, dtype, tp, act=config.hidden_act)
         )
 
     def forward(
@@ -62,15 +77,15 @@ class DecoderLayer(nn.Module):
         kv_pool: KVPool,
         r2t: ReqToTokenPool,
     ) -> torch.Tensor:
-        if self.input_layernorm is None:
-            assert self.post_feedforward_layernorm is not None
-            h = h + self.post_attention_layernorm(self.self_attn(h, cos, sin, backend, fb, kv_pool, r2t))
-            return h + self.post_feedforward_layernorm(self.mlp(h))
-        rm = self.residual_multiplier
-        a = self.self_attn(self.input_layernorm(h), cos, sin, backend, fb, kv_pool, r2t)
-        h = h + (a if rm == 1 else a * rm)
-        m = self.mlp(self.post_attention_layernorm(h))
-        return h + (m if rm == 1 else m * rm)
+        def around(x: torch.Tensor, inner: Callable[[torch.Tensor], torch.Tensor], before: RMSNorm | None,
+                   after: RMSNorm | None) -> torch.Tensor:
+            y = inner(before(x) if before is not None else x)
+            y = after(y) if after is not None else y
+            return x + (y if self.residual_multiplier == 1 else y * self.residual_multiplier)
+
+        h = around(h, lambda x: self.self_attn(x, cos, sin, backend, fb, kv_pool, r2t), self.attn_norm,
+                   self.attn_out_norm)
+        return around(h, self.mlp, self.mlp_norm, self.mlp_out_norm)
 
     def forward_fused(
         self,
@@ -95,7 +110,8 @@ class DecoderLayer(nn.Module):
         a = self.self_attn.forward(x, cos, sin, backend, fb, kv_pool, r2t, ops)
         if rm != 1:
             a.mul_(rm)
-        n = self.post_attention_layernorm
+        n = self.mlp_norm
+        assert n is not None  # the fused path runs pre-norm layers only
         x = ops.add_rms_norm(a, residual, n.weight, n.eps)
         m = self.mlp.forward(x, ops)
         if rm != 1:
@@ -109,6 +125,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     cos_cache: torch.Tensor
     sin_cache: torch.Tensor
+    local_cos_cache: torch.Tensor | None
+    local_sin_cache: torch.Tensor | None
 
     def __init__(
         self,
@@ -134,13 +152,21 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, vocab_rows, False, dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
+        tp_size = tp.size if tp else 1
+        heads = (config.num_heads // tp_size, config.num_kv_heads // tp_size, config.head_dim)
+        backend_name = attention_backend if isinstance(attention_backend, str) else None
         if isinstance(attention_backend, str):
-            tp_size = tp.size if tp else 1
             attention_backend = create_attention_backend(
-                attention_backend, config.num_heads // tp_size, config.num_kv_heads // tp_size, config.head_dim,
-                config.attention_multiplier,
+                attention_backend, *heads, config.attention_multiplier, softcap=config.attn_softcap
             )
         self.attn_backend = attention_backend
+        # the sliding-window layers' own backend (a second set of per-forward metadata)
+        self.local_attn_backend: AttentionBackend | None = None
+        if config.sliding_layers:
+            self.local_attn_backend = create_attention_backend(
+                backend_name or "auto", *heads, config.attention_multiplier, config.sliding_window,
+                config.attn_softcap,
+            )
         # the small per-layer ops go with the backend: the C++ ones where the backend is the C++ one
         self.small_ops: TorchOps = make_small_ops("auto" if attention_backend.fused_small_ops else "torch")
         # cos/sin per position, computed in float32 as HF does, then cast; only one half is kept.
@@ -149,6 +175,15 @@ class LlamaForCausalLM(nn.Module):
         scale = rope_attention_factor(config)
         self.register_buffer("cos_cache", (freqs.cos() * scale).to(dtype), persistent=False)
         self.register_buffer("sin_cache", (freqs.sin() * scale).to(dtype), persistent=False)
+        # the sliding layers' own RoPE base (Gemma 3); None: they share the tables above
+        local_freqs = None
+        if config.local_rope_theta is not None:
+            local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None, rope_freq_factors=None)
+            local_freqs = torch.outer(positions, rope_inv_freq(local, context_len))
+        self.register_buffer("local_cos_cache", None if local_freqs is None else local_freqs.cos().to(dtype),
+                             persistent=False)
+        self.register_buffer("local_sin_cache", None if local_freqs is None else local_freqs.sin().to(dtype),
+                             persistent=False)
 
     # ------------------------------------------------------------------ weights
     @classmethod
@@ -191,7 +226,12 @@ class LlamaForCausalLM(nn.Module):
             dst[v1 - v0 :].zero_()  # padding of the last rank's slice: never looked up, its logits cut off
 
         vocab_rows(self.embed_tokens, take("model.embed_tokens.weight"))
-        self.norm.weight.copy_(take("model.norm.weight"))
+
+        def norm_weight(name: str) -> torch.Tensor:
+            w = take(name)
+            return w + c.norm_weight_offset if c.norm_weight_offset else w
+
+        self.norm.weight.copy_(norm_weight("model.norm.weight"))
         if not c.tie_word_embeddings:
             vocab_rows(self.lm_head.weight, take("lm_head.weight"))
         for i, layer in enumerate(self.layers):
@@ -208,10 +248,10 @@ class LlamaForCausalLM(nn.Module):
                 )
             a.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight")[:, q_part])
             if a.q_norm is not None and a.k_norm is not None:
-                a.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
-                a.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
-            if layer.post_feedforward_layernorm is not None:
-                layer.post_feedforward_layernorm.weight.copy_(take(p + "post_feedforward_layernorm.weight"))
+                a.q_norm.weight.copy_(norm_weight(p + "self_attn.q_norm.weight"))
+                a.k_norm.weight.copy_(norm_weight(p + "self_attn.k_norm.weight"))
+            for role, hf_name in _NORMS[c.norm_layout].items():
+                getattr(layer, role).weight.copy_(norm_weight(p + hf_name + ".weight"))
             for mlp, prefix in self._mlps(layer, p):
                 r0, r1 = mlp.rows
                 mlp.gate_up_proj.weight.copy_(
@@ -220,9 +260,6 @@ class LlamaForCausalLM(nn.Module):
                 mlp.down_proj.weight.copy_(take(prefix + "down_proj.weight")[:, r0:r1])
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.gate.copy_(take(p + "mlp.gate.weight"))
-            if layer.input_layernorm is not None:
-                layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
         unused = [
             k for k in sd if k not in used and not (k == "lm_head.weight" and c.tie_word_embeddings)
         ]
@@ -322,21 +359,45 @@ class LlamaForCausalLM(nn.Module):
         positions = fb.positions
         cos = self.cos_cache.index_select(0, positions)  # [T, D/2]
         sin = self.sin_cache.index_select(0, positions)
+        if self.local_attn_backend is not None or self.local_cos_cache is not None:
+            return self._forward_hybrid(fb, req_to_token_pool, kv_pool, cos, sin)
         h = F.embedding(fb.input_ids, self.embed_tokens) if self.tp is None else self._embed_sharded(fb.input_ids)
         if self.config.embedding_multiplier != 1:
             h = h * self.config.embedding_multiplier
         ops = self.small_ops
-        if not ops.fused or self.config.post_norm:  # the reference: each layer as HF writes it
+        if not ops.fused or self.config.norm_layout != "pre":  # the reference: each layer as HF writes it
             for layer in self.layers:
                 h = layer(h, cos, sin, backend, fb, kv_pool, req_to_token_pool)
             return h
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
-        norms = [layer.input_layernorm for layer in layers if layer.input_layernorm is not None]
+        norms = [layer.attn_norm for layer in layers if layer.attn_norm is not None]
         assert len(norms) == len(layers)  # pre-norm layers (post_norm ones took the branch above)
         x = ops.rms_norm(h, norms[0].weight, norms[0].eps)  # h: a fresh tensor, the residual stream from here
         for i, layer in enumerate(layers):
             nxt = norms[i + 1] if i + 1 < len(layers) else None
             x = layer.forward_fused(x, h, nxt, ops, cos, sin, backend, fb, kv_pool, req_to_token_pool)
+        return h
+
+    def _forward_hybrid(
+        self, fb: ForwardBatch, r2t: ReqToTokenPool, kv_pool: KVPool, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """Layers of two kinds (Gemma): the sliding ones attend through their own backend, with
+        their own RoPE tables where the model has them; every layer as transformers writes it."""
+        local = self.local_attn_backend or self.attn_backend
+        if local is not self.attn_backend:
+            local.init_forward_metadata(fb, r2t)
+        local_cos, local_sin = cos, sin
+        if self.local_cos_cache is not None and self.local_sin_cache is not None:
+            local_cos = self.local_cos_cache.index_select(0, fb.positions)
+            local_sin = self.local_sin_cache.index_select(0, fb.positions)
+        h = F.embedding(fb.input_ids, self.embed_tokens) if self.tp is None else self._embed_sharded(fb.input_ids)
+        h = h * self.config.embedding_multiplier
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            if layer.sliding:
+                h = layer(h, local_cos, local_sin, local, fb, kv_pool, r2t)
+            else:
+                h = layer(h, cos, sin, self.attn_backend, fb, kv_pool, r2t)
         return h
 
     def set_small_ops(self, name: str) -> None:
@@ -358,8 +419,10 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(normed)
         else:  # rank 0 gets every rank's slice side by side; the padding columns past the vocabulary go
             logits = self.tp.gather_last_dim(self.lm_head(normed))[:, : self.config.vocab_size]
-        scale = self.config.logits_scaling
-        return logits if scale == 1 else logits / scale
+        scale, cap = self.config.logits_scaling, self.config.final_softcap
+        if scale != 1:
+            logits = logits / scale
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _embed_sharded(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: rows of other ranks' tokens are zeros here, and the

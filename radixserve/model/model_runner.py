@@ -128,11 +128,12 @@ def resolve_quantization(name: str, dtype: torch.dtype, model_path: str | None) 
 def limit_context(config: ModelConfig, context_length: int | None) -> int:
     """The context a model runs with: ``context_length``, else the model's span.
 
-    Attention here is full causal attention. A sliding-window model (Mistral 7B v0.1, Phi-3-mini)
-    gives exactly its own outputs while a sequence fits its window, so its context is limited to
-    the window: by default, with a warning; a longer ``context_length`` is refused."""
+    Only models whose windows are per layer (``sliding_layers``: Gemma) attend over a window here;
+    any other runs full causal attention. A whole-model sliding window (Mistral 7B v0.1,
+    Phi-3-mini) gives exactly its own outputs while a sequence fits the window, so its context is
+    limited to the window: by default, with a warning; a longer ``context_length`` is refused."""
     window = config.sliding_window
-    if window is None or window >= (context_length or config.max_position):
+    if window is None or config.sliding_layers or window >= (context_length or config.max_position):
         return context_length or config.max_position
     if context_length is not None:
         raise ValueError(

@@ -103,15 +103,28 @@ class CpuPagedAttention(TorchNativeAttention):
 
     fused_small_ops = True
 
+    windows_and_softcap = False  # the kernel has neither
+
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scaling: float | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scaling)
+        super().__init__(num_heads, num_kv_heads, head_dim, scaling, window, softcap)
         extension()  # fail at construction, with the reason, not at the first decode step
         self.share_prefixes = False
 
     def _decode_group(
-        self, r2t: torch.Tensor, rows_rpi: torch.Tensor, lens: list[int], token_idx: torch.Tensor | None
+        self,
+        r2t: torch.Tensor,
+        rows_rpi: torch.Tensor,
+        lens: list[int],
+        token_idx: torch.Tensor | None,
+        firsts: list[int] | None = None,  # never set: this backend refuses a window
     ) -> _DecodeGroup:
         lens_t = torch.tensor(lens, dtype=torch.int64)
         return _PagedDecode(token_idx, len(lens), [], 0, r2t, rows_rpi.to(torch.int64), lens_t)

@@ -38,6 +38,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite": ("granite", dict(intermediate_size=96, embedding_multiplier=3.0, residual_multiplier=0.5,
                                 attention_multiplier=0.2, logits_scaling=4.0)),
     "olmo2": ("olmo2", dict(intermediate_size=96, pad_token_id=0)),
+    # windows of 8 positions (the tests' sequences run past them), a score scale that is not
+    # head_dim's, caps low enough to bite
+    "gemma2": ("gemma2", dict(intermediate_size=96, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=10.0, pad_token_id=0,
+                              tie_word_embeddings=True)),
+    # one local and one global layer, each with its own RoPE (the global one linearly scaled)
+    "gemma3": ("gemma3_text", dict(intermediate_size=96, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                                   pad_token_id=0, tie_word_embeddings=True,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                       "rope_theta": 1000000.0}})),
 }
 
 
@@ -95,6 +107,18 @@ def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) 
     w.add_rope_dimension_count(c.rotary_dim)
     w.add_layer_norm_rms_eps(c.rms_eps)
     w.add_rope_freq_base(c.rope_theta)
+    sc = c.rope_scaling or {}
+    if arch in ("gemma2", "gemma3"):
+        w.add_sliding_window(c.sliding_window)
+        w.add_sliding_window_pattern([i in c.sliding_layers for i in range(c.num_layers)])
+        if c.attn_softcap:
+            w.add_attn_logit_softcapping(c.attn_softcap)
+        if c.final_softcap:
+            w.add_final_logit_softcapping(c.final_softcap)
+        w.add_attention_scale(c.attention_multiplier or c.head_dim**-0.5)
+        if sc.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(sc["factor"])
     if arch == "granite":
         w.add_embedding_scale(c.embedding_multiplier)
         w.add_residual_scale(c.residual_multiplier)
@@ -106,7 +130,6 @@ def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) 
         if arch != "llama":
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_expert_weights_norm(c.norm_topk_prob)  # llama.cpp assumes true where the key is absent
-    sc = c.rope_scaling or {}
     if sc.get("rope_type") == "longrope":
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", sc["original_max_position_embeddings"])
         w.add_float32(f"{arch}.rope.scaling.attn_factor", sc["attention_factor"])
@@ -130,6 +153,8 @@ def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) 
                 w.add_string(key, value)
 
     def put(name: str, t: torch.Tensor) -> None:
+        if c.norm_weight_offset and name.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + w
+            t = t + c.norm_weight_offset
         w.add_tensor(name, t.float().contiguous().numpy())
 
     put("token_embd.weight", sd["model.embed_tokens.weight"])
@@ -138,7 +163,12 @@ def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) 
         put("output.weight", sd["lm_head.weight"])
     for i in range(c.num_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
-        if c.post_norm:
+        if c.norm_layout == "sandwich":
+            put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+            put(b + "post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
+            put(b + "ffn_norm.weight", sd[p + "pre_feedforward_layernorm.weight"])
+            put(b + "post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
+        elif c.post_norm:
             put(b + "post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
             put(b + "post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
         else:
