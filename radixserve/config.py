@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
@@ -28,6 +29,9 @@ class ServerArgs:
         "Default: the bundled SmolLM2-135M-Instruct GGUF.", group="model"
     )
     served_model_name: str | None = option(None, "Model name reported by the API (default: derived from the path).", group="model")
+    chat_template: str | None = option(
+        None, "Chat template to use instead of the model's own: a Jinja file, or the template text itself "
+        "(anything with {{ or {%%).", group="model")
     dtype: str = option("auto", "Weights/activations/KV dtype; auto picks the measured-fastest on this device.", ("auto", "float32", "bfloat16"), group="model")
     context_length: int | None = option(None, "Maximum context length (prompt + output); default: the model's (a sliding-window model's window).", group="model")
     attention_backend: str = option(
@@ -242,6 +246,9 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         errors: list[str] = []
+        t = self.chat_template
+        if t is not None and not os.path.isfile(t) and "{{" not in t and "{%" not in t:
+            errors.append(f"chat_template {t!r} is neither a file nor a Jinja template")
 
         def positive(name: str, allow_none: bool = True) -> None:
             v = getattr(self, name)

@@ -98,7 +98,7 @@ class Engine:
             args = self.server_args
         self.runner = runner or runner_from_args(args)
         self.model_config = self.runner.model_config
-        self.tokenizer = self.runner.tokenizer
+        self.tokenizer = self.runner.tokenizer.use_chat_template(args.chat_template)
         self.context_len = args.context_length or self.runner.max_context_len
         if self.context_len > self.runner.max_context_len:  # a runner built elsewhere, for a shorter context
             raise ValueError(f"context_length {self.context_len} is longer than the runner's "

@@ -143,12 +143,7 @@ class Tokenizer:
         self.bos_token = backend.id_to_token(bos_token_id) if bos_token_id is not None else None
         self.eos_token = backend.id_to_token(eos_token_id) if eos_token_id is not None else None
         stops: list[int] = [] if eos_token_id is None else [eos_token_id]
-        template = chat_template or ""
-        for tok in _END_OF_TURN_TOKENS:
-            tid = backend.token_to_id(tok)
-            if tid is not None and tok in template and tid not in stops:
-                stops.append(tid)
-        for tid in extra_stop_token_ids:
+        for tid in [*self._turn_ends(chat_template), *extra_stop_token_ids]:
             if tid not in stops:
                 stops.append(int(tid))
         self.stop_token_ids: list[int] = stops
@@ -332,6 +327,29 @@ class Tokenizer:
             extra_stop_token_ids=extra,
             byte_level=byte_level,
         )
+
+    def _turn_ends(self, template: str | None) -> list[int]:
+        """The end-of-turn tokens ``template`` writes: each is a stop token."""
+        ids = [self.backend.token_to_id(tok) for tok in _END_OF_TURN_TOKENS if tok in (template or "")]
+        return [int(t) for t in ids if t is not None]
+
+    def use_chat_template(self, template: str | None) -> Tokenizer:
+        """Replace the model's chat template (``--chat-template``): a file's path, or the template
+        text itself; checked by compiling it. None keeps the model's. Returns self."""
+        if template is None:
+            return self
+        if os.path.isfile(template):
+            with open(template) as f:
+                template = f.read()
+        elif "{{" not in template and "{%" not in template:
+            raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja template")
+        try:
+            _compile_template(template)
+        except Exception as e:  # jinja2's TemplateSyntaxError, with the line it failed on
+            raise ValueError(f"--chat-template does not compile: {e}") from e
+        self.chat_template = template
+        self.stop_token_ids += [t for t in self._turn_ends(template) if t not in self.stop_token_ids]
+        return self
 
     # ------------------------------------------------------------------ basics
     @property

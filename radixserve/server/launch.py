@@ -200,7 +200,9 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
             p = ctx.Process(target=target, args=pargs, name=f"radixserve-{pname}", daemon=True)
             p.start()
             procs[pname] = p
-        tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, args.model_path)
+        tokenizer = await asyncio.to_thread(
+            lambda: Tokenizer.from_model_path(args.model_path).use_chat_template(args.chat_template)
+        )
         progress("tokenizer loaded")
         tm.tokenizer = tokenizer
         await tm.wait_ready(procs, progress, lambda: interrupted)

@@ -99,3 +99,24 @@ def test_token_bytes(ours: Tokenizer) -> None:
     assert any("\ufffd" in ours.decode([i]) for i in ids)  # some tokens are partial characters
     assert b"".join(ours.token_bytes(i) for i in ids) == text.encode("utf-8")
     assert ours.token_bytes(2) == b"<|im_end|>"
+
+
+def test_chat_template_override(tmp_path: Any) -> None:
+    from radixserve.config import ServerArgs
+    from radixserve.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_model_path(None)
+    before = list(tok.stop_token_ids)
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|endoftext|>{% endfor %}"
+                    "{% if add_generation_prompt %}[assistant] {% endif %}")
+    tok.use_chat_template(str(path))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi<|endoftext|>[assistant] "
+    # the end-of-turn token the new template writes stops generation (it already did here: EOS)
+    assert set(before) <= set(tok.stop_token_ids) and tok.token_to_id("<|endoftext|>") in tok.stop_token_ids
+    inline = Tokenizer.from_model_path(None).use_chat_template("{{ messages[0]['content'] }}!")
+    assert inline.apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
+    with pytest.raises(ValueError, match="does not compile"):
+        Tokenizer.from_model_path(None).use_chat_template("{% for %}")
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        ServerArgs(chat_template=str(tmp_path / "missing.jinja"))
