@@ -29,6 +29,10 @@ class ServerArgs:
         "Default: the bundled SmolLM2-135M-Instruct GGUF.", group="model"
     )
     served_model_name: str | None = option(None, "Model name reported by the API (default: derived from the path).", group="model")
+    reasoning_parser: str | None = option(
+        None, "Answer a reasoning model's thinking as reasoning_content, apart from content, in chat "
+        "completions: qwen3 (the output opens <think> itself) or deepseek-r1 (the prompt opened it).",
+        ("qwen3", "deepseek-r1"), group="model")
     chat_template: str | None = option(
         None, "Chat template to use instead of the model's own: a Jinja file, or the template text itself "
         "(anything with {{ or {%%).", group="model")
@@ -275,7 +279,8 @@ class ServerArgs:
             errors.append("retract_decode_steps must be >= 0")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            value = getattr(self, f.name)
+            if choices and value not in choices and not (value is None and f.default is None):  # None: off
                 errors.append(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
         if self.disaggregation_mode != "null":
             if not 1 <= self.disaggregation_bootstrap_port <= 65535:

@@ -51,7 +51,7 @@ FIELDS = sorted({
     "input_ids", "sampling_params", "rid", "return_logprob", "top_logprobs_num", "logprob_start_len",
     "return_text_in_logprobs", "ttft_slo_ms", "tpot_slo_ms", "data_parallel_rank", "data_parallel_rank_decode",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "tenant",
-    "deadline_ms", "regex", "ebnf"})
+    "deadline_ms", "regex", "ebnf", "reasoning_effort", "chat_template_kwargs", "separate_reasoning"})
 LENGTH_FIELDS = {"max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens"}
 INT64_MAX = (1 << 63) - 1
 

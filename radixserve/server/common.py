@@ -8,13 +8,15 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import jinja2
 from starlette.requests import Request
 
+from radixserve.model.tokenizer import ChatTemplateError, Tokenizer
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import OutRow
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams, new_token_room
 from radixserve.server.io_struct import GenerateReq
-from radixserve.server.protocol import APIError
+from radixserve.server.protocol import APIError, ChatMessage
 from radixserve.server.tokenizer_manager import (
     ClientGone,
     ReqState,
@@ -38,6 +40,18 @@ def parse_sampling_params(sp: dict[str, Any], vocab_size: int | None, openai: bo
         raise APIError(str(e), param=param, code="invalid_value") from None
     except TypeError as e:
         raise APIError(f"invalid sampling parameters: {e}", param="sampling_params") from None
+
+
+def render_chat(
+    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text of a chat, by the model's template; a template that fails is a 400."""
+    try:
+        return tokenizer.apply_chat_template([m.to_template() for m in messages], add_generation_prompt,
+                                             **(template_kwargs or {}))
+    except (ChatTemplateError, jinja2.TemplateError) as e:
+        raise APIError(f"chat template error: {e}", param="messages") from None
 
 
 def check_prompt(tm: TokenizerManager, ids: list[int], param: str) -> None:

@@ -6,6 +6,7 @@ a prompt once per prompt, as OpenAI does. Streams end with ``data: [DONE]``; the
 started is sent as a ``data: {"error": ...}`` event. ``/v1/completions`` takes vLLM's
 ``return_token_ids``: each choice (each chunk, streamed) then carries ``token_ids``, and
 ``prompt_token_ids`` once; ``radixserve bench serve`` builds multi-turn histories from them.
+With ``--reasoning-parser`` a chat answer's thinking is its ``reasoning_content`` (reasoning.py).
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jinja2
 import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from radixserve.model.tokenizer import ChatTemplateError
 from radixserve.sched.io import OutRow
 from radixserve.server.common import (
     SSE_DONE,
@@ -28,13 +27,21 @@ from radixserve.server.common import (
     Call,
     check_prompt,
     parse_sampling_params,
+    render_chat,
     resolve_max_tokens,
     sse,
     stream_error,
 )
 from radixserve.server.io_struct import GenerateReq
 from radixserve.server.pd_fields import bootstrap_fields
-from radixserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from radixserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+    unsupported,
+)
+from radixserve.server.reasoning import FORMATS, ReasoningFormat, ReasoningSplitter, split_reasoning
 from radixserve.server.sched_fields import SchedFields, sched_fields
 from radixserve.server.tokenizer_manager import ClientGone, ReqState, TokenizerManager
 
@@ -77,11 +84,11 @@ class OpenAIServing:
     async def chat(self, request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
         self.check_model(body.model)
-        try:
-            messages = [m.to_template() for m in body.messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except (ChatTemplateError, jinja2.TemplateError) as e:
-            raise APIError(f"chat template error: {e}", param="messages") from None
+        fmt = self._reasoning_format(body)
+        template_kwargs = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:
+            template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+        text = render_chat(self.tokenizer, body.messages, True, template_kwargs)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         top = body.top_logprobs or 0
         if top and not body.logprobs:
@@ -95,7 +102,7 @@ class OpenAIServing:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             first = await call.first_outputs()
-            return StreamingResponse(self._chat_stream(call, first, body, rid, created),
+            return StreamingResponse(self._chat_stream(call, first, body, rid, created, fmt),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             states = await call.wait_all()
@@ -104,9 +111,13 @@ class OpenAIServing:
         choices = []
         for st in states:
             assert st.last is not None and st.last.finished_reason is not None
+            message: dict[str, Any] = {"role": "assistant", "content": st.text}
+            if fmt is not None:
+                reasoning, message["content"] = split_reasoning(fmt, st.text)
+                message["reasoning_content"] = reasoning or None
             choices.append({
                 "index": st.index,
-                "message": {"role": "assistant", "content": st.text},
+                "message": message,
                 "logprobs": {"content": self._chat_logprobs(st.output_ids, st.logprobs, st.top_logprobs)}
                 if body.logprobs else None,
                 "finish_reason": st.last.finished_reason.openai_reason,
@@ -116,13 +127,30 @@ class OpenAIServing:
             "choices": choices, "usage": _usage(states, body.n),
         })
 
+    def _reasoning_format(self, body: ChatCompletionRequest) -> ReasoningFormat | None:
+        """How this request's answer is split into reasoning and content (None: it is not)."""
+        parser = self.tm.args.reasoning_parser
+        if parser is None:
+            if body.reasoning_effort is not None:
+                raise unsupported("reasoning_effort", "this server runs no reasoning parser (--reasoning-parser)")
+            return None
+        if not body.separate_reasoning:
+            return None
+        if body.grammar_params():
+            # the grammar would constrain the thinking too; applying it after </think> is not built yet
+            raise unsupported("response_format", "structured output with --reasoning-parser is not supported "
+                              "yet (separate_reasoning: false turns the parser off for a request)")
+        return FORMATS[parser]
+
     async def _chat_stream(
-        self, call: Call, first: list[tuple[ReqState, OutRow]], body: ChatCompletionRequest, rid: str, created: int
+        self, call: Call, first: list[tuple[ReqState, OutRow]], body: ChatCompletionRequest, rid: str, created: int,
+        fmt: ReasoningFormat | None = None,
     ) -> AsyncIterator[bytes]:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.tm.model_name}
         if body.include_usage:
             base["usage"] = None
         started: set[int] = set()
+        splitters: dict[int, ReasoningSplitter] = {}
         assert call.group is not None
         try:
             async for st, o in call.stream(first):
@@ -140,6 +168,10 @@ class OpenAIServing:
                       if body.logprobs and o.new_token_ids else None)
                 if o.text or lp is not None or fr is not None:
                     delta = {"content": o.text} if o.text else {}
+                    if fmt is not None:
+                        splitter = splitters.setdefault(st.index, ReasoningSplitter(fmt))
+                        reasoning, content = splitter.feed(o.text, final=fr is not None)
+                        delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
                     yield sse({**base, "choices": [{"index": st.index, "delta": delta, "logprobs": lp,
                                                     "finish_reason": fr.openai_reason if fr else None}]})
             if body.include_usage:

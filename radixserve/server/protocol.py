@@ -255,9 +255,19 @@ _CHAT_UNSUPPORTED = {
     "function_call": "function calling is not supported",
     "audio": "audio output is not supported",
     "web_search_options": "web search is not supported",
-    "reasoning_effort": "this model does not reason (reasoning_effort is for reasoning models)",
     "verbosity": "verbosity is not supported by this model",
 }
+
+
+# what the server passes to a chat template itself
+_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token")
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    clash = sorted(set(kwargs or {}) & set(_TEMPLATE_VARIABLES))
+    if clash:
+        raise APIError(f"chat_template_kwargs may not set {', '.join(clash)} (the server sets them)",
+                       param="chat_template_kwargs", code="invalid_value")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -278,9 +288,19 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_key: str | None = Field(None, description="Accepted; the radix cache reuses prefixes by itself.")
     prompt_cache_retention: str | None = Field(None, description="Accepted; the radix cache keeps what fits.")
     safety_identifier: str | None = Field(None, description="The tenant when user is not set.")
+    reasoning_effort: str | None = Field(
+        None, description="Passed to the chat template (with --reasoning-parser; refused without one).")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (e.g. enable_thinking).")
+    separate_reasoning: bool = Field(
+        True, description="SGLang's: with --reasoning-parser, answer the reasoning apart (false: all as content).")
 
     def check(self) -> None:
         super().check()
+        check_template_kwargs(self.chat_template_kwargs)
+        if self.reasoning_effort is not None and self.reasoning_effort not in ("minimal", "low", "medium", "high"):
+            raise APIError("reasoning_effort is one of minimal, low, medium, high", param="reasoning_effort",
+                           code="invalid_value")
         extra = self.model_extra or {}
         for name, why in _CHAT_UNSUPPORTED.items():
             if (getattr(self, name, None) if name in type(self).model_fields else extra.get(name)) is not None:

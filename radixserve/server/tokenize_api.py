@@ -11,13 +11,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import jinja2
 from fastapi import FastAPI
 from pydantic import Field
 from starlette.requests import Request
 
-from radixserve.model.tokenizer import ChatTemplateError
-from radixserve.server.protocol import APIError, ChatMessage, _Body, parse_body, unsupported
+from radixserve.server.common import render_chat
+from radixserve.server.protocol import (
+    APIError,
+    ChatMessage,
+    _Body,
+    check_template_kwargs,
+    parse_body,
+    unsupported,
+)
 from radixserve.server.tokenizer_manager import TokenizerManager
 
 
@@ -33,7 +39,7 @@ class TokenizeRequest(_Body):
     continue_final_message: bool = Field(False, description="Only false.")
     return_token_strs: bool = Field(False, description="Also answer each token's vocabulary string.")
     chat_template: str | None = Field(None, description="Not supported: refused.")
-    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Not supported: refused.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template.")
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported: refused.")
 
     def check(self) -> None:
@@ -45,7 +51,8 @@ class TokenizeRequest(_Body):
                     raise APIError(f"{name} applies to messages only", param=name)
         if self.continue_final_message:
             raise unsupported("continue_final_message", "only false is supported")
-        for name in ("chat_template", "chat_template_kwargs", "tools"):
+        check_template_kwargs(self.chat_template_kwargs)
+        for name in ("chat_template", "tools"):
             if getattr(self, name) is not None:
                 raise unsupported(name, "not supported by /tokenize")
 
@@ -64,11 +71,7 @@ def add_tokenize_routes(app: FastAPI, tm: TokenizerManager, check_model: Any) ->
         body = parse_body(await request.body(), TokenizeRequest)
         check_model(body.model)
         if body.messages is not None:
-            try:
-                text = tokenizer.apply_chat_template([m.to_template() for m in body.messages],
-                                                     add_generation_prompt=body.add_generation_prompt)
-            except (ChatTemplateError, jinja2.TemplateError) as e:
-                raise APIError(f"chat template error: {e}", param="messages") from None
+            text = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
             special = bool(body.add_special_tokens)
         else:
             text = body.prompt or ""

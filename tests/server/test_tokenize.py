@@ -61,6 +61,8 @@ def test_a_prompt_round_trips_and_counts_as_a_completion_does(c: httpx.Client) -
         ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt", "invalid_request"),
         ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message", "unsupported"),
         ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools", "unsupported"),
+        ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}},
+         "chat_template_kwargs", "invalid_value"),
         ("/tokenize", {"prompt": "a", "bogus": 1}, "bogus", "unknown_parameter"),
         ("/detokenize", {"tokens": [1, -2]}, "tokens", "invalid_value"),
         ("/detokenize", {"tokens": [10**9]}, "tokens", "invalid_value"),
