@@ -33,6 +33,11 @@ class ServerArgs:
         None, "Answer a reasoning model's thinking as reasoning_content, apart from content, in chat "
         "completions: qwen3 (the output opens <think> itself) or deepseek-r1 (the prompt opened it).",
         ("qwen3", "deepseek-r1"), group="model")
+    tool_call_parser: str | None = option(
+        None, "The format the model writes tool calls in, parsed out of chat answers (tool_choice auto): "
+        "hermes (Qwen 2.5/3, Hermes), llama3, mistral, pythonic (Llama 3.2/4). tool_choice required or a "
+        "named function works without it (hermes format).",
+        ("hermes", "llama3", "mistral", "pythonic"), group="model")
     chat_template: str | None = option(
         None, "Chat template to use instead of the model's own: a Jinja file, or the template text itself "
         "(anything with {{ or {%%).", group="model")

@@ -43,13 +43,13 @@ def parse_sampling_params(sp: dict[str, Any], vocab_size: int | None, openai: bo
 
 
 def render_chat(
-    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-    template_kwargs: dict[str, Any] | None = None,
+    tokenizer: Tokenizer, messages: list[ChatMessage] | list[dict[str, Any]], add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text of a chat, by the model's template; a template that fails is a 400."""
+    dicts = [m.to_template() if isinstance(m, ChatMessage) else m for m in messages]
     try:
-        return tokenizer.apply_chat_template([m.to_template() for m in messages], add_generation_prompt,
-                                             **(template_kwargs or {}))
+        return tokenizer.apply_chat_template(dicts, add_generation_prompt, tools, **(template_kwargs or {}))
     except (ChatTemplateError, jinja2.TemplateError) as e:
         raise APIError(f"chat template error: {e}", param="messages") from None
 

@@ -6,7 +6,9 @@ a prompt once per prompt, as OpenAI does. Streams end with ``data: [DONE]``; the
 started is sent as a ``data: {"error": ...}`` event. ``/v1/completions`` takes vLLM's
 ``return_token_ids``: each choice (each chunk, streamed) then carries ``token_ids``, and
 ``prompt_token_ids`` once; ``radixserve bench serve`` builds multi-turn histories from them.
-With ``--reasoning-parser`` a chat answer's thinking is its ``reasoning_content`` (reasoning.py).
+With ``--reasoning-parser`` a chat answer's thinking is its ``reasoning_content`` (reasoning.py);
+with tools, its calls are ``tool_calls`` (tool_calls.py): a stream holds the text back from where a
+call may begin, and sends each call whole at the end.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from radixserve.server.protocol import (
 from radixserve.server.reasoning import FORMATS, ReasoningFormat, ReasoningSplitter, split_reasoning
 from radixserve.server.sched_fields import SchedFields, sched_fields
 from radixserve.server.tokenizer_manager import ClientGone, ReqState, TokenizerManager
+from radixserve.server.tool_calls import StreamedAnswer, parse_tool_calls, tool_grammar, tools_system_prompt
 
 
 class OpenAIServing:
@@ -61,7 +64,7 @@ class OpenAIServing:
     def _make_reqs(
         self, prompts: list[list[int]], body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
         logprobs: bool, top_logprobs: int, prompt_param: str,
-        fields: SchedFields = (None, None, None, None),
+        fields: SchedFields = (None, None, None, None), extra: dict[str, Any] | None = None,
     ) -> list[GenerateReq]:
         base = uuid.uuid4().hex
         reqs = []
@@ -69,7 +72,8 @@ class OpenAIServing:
         for p, ids in enumerate(prompts):
             check_prompt(self.tm, ids, prompt_param)
             sp = parse_sampling_params(
-                body.sampling_params(resolve_max_tokens(self.tm, len(ids), max_tokens, prompt_param), logprobs, top_logprobs),
+                {**body.sampling_params(resolve_max_tokens(self.tm, len(ids), max_tokens, prompt_param), logprobs,
+                                        top_logprobs), **(extra or {})},
                 self.tm.info.get("vocab_size"), openai=True)
             for i in range(body.n):
                 spi = sp if sp.seed is None else msgspec.structs.replace(sp, seed=sp.seed + i)
@@ -88,7 +92,9 @@ class OpenAIServing:
         template_kwargs = dict(body.chat_template_kwargs or {})
         if body.reasoning_effort is not None:
             template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-        text = render_chat(self.tokenizer, body.messages, True, template_kwargs)
+        messages = [m.to_template() for m in body.messages]
+        parser, template_tools, extra = self._tool_setup(body, fmt, messages)
+        text = render_chat(self.tokenizer, messages, True, template_kwargs, template_tools)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         top = body.top_logprobs or 0
         if top and not body.logprobs:
@@ -96,13 +102,13 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         reqs = self._make_reqs([ids], body, max_tokens, body.logprobs, top, "messages",
                                sched_fields(request, body, openai=True, dp_size=self.tm.dp_size,
-                                            pd_mode=self.tm.args.disaggregation_mode))
+                                            pd_mode=self.tm.args.disaggregation_mode), extra)
         call = Call(self.tm, request)
         await call.open(reqs)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             first = await call.first_outputs()
-            return StreamingResponse(self._chat_stream(call, first, body, rid, created, fmt),
+            return StreamingResponse(self._chat_stream(call, first, body, rid, created, fmt, parser),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             states = await call.wait_all()
@@ -115,17 +121,56 @@ class OpenAIServing:
             if fmt is not None:
                 reasoning, message["content"] = split_reasoning(fmt, st.text)
                 message["reasoning_content"] = reasoning or None
+            finish = st.last.finished_reason.openai_reason
+            if parser is not None:
+                message["content"], calls = parse_tool_calls(parser, message["content"], body.tool_names())
+                if calls:
+                    message["content"] = message["content"] or None
+                    message["tool_calls"] = [c.to_openai() for c in calls]
+                    finish = "tool_calls" if finish == "stop" else finish  # a cut answer says so
             choices.append({
                 "index": st.index,
                 "message": message,
                 "logprobs": {"content": self._chat_logprobs(st.output_ids, st.logprobs, st.top_logprobs)}
                 if body.logprobs else None,
-                "finish_reason": st.last.finished_reason.openai_reason,
+                "finish_reason": finish,
             })
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": self.tm.model_name,
             "choices": choices, "usage": _usage(states, body.n),
         })
+
+    def _tool_setup(
+        self, body: ChatCompletionRequest, fmt: ReasoningFormat | None, messages: list[dict[str, Any]]
+    ) -> tuple[str | None, list[dict[str, Any]] | None, dict[str, Any] | None]:
+        """(the parser the answer is read with, the tools for the template, sampling fields to
+        add: the grammar of a forced call). ``messages`` gains a system message describing the
+        tools when the chat template takes none."""
+        if not body.tools or body.tool_choice == "none":
+            return None, None, None
+        forced = body.forced_tools()
+        parser = self.tm.args.tool_call_parser
+        if forced is None and parser is None:
+            raise unsupported("tool_choice", "tool_choice auto needs the server's --tool-call-parser (required or a "
+                              "named function work without one)")
+        tools: list[dict[str, Any]] | None = body.tools
+        if "tools" not in (self.tokenizer.chat_template or ""):  # the template cannot show them
+            messages.insert(0, {"role": "system", "content": tools_system_prompt(body.tools)})
+            tools, parser = None, "hermes"
+        parser = parser or "hermes"
+        if forced is None:
+            return parser, tools, None
+        if fmt is not None:
+            raise unsupported("tool_choice", "a forced tool call with --reasoning-parser is not supported yet "
+                              "(separate_reasoning: false turns the parser off for a request)")
+        if body.grammar_params():
+            raise APIError("a forced tool call is a grammar of its own: drop response_format / regex / ebnf",
+                           param="tool_choice", code="invalid_value")
+        try:
+            grammar = tool_grammar(parser, forced, parallel=body.parallel_tool_calls is not False)
+        except ValueError as e:
+            raise unsupported("tool_choice", str(e)) from None
+        return parser, tools, {"ebnf": grammar}
 
     def _reasoning_format(self, body: ChatCompletionRequest) -> ReasoningFormat | None:
         """How this request's answer is split into reasoning and content (None: it is not)."""
@@ -144,13 +189,14 @@ class OpenAIServing:
 
     async def _chat_stream(
         self, call: Call, first: list[tuple[ReqState, OutRow]], body: ChatCompletionRequest, rid: str, created: int,
-        fmt: ReasoningFormat | None = None,
+        fmt: ReasoningFormat | None = None, parser: str | None = None,
     ) -> AsyncIterator[bytes]:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.tm.model_name}
         if body.include_usage:
             base["usage"] = None
         started: set[int] = set()
         splitters: dict[int, ReasoningSplitter] = {}
+        answers: dict[int, StreamedAnswer] = {}
         assert call.group is not None
         try:
             async for st, o in call.stream(first):
@@ -167,13 +213,22 @@ class OpenAIServing:
                 lp = ({"content": self._chat_logprobs(o.new_token_ids, o.new_logprobs, o.new_top_logprobs)}
                       if body.logprobs and o.new_token_ids else None)
                 if o.text or lp is not None or fr is not None:
-                    delta = {"content": o.text} if o.text else {}
+                    finish = fr.openai_reason if fr else None
+                    delta: dict[str, Any] = {"content": o.text} if o.text else {}
                     if fmt is not None:
                         splitter = splitters.setdefault(st.index, ReasoningSplitter(fmt))
                         reasoning, content = splitter.feed(o.text, final=fr is not None)
                         delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+                    if parser is not None:
+                        answer = answers.setdefault(st.index, StreamedAnswer(parser, body.tool_names()))
+                        text, calls = answer.feed(delta.pop("content", ""), final=fr is not None)
+                        if text:
+                            delta["content"] = text
+                        if calls:
+                            delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(calls)]
+                            finish = "tool_calls" if finish == "stop" else finish
                     yield sse({**base, "choices": [{"index": st.index, "delta": delta, "logprobs": lp,
-                                                    "finish_reason": fr.openai_reason if fr else None}]})
+                                                    "finish_reason": finish}]})
             if body.include_usage:
                 yield sse({**base, "choices": [], "usage": _usage(call.group.states, body.n)})
             yield SSE_DONE

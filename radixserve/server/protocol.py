@@ -225,18 +225,27 @@ class CompletionRequest(_SamplingFields):
             raise unsupported("echo", "echo with logprobs is not supported (no logprobs for prompt tokens)")
 
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"additionalProperties": False})
-    role: str = Field(description="system, developer, user or assistant.", json_schema_extra={"enum": list(_ROLES)})
+    role: str = Field(description="system, developer, user, assistant or tool.", json_schema_extra={"enum": list(_ROLES)})
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     refusal: str | None = Field(None, description="An assistant message's refusal: accepted, not templated.")
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant message's calls.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
 
     def to_template(self) -> dict[str, Any]:
         d = self.model_dump(exclude_none=True, exclude={"refusal"})
+        for call in d.get("tool_calls") or []:  # templates take the arguments as an object
+            fn = call.get("function")
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    pass
         if isinstance(self.content, list):  # content parts: keep the text ones
             parts = []
             for p in self.content:
@@ -250,9 +259,8 @@ class ChatMessage(BaseModel):
 
 
 _CHAT_UNSUPPORTED = {
-    "tools": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
+    "functions": "the legacy functions field is not supported: use tools",
+    "function_call": "the legacy function_call field is not supported: use tool_choice",
     "audio": "audio output is not supported",
     "web_search_options": "web search is not supported",
     "verbosity": "verbosity is not supported by this model",
@@ -276,9 +284,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: refused (400).")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="Only \"none\" (without tools).")
-    parallel_tool_calls: bool | None = Field(None, description="Refused: only meaningful with tools.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Function tools the model may call.")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='none, auto (needs --tool-call-parser), required, or {"type": "function", '
+        '"function": {"name": ...}}; default auto with tools.')
+    parallel_tool_calls: bool | None = Field(None, description="Whether a forced answer may hold several calls.")
     modalities: list[str] | None = Field(None, description='Only ["text"].')
     metadata: dict[str, str] | None = Field(None, description="Accepted and not stored (store is refused).")
     store: bool | None = Field(None, description="Only false: completions are not stored.")
@@ -305,10 +315,7 @@ class ChatCompletionRequest(_SamplingFields):
         for name, why in _CHAT_UNSUPPORTED.items():
             if (getattr(self, name, None) if name in type(self).model_fields else extra.get(name)) is not None:
                 raise unsupported(name, why)
-        if self.tool_choice is not None and self.tool_choice != "none":
-            raise unsupported("tool_choice", "tool calling is not supported")
-        if self.parallel_tool_calls is not None:
-            raise unsupported("parallel_tool_calls", "tool calling is not supported")
+        self._check_tools()
         if self.modalities is not None and self.modalities != ["text"]:
             raise unsupported("modalities", 'only ["text"] is supported')
         if self.store:
@@ -318,8 +325,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.metadata is not None and len(self.metadata) > 16:
             raise APIError("metadata has at most 16 keys", param="metadata", code="invalid_value")
         for i, m in enumerate(self.messages):
-            if m.role == "tool" or (m.model_extra or {}).get("tool_calls") is not None:
-                raise unsupported(f"messages[{i}]", "tool calling is not supported (tool messages, tool_calls)")
             if m.role not in _ROLES:
                 raise APIError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m.role!r}",
                                param=f"messages[{i}].role", code="invalid_value")
@@ -327,6 +332,44 @@ class ChatCompletionRequest(_SamplingFields):
             if unknown:
                 raise APIError(f"Unknown parameter: 'messages[{i}].{unknown[0]}'.", param=f"messages[{i}].{unknown[0]}",
                                code="unknown_parameter")
+
+
+    def _check_tools(self) -> None:
+        for i, t in enumerate(self.tools or []):
+            fn = t.get("function")
+            if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise APIError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}',
+                               param=f"tools[{i}]", code="invalid_value")
+            params = fn.get("parameters")
+            if params is not None and not isinstance(params, dict):
+                raise APIError(f"tools[{i}].function.parameters must be a JSON schema object",
+                               param=f"tools[{i}].function.parameters", code="invalid_value")
+        if self.parallel_tool_calls is not None and not self.tools:
+            raise APIError("parallel_tool_calls needs tools", param="parallel_tool_calls", code="invalid_value")
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return
+        if not self.tools:
+            raise APIError("tool_choice needs tools", param="tool_choice", code="invalid_value")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if name not in self.tool_names():
+                raise APIError(f"tool_choice names no function among the tools: {name!r}", param="tool_choice",
+                               code="invalid_value")
+        elif choice not in ("auto", "required"):
+            raise APIError("tool_choice is none, auto, required or a named function", param="tool_choice",
+                           code="invalid_value")
+
+    def tool_names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools or []}
+
+    def forced_tools(self) -> list[dict[str, Any]] | None:
+        """The tools an answer must call one of (tool_choice required or named), else None."""
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            name = choice["function"]["name"]
+            return [t for t in self.tools or [] if t["function"]["name"] == name]
+        return list(self.tools or []) if choice == "required" else None
 
 
 class GenerateRequest(_Body):

@@ -1,0 +1,181 @@
+"""Tool calls: each format's parser (calls, text around them, malformed calls and unknown names
+left as text), a stream cut anywhere carrying what the whole answer carries, the grammars that
+force a call; then, on a real server, forced calls (required, named, parallel, streamed) whose
+arguments follow their schemas whatever the model, tools and tool messages in the prompt, and
+the 400s."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+
+from radixserve.grammar import validate_grammar
+from radixserve.server.tool_calls import PARSERS, StreamedAnswer, parse_tool_calls, tool_grammar
+from tests.server.helpers import ServerProcess
+
+NAMES = {"get_weather", "add"}
+CASES = [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "Let me check.", [("get_weather", {"city": "Paris"})]),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "add", '
+     '"arguments": "{\\"a\\": 2}"}</tool_call>', "", [("add", {"a": 1}), ("add", {"a": 2})]),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}}', "", [("add", {"a": 1})]),  # EOS before the close
+    ("hermes", '<tool_call>{"name": "nope", "arguments": {}}</tool_call>', None, []),  # not offered: text
+    ("hermes", "<tool_call>{broken json</tool_call>", None, []),
+    ("hermes", "No tools needed.  ", None, []),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', "", [("get_weather", {"city": "Oslo"})]),
+    ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {"a": 2}}', "",
+     [("add", {"a": 1}), ("add", {"a": 2})]),
+    ("llama3", "{not a call}", None, []),
+    ("llama3", "The answer is 4.", None, []),
+    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}]', "Sure.", [("add", {"a": 1})]),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"name": "x", "arguments": {}}]', None, []),
+    ("pythonic", '[get_weather(city="Rome"), add(a=1, b=[2, 3])]', "",
+     [("get_weather", {"city": "Rome"}), ("add", {"a": 1, "b": [2, 3]})]),
+    ("pythonic", "[get_weather(city=some_variable)]", None, []),  # not a literal
+    ("pythonic", "[1, 2]", None, []),
+]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", CASES)
+def test_parse(parser: str, text: str, content: str | None, calls: list[tuple[str, dict[str, Any]]]) -> None:
+    got_content, got = parse_tool_calls(parser, text, NAMES)
+    assert [(c.name, c.arguments) for c in got] == calls
+    assert got_content == (text if content is None else content)
+    assert len({c.id for c in got}) == len(got) and all(c.id.startswith("call_") for c in got)
+
+
+@pytest.mark.parametrize("parser, text, content, calls", CASES)
+def test_streamed_answer_carries_the_whole_answer(parser: str, text: str, content: str | None,
+                                                  calls: list[tuple[str, dict[str, Any]]]) -> None:
+    whole_content, whole_calls = parse_tool_calls(parser, text, NAMES)
+    if not whole_calls:
+        whole_content = text
+    for cut in range(len(text) + 1):
+        for cut2 in (cut, min(len(text), cut + 3)):
+            s = StreamedAnswer(parser, NAMES)
+            parts = [s.feed(text[:cut], False), s.feed(text[cut:cut2], False), s.feed(text[cut2:], True)]
+            assert "".join(p[0] for p in parts) == whole_content, (cut, cut2)
+            assert [(c.name, c.arguments) for p in parts for c in p[1]] == calls
+
+
+def test_a_call_is_not_streamed_as_text() -> None:
+    s = StreamedAnswer("hermes", NAMES)
+    assert s.feed("Let me check. <tool", False) == ("Let me check.", [])  # the marker may be starting
+    assert s.feed('_call>{"name": "add", "arguments": {}}', False) == ("", [])
+    text, calls = s.feed("</tool_call>", True)
+    assert text == "" and [c.name for c in calls] == ["add"]
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string", "maxLength": 12},
+                                          "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                          "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("parser", [p for p in PARSERS if p != "pythonic"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tool_grammars_compile(parser: str, parallel: bool) -> None:
+    assert validate_grammar("ebnf", tool_grammar(parser, TOOLS, parallel)) is None
+    with pytest.raises(ValueError, match="pythonic"):
+        tool_grammar("pythonic", TOOLS, parallel)
+
+
+# --- the shared server (no --tool-call-parser) ---------------------------------------------------
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture
+def c(shared_server: ServerProcess) -> Iterator[httpx.Client]:
+    with shared_server.client() as client:
+        yield client
+
+
+def _chat(c: httpx.Client, **kw: Any) -> dict[str, Any]:
+    r = c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 80, "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _check_calls(calls: list[dict[str, Any]], names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] in names
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+@pytest.mark.slow
+def test_forced_calls_follow_their_schemas(c: httpx.Client) -> None:
+    for seed in range(3):  # sampled, not only greedy: the grammar holds whatever is drawn
+        out = _chat(c, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
+                    parallel_tool_calls=False)["choices"][0]
+        assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None
+        _check_calls(out["message"]["tool_calls"], set(SCHEMAS))
+    # parallel calls: this model rarely stops calling, so the answer may be cut by max_tokens; its
+    # complete calls are answered, and the finish reason says it was cut
+    out = _chat(c, tools=TOOLS, tool_choice="required", max_tokens=120)["choices"][0]
+    _check_calls(out["message"]["tool_calls"], set(SCHEMAS))
+    assert out["finish_reason"] in ("tool_calls", "length")
+    named = {"type": "function", "function": {"name": "add"}}
+    out = _chat(c, tools=TOOLS, tool_choice=named, parallel_tool_calls=False)["choices"][0]
+    assert len(out["message"]["tool_calls"]) == 1
+    _check_calls(out["message"]["tool_calls"], {"add"})
+    # streamed: the same call (greedy), whole in one delta, then the finish reason
+    want = _chat(c, tools=TOOLS, tool_choice=named, parallel_tool_calls=False)["choices"][0]["message"]["tool_calls"]
+    deltas, finish = [], None
+    with c.stream("POST", "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 80, "temperature": 0,
+                                                        "tools": TOOLS, "tool_choice": named, "stream": True,
+                                                        "parallel_tool_calls": False}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for ch in json.loads(line[6:])["choices"]:
+                    deltas.append(ch["delta"])
+                    finish = ch["finish_reason"] or finish
+    got = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [tc["function"] for tc in got] == [tc["function"] for tc in want] and finish == "tool_calls"
+    assert not "".join(d.get("content", "") for d in deltas)
+
+
+@pytest.mark.slow
+def test_tools_and_tool_messages_reach_the_prompt(c: httpx.Client) -> None:
+    plain = _chat(c, max_tokens=1)["usage"]["prompt_tokens"]
+    # tool_choice none: the tools are not shown; auto needs the server's parser
+    assert _chat(c, max_tokens=1, tools=TOOLS, tool_choice="none")["usage"]["prompt_tokens"] == plain
+    history = [*MESSAGES,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    out = _chat(c, messages=history, max_tokens=1, tools=TOOLS, tool_choice="required")
+    assert out["usage"]["prompt_tokens"] > plain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw, param, code", [
+    ({"tools": TOOLS}, "tool_choice", "unsupported"),  # auto: this server has no --tool-call-parser
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "unsupported"),
+    ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "invalid_value"),
+    ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools[0]", "invalid_value"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "invalid_value"),
+])
+def test_bad_tool_requests_are_400s(c: httpx.Client, kw: dict[str, Any], param: str, code: str) -> None:
+    r = c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **kw})
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code)
