@@ -48,6 +48,10 @@ def render_chat(
 ) -> str:
     """The prompt text of a chat, by the model's template; a template that fails is a 400."""
     dicts = [m.to_template() if isinstance(m, ChatMessage) else m for m in messages]
+    if "tool_calls" not in (tokenizer.chat_template or ""):  # a template that would drop them
+        from radixserve.server.tool_calls import inline_tool_calls
+
+        dicts = inline_tool_calls(dicts)
     try:
         return tokenizer.apply_chat_template(dicts, add_generation_prompt, tools, **(template_kwargs or {}))
     except (ChatTemplateError, jinja2.TemplateError) as e:

@@ -328,6 +328,15 @@ class ChatCompletionRequest(_SamplingFields):
             if m.role not in _ROLES:
                 raise APIError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m.role!r}",
                                param=f"messages[{i}].role", code="invalid_value")
+            if m.content is None and m.role != "assistant":  # as OpenAI: only an assistant turn may lack it
+                raise APIError(f"messages[{i}].content is required for a {m.role} message",
+                               param=f"messages[{i}].content", code="missing_required_parameter")
+            if m.role == "tool" and not m.tool_call_id:
+                raise APIError(f"messages[{i}].tool_call_id is required for a tool message",
+                               param=f"messages[{i}].tool_call_id", code="missing_required_parameter")
+            if m.tool_calls is not None and m.role != "assistant":
+                raise APIError(f"messages[{i}].tool_calls belongs to an assistant message",
+                               param=f"messages[{i}].tool_calls", code="invalid_value")
             unknown = sorted(m.model_extra or {})
             if unknown:
                 raise APIError(f"Unknown parameter: 'messages[{i}].{unknown[0]}'.", param=f"messages[{i}].{unknown[0]}",

@@ -225,6 +225,22 @@ def tool_grammar(parser: str, tools: list[dict[str, Any]], parallel: bool) -> st
     raise ValueError(f"unknown tool-call parser {parser!r}")
 
 
+def inline_tool_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For a chat template that does not render ``tool_calls``: each assistant message's calls
+    written into its content in the hermes format, so the model still sees what it called."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if m.get("role") == "assistant" and calls:
+            blocks = [json.dumps({"name": (c.get("function") or {}).get("name"),
+                                  "arguments": (c.get("function") or {}).get("arguments")}) for c in calls]
+            text = "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in blocks)
+            m = {**m, "content": f"{m.get('content') or ''}\n{text}".lstrip("\n")}
+            del m["tool_calls"]
+        out.append(m)
+    return out
+
+
 def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
     """For a chat template that takes no ``tools``: the tools and the hermes format, as a system
     message (the request is then parsed as hermes)."""

@@ -174,8 +174,44 @@ def test_tools_and_tool_messages_reach_the_prompt(c: httpx.Client) -> None:
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "invalid_value"),
+    ({"parallel_tool_calls": True}, "parallel_tool_calls", "invalid_value"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
+    ({"messages": [*MESSAGES, {"role": "tool", "content": "21"}]}, "messages[1].tool_call_id",
+     "missing_required_parameter"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls", "invalid_value"),
 ])
 def test_bad_tool_requests_are_400s(c: httpx.Client, kw: dict[str, Any], param: str, code: str) -> None:
     r = c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **kw})
     assert r.status_code == 400, r.text
     assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code)
+
+
+@pytest.mark.slow
+def test_an_agent_loop_with_the_openai_client(shared_server: ServerProcess) -> None:
+    """Ask, get a (forced) call, run the tool, send its result back, get an answer: the round trip
+    an agent framework makes, through the official client's types."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{shared_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    messages: list[Any] = list(MESSAGES)
+    first = client.chat.completions.create(model="default", messages=messages, tools=TOOLS,  # type: ignore[arg-type]
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           parallel_tool_calls=False, max_tokens=80, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.type == "function"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS["get_weather"])
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": args["city"], "temp": 21})}]
+    second = client.chat.completions.create(model="default", messages=messages, tools=TOOLS,  # type: ignore[arg-type]
+                                            tool_choice="none", max_tokens=8, temperature=0)
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+    # the call and its result are in the prompt (this model's template has no tool_calls: the
+    # call is written into the assistant turn in the hermes format)
+    with shared_server.client() as c:
+        tokens = c.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        prompt = c.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert f'"name": "get_weather", "arguments": {json.dumps(args)}' in prompt and '"temp": 21' in prompt
+    assert second.usage is not None and second.usage.prompt_tokens == len(tokens)
