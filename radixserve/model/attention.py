@@ -60,6 +60,10 @@ class AttentionBackend(ABC):
                              "which this model needs; use --attention-backend torch_native (or auto)")
         self.window = window
         self.softcap = softcap
+        self._init_state()
+
+    def _init_state(self) -> None:  # noqa: B027
+        """A backend's own state, set up after the fields above (optional)."""
 
     def init_forward_metadata(self, forward_batch: ForwardBatch, req_to_token_pool: ReqToTokenPool) -> None:  # noqa: B027
         """Precompute what every layer of this forward shares. Optional for a backend."""
@@ -214,20 +218,11 @@ class TorchNativeAttention(AttentionBackend):
 
     windows_and_softcap = True
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scaling: float | None = None,
-        window: int | None = None,
-        softcap: float | None = None,
-    ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scaling, window, softcap)
+    def _init_state(self) -> None:
         self._meta: _Metadata | None = None
         # decode requests that share a cached prefix read it once per group (see cascade.py); its
         # merged softmax has neither windows nor capping
-        self.share_prefixes = not (window or softcap)
+        self.share_prefixes = not (self.window or self.softcap)
         self._gather_bufs: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def init_forward_metadata(self, forward_batch: ForwardBatch, req_to_token_pool: ReqToTokenPool) -> None:

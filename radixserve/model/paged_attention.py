@@ -105,16 +105,8 @@ class CpuPagedAttention(TorchNativeAttention):
 
     windows_and_softcap = False  # the kernel has neither
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scaling: float | None = None,
-        window: int | None = None,
-        softcap: float | None = None,
-    ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scaling, window, softcap)
+    def _init_state(self) -> None:
+        super()._init_state()
         extension()  # fail at construction, with the reason, not at the first decode step
         self.share_prefixes = False
 
