@@ -65,7 +65,9 @@ class OpenAIServing:
         self, prompts: list[list[int]], body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
         logprobs: bool, top_logprobs: int, prompt_param: str,
         fields: SchedFields = (None, None, None, None), extra: dict[str, Any] | None = None,
+        samples: int | None = None,
     ) -> list[GenerateReq]:
+        """``samples`` requests per prompt (default ``body.n``)."""
         base = uuid.uuid4().hex
         reqs = []
         bootstrap = bootstrap_fields(body, self.tm.args.disaggregation_mode)
@@ -75,7 +77,7 @@ class OpenAIServing:
                 {**body.sampling_params(resolve_max_tokens(self.tm, len(ids), max_tokens, prompt_param), logprobs,
                                         top_logprobs), **(extra or {})},
                 self.tm.info.get("vocab_size"), openai=True)
-            for i in range(body.n):
+            for i in range(samples or body.n):
                 spi = sp if sp.seed is None else msgspec.structs.replace(sp, seed=sp.seed + i)
                 reqs.append(GenerateReq(f"{base}-{p}-{i}", ids, spi, body.priority, *fields,
                                         stream=bool(body.stream), bootstrap=bootstrap))
@@ -273,9 +275,10 @@ class OpenAIServing:
         if not prompts:
             raise APIError("the prompt is empty", param="prompt")
         nlp = body.logprobs
-        reqs = self._make_reqs(prompts, body, body.max_tokens, nlp is not None, nlp or 0, "prompt",
+        k = body.samples  # best_of > n: the samples are ranked by their total logprob, so they need them
+        reqs = self._make_reqs(prompts, body, body.max_tokens, nlp is not None or k > body.n, nlp or 0, "prompt",
                                sched_fields(request, body, openai=True, dp_size=self.tm.dp_size,
-                                            pd_mode=self.tm.args.disaggregation_mode))
+                                            pd_mode=self.tm.args.disaggregation_mode), samples=k)
         echo = [(t if t is not None else self.tokenizer.decode(ids)) if body.echo else ""
                 for t, ids in zip(texts, prompts, strict=True)]
         call = Call(self.tm, request)
@@ -290,23 +293,23 @@ class OpenAIServing:
         except ClientGone:
             return Response(status_code=499)
         choices = []
-        for st in states:
+        for index, st in enumerate(_best(states, k, body.n)):
             assert st.last is not None and st.last.finished_reason is not None
-            prefix = echo[st.index // body.n]
+            prefix = echo[st.index // k]
             choice = {
-                "index": st.index,
+                "index": index,
                 "text": prefix + st.text,
                 "logprobs": self._completion_logprobs(st.output_ids, st.logprobs, st.top_logprobs, len(prefix))
                 if nlp is not None else None,
                 "finish_reason": st.last.finished_reason.openai_reason,
             }
             if body.return_token_ids:
-                choice["prompt_token_ids"] = prompts[st.index // body.n]
+                choice["prompt_token_ids"] = prompts[st.index // k]
                 choice["token_ids"] = list(st.output_ids)
             choices.append(choice)
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": self.tm.model_name,
-            "choices": choices, "usage": _usage(states, body.n),
+            "choices": choices, "usage": _usage(states, k),  # every sample drawn counts, as OpenAI bills them
         })
 
     async def _completion_stream(
@@ -369,6 +372,18 @@ class OpenAIServing:
                              for k in range(len(ids))],
             "text_offset": text_offset,
         }
+
+
+def _best(states: list[ReqState], samples: int, n: int) -> list[ReqState]:
+    """Each prompt's ``n`` samples of highest total logprob, best first (all of them, in order,
+    when ``samples == n``)."""
+    if samples == n:
+        return states
+    out: list[ReqState] = []
+    for p in range(0, len(states), samples):
+        group = states[p : p + samples]
+        out += sorted(group, key=lambda st: -sum(st.logprobs))[:n]
+    return out
 
 
 def _usage(states: list[ReqState], n: int) -> dict[str, Any]:

@@ -210,19 +210,27 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = Field(None, description="Not supported: refused unless empty.")
-    best_of: int | None = Field(None, ge=1, le=64, description="Only best_of == n (the default) is supported.")
+    best_of: int | None = Field(
+        None, ge=1, le=64, description="Samples drawn per prompt; the n of highest total logprob are returned.")
     return_token_ids: bool = False  # vLLM's extension: the choices carry token_ids (and prompt_token_ids)
 
     def check(self) -> None:
         super().check()
         if self.suffix:
             raise unsupported("suffix", "insertion (suffix) is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            if self.best_of < self.n:
-                raise APIError("best_of must be >= n", param="best_of", code="invalid_value")
-            raise unsupported("best_of", "best_of > n is not supported (every sample is returned)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError("best_of must be >= n", param="best_of", code="invalid_value")
+        if self.samples > self.n and self.stream:
+            raise APIError("best_of > n cannot be streamed (the best are known at the end)", param="best_of",
+                           code="invalid_value")
         if self.echo and self.logprobs is not None:
             raise unsupported("echo", "echo with logprobs is not supported (no logprobs for prompt tokens)")
+
+
+    @property
+    def samples(self) -> int:
+        """Completions drawn per prompt (``best_of``, default ``n``)."""
+        return self.best_of or self.n
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -106,6 +106,22 @@ def test_completions_token_ids_and_batch(client: openai.OpenAI, model: str, toke
     assert batch.choices[1].text == text.choices[0].text
 
 
+def test_best_of_returns_the_most_likely_samples(client: openai.OpenAI, model: str) -> None:
+    kw: dict[str, Any] = dict(model=model, prompt="My favourite colour is", max_tokens=6, temperature=1.0, seed=99,
+                              extra_body={"ignore_eos": True})
+    client.completions.create(**{**kw, "max_tokens": 1})  # the prompt in the prefix cache (see below)
+    every = client.completions.create(**kw, n=3, logprobs=0)  # the same three samples best_of draws
+    totals = [sum(c.logprobs.token_logprobs) for c in every.choices if c.logprobs and c.logprobs.token_logprobs]
+    ranked = sorted(range(3), key=lambda i: -totals[i])
+    best = client.completions.create(**kw, n=1, best_of=3)
+    assert [c.text for c in best.choices] == [every.choices[ranked[0]].text] and best.choices[0].logprobs is None
+    two = client.completions.create(**kw, n=2, best_of=3)
+    assert [c.text for c in two.choices] == [every.choices[i].text for i in ranked[:2]]
+    assert [c.index for c in two.choices] == [0, 1]
+    assert best.usage is not None and every.usage is not None
+    assert best.usage.completion_tokens == every.usage.completion_tokens == 18  # every sample drawn counts
+
+
 def test_n_and_seeded_sampling(client: openai.OpenAI, model: str) -> None:
     kw: dict[str, Any] = dict(model=model, prompt="My favourite colour is", max_tokens=8, n=3, temperature=1.0,
                               top_p=0.95, seed=1234, extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01})
