@@ -1,7 +1,9 @@
 """Reading a Hugging Face checkpoint directory: ``config.json`` plus ``*.safetensors`` shards.
 
 Tensors come out in the one spelling llama.py reads (``canonical_names``): Mixtral's experts under
-Qwen3-MoE's names, Phi-3's fused q/k/v and gate/up cut into the separate tensors Llama has.
+Qwen3-MoE's names, Phi-3's fused q/k/v and gate/up cut into the separate tensors Llama has, the
+language model of an image-text checkpoint (Gemma 3) under the plain names, its vision tower left
+out (text only).
 """
 
 from __future__ import annotations
@@ -23,10 +25,20 @@ _MIXTRAL_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _STACKED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate|up|down)_proj\.weight$")
 
 
+# an image-text checkpoint's language model (either spelling transformers has written) and the
+# parts of it a text-only server leaves out
+_LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                   ("language_model.lm_head.", "lm_head."))
+_VISION = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
+
+
 def canonical_names(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` renamed and split into the tensors llama.py loads (views: nothing is copied)."""
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():
+        if key.startswith(_VISION):
+            continue
+        key = next((new + key[len(old):] for old, new in _LANGUAGE_MODEL if key.startswith(old)), key)
         m = _MIXTRAL.match(key)
         if m:
             prefix, part = m.groups()

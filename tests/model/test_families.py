@@ -169,6 +169,30 @@ def test_engine_serves_each_family_greedy_as_transformers(family: tuple[str, str
         eng.check_memory_invariant()
 
 
+def test_the_language_model_of_an_image_text_gemma3_checkpoint(tmp_path: Any) -> None:
+    """Gemma 3 4B and up ship as image-text checkpoints: their language model runs, text only."""
+    text = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                intermediate_size=96, vocab_size=300, head_dim=16, sliding_window=8, eos_token_id=256)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       boi_token_index=290, eoi_token_index=291, image_token_index=292)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # norms around 0 (Gemma adds 1), the rest at clear-winner scale
+            p.copy_(torch.randn(p.shape) * (0.1 if p.dim() == 1 else p.shape[-1] ** -0.5))
+    hf.save_pretrained(str(tmp_path))
+    from tests.model.tiny_llama import _write_byte_tokenizer
+
+    _write_byte_tokenizer(str(tmp_path))
+    runner, h = runner_and_harness(str(tmp_path))
+    assert runner.model_config.arch == "gemma3" and runner.model_config.sliding_layers
+    tokens = ids(30, seed=5)
+    got = runner.forward(h.batch([h.new_request()], [tokens])).logits[0]
+    assert rel_err(got, hf_logits(hf, tokens)) < REL_TOL
+
+
 def _cfg(**kw: Any) -> ModelConfig:
     return ModelConfig("llama", 2, 64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
                        vocab_size=257, **kw)
