@@ -241,8 +241,6 @@ class TorchNativeAttention(AttentionBackend):
             starts = list(range(len(ext_lens))) if all_decode else _starts(ext_lens)
             rpi_list = rpi.tolist()
             lens = [prefix_lens[i] + 1 for i in dec_rows]
-            # a window: each row attends its last `window` positions, from offset `len - window`
-            firsts = [max(0, n - self.window) for n in lens] if self.window else None
             grouped: set[int] = set()
             if self.share_prefixes and len(dec_rows) > 1:
                 dec_rpi = [rpi_list[i] for i in dec_rows]
@@ -259,9 +257,11 @@ class TorchNativeAttention(AttentionBackend):
                 else:
                     token_idx = torch.tensor([starts[dec_rows[j]] for j in rest], dtype=torch.int64)
                     rows_rpi = torch.tensor([rpi_list[dec_rows[j]] for j in rest], dtype=torch.int64)
-                decode = self._decode_group(
-                    r2t, rows_rpi, [lens[j] for j in rest], token_idx, None if firsts is None else [firsts[j] for j in rest]
-                )
+                rest_lens = [lens[j] for j in rest]
+                if self.window and max(rest_lens) > self.window:
+                    decode = self._window_decode_group(r2t, rows_rpi, rest_lens, token_idx, self.window)
+                else:
+                    decode = self._decode_group(r2t, rows_rpi, rest_lens, token_idx)
         extends: list[_Extend] = []
         start = 0
         for i, n in enumerate(ext_lens):
@@ -280,16 +280,8 @@ class TorchNativeAttention(AttentionBackend):
         return _Metadata(id(fb), decode, extends, shared)
 
     def _decode_group(
-        self,
-        r2t: torch.Tensor,
-        rows_rpi: torch.Tensor,
-        lens: list[int],
-        token_idx: torch.Tensor | None,
-        firsts: list[int] | None = None,
+        self, r2t: torch.Tensor, rows_rpi: torch.Tensor, lens: list[int], token_idx: torch.Tensor | None
     ) -> _DecodeGroup:
-        """``firsts``: each row's first position to attend (a sliding window); None: 0."""
-        if firsts is not None and any(firsts):
-            return self._window_decode_group(r2t, rows_rpi, lens, token_idx, firsts)
         B = len(lens)
         order = sorted(range(B), key=lambda i: -lens[i])  # longest first: chunks pad less
         sorted_ok = all(lens[order[i]] == lens[i] for i in range(B))  # already in that order
@@ -315,9 +307,11 @@ class TorchNativeAttention(AttentionBackend):
 
     def _window_decode_group(
         self, r2t: torch.Tensor, rows_rpi: torch.Tensor, lens: list[int], token_idx: torch.Tensor | None,
-        firsts: list[int],
+        window: int,
     ) -> _DecodeGroup:
-        """Decode rows that attend positions ``[first, len)``: one chunk, padded to the longest span."""
+        """Decode rows that attend their last ``window`` positions, ``[len - window, len)``: one
+        chunk (the window bounds its size), padded to the longest span."""
+        firsts = [max(0, n - window) for n in lens]
         spans = [n - f for n, f in zip(lens, firsts, strict=True)]
         L = max(spans)
         cols = torch.tensor(firsts).unsqueeze(1) + torch.arange(L).unsqueeze(0)  # [B, L]

@@ -359,45 +359,32 @@ class LlamaForCausalLM(nn.Module):
         positions = fb.positions
         cos = self.cos_cache.index_select(0, positions)  # [T, D/2]
         sin = self.sin_cache.index_select(0, positions)
-        if self.local_attn_backend is not None or self.local_cos_cache is not None:
-            return self._forward_hybrid(fb, req_to_token_pool, kv_pool, cos, sin)
+        # what each layer attends with: the sliding-window layers (Gemma) have their own backend,
+        # and their own RoPE tables where the model has them
+        full = local = (backend, cos, sin)
+        if self.local_attn_backend is not None:
+            self.local_attn_backend.init_forward_metadata(fb, req_to_token_pool)
+            local = (self.local_attn_backend, cos, sin)
+        if self.local_cos_cache is not None and self.local_sin_cache is not None:
+            local = (local[0], self.local_cos_cache.index_select(0, positions),
+                     self.local_sin_cache.index_select(0, positions))
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         h = F.embedding(fb.input_ids, self.embed_tokens) if self.tp is None else self._embed_sharded(fb.input_ids)
         if self.config.embedding_multiplier != 1:
             h = h * self.config.embedding_multiplier
         ops = self.small_ops
         if not ops.fused or self.config.norm_layout != "pre":  # the reference: each layer as HF writes it
-            for layer in self.layers:
-                h = layer(h, cos, sin, backend, fb, kv_pool, req_to_token_pool)
+            for layer in layers:
+                b, c, s = local if layer.sliding else full
+                h = layer(h, c, s, b, fb, kv_pool, req_to_token_pool)
             return h
-        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         norms = [layer.attn_norm for layer in layers if layer.attn_norm is not None]
-        assert len(norms) == len(layers)  # pre-norm layers (post_norm ones took the branch above)
+        assert len(norms) == len(layers)  # pre-norm layers (the others took the branch above)
         x = ops.rms_norm(h, norms[0].weight, norms[0].eps)  # h: a fresh tensor, the residual stream from here
         for i, layer in enumerate(layers):
             nxt = norms[i + 1] if i + 1 < len(layers) else None
-            x = layer.forward_fused(x, h, nxt, ops, cos, sin, backend, fb, kv_pool, req_to_token_pool)
-        return h
-
-    def _forward_hybrid(
-        self, fb: ForwardBatch, r2t: ReqToTokenPool, kv_pool: KVPool, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        """Layers of two kinds (Gemma): the sliding ones attend through their own backend, with
-        their own RoPE tables where the model has them; every layer as transformers writes it."""
-        local = self.local_attn_backend or self.attn_backend
-        if local is not self.attn_backend:
-            local.init_forward_metadata(fb, r2t)
-        local_cos, local_sin = cos, sin
-        if self.local_cos_cache is not None and self.local_sin_cache is not None:
-            local_cos = self.local_cos_cache.index_select(0, fb.positions)
-            local_sin = self.local_sin_cache.index_select(0, fb.positions)
-        h = F.embedding(fb.input_ids, self.embed_tokens) if self.tp is None else self._embed_sharded(fb.input_ids)
-        h = h * self.config.embedding_multiplier
-        for layer in self.layers:
-            assert isinstance(layer, DecoderLayer)
-            if layer.sliding:
-                h = layer(h, local_cos, local_sin, local, fb, kv_pool, r2t)
-            else:
-                h = layer(h, cos, sin, self.attn_backend, fb, kv_pool, r2t)
+            b, c, s = local if layer.sliding else full
+            x = layer.forward_fused(x, h, nxt, ops, c, s, b, fb, kv_pool, req_to_token_pool)
         return h
 
     def set_small_ops(self, name: str) -> None:

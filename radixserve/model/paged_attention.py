@@ -111,12 +111,7 @@ class CpuPagedAttention(TorchNativeAttention):
         self.share_prefixes = False
 
     def _decode_group(
-        self,
-        r2t: torch.Tensor,
-        rows_rpi: torch.Tensor,
-        lens: list[int],
-        token_idx: torch.Tensor | None,
-        firsts: list[int] | None = None,  # never set: this backend refuses a window
+        self, r2t: torch.Tensor, rows_rpi: torch.Tensor, lens: list[int], token_idx: torch.Tensor | None
     ) -> _DecodeGroup:
         lens_t = torch.tensor(lens, dtype=torch.int64)
         return _PagedDecode(token_idx, len(lens), [], 0, r2t, rows_rpi.to(torch.int64), lens_t)
