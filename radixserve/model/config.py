@@ -127,15 +127,6 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
-    @property
-    def post_norm(self) -> bool:
-        return self.norm_layout == "post"
-
-    @property
-    def needs_windows_or_softcap(self) -> bool:
-        """Whether attention needs what only some backends have (attention.py)."""
-        return bool(self.sliding_layers) or self.attn_softcap is not None
-
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> ModelConfig:

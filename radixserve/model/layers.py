@@ -101,6 +101,7 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, False, dtype)
         # per head (Qwen3), or over the whole projection (OLMo 2; tensor parallelism refuses it)
+        self.qk_norm_whole = config.qk_norm_whole
         q_dim, k_dim = (self.q_size, self.kv_size) if config.qk_norm_whole else (self.head_dim, self.head_dim)
         self.q_norm = RMSNorm(q_dim, config.rms_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(k_dim, config.rms_eps, dtype) if config.qk_norm else None
@@ -123,7 +124,7 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(T, KVH, D)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
-            if self.q_norm.weight.numel() == D:
+            if not self.qk_norm_whole:
                 q, k = q.view(T, H, D), k.view(T, KVH, D)
             q = self.q_norm(q).view(T, H, D)
             k = self.k_norm(k).view(T, KVH, D)

@@ -276,10 +276,7 @@ class Tokenizer:
         )
         # decoding joins each piece's bytes, as llama.cpp and SentencePiece do: tokenizers'
         # ByteFallback turns every byte of an invalid UTF-8 run into U+FFFD, valid bytes among them too
-        tok._piece_bytes = [
-            bytes([int(t[3:5], 16)]) if k == _BYTE and len(t) == 6 and t.startswith("<0x") else
-            t.replace("▁", " ").encode("utf-8") for t, k in zip(tokens, types, strict=True)
-        ]
+        tok._piece_bytes = [_piece_bytes(t) for t in tokens]
         tok._strip_space = space_prefix
         return tok
 
@@ -394,10 +391,8 @@ class Tokenizer:
             return self.backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
         if self._piece_bytes is not None:
             return self._piece_bytes[token_id]
-        if not self.byte_level:  # SentencePiece spellings: a byte piece, or text with ▁ for spaces
-            if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
-                return bytes([int(tok[3:5], 16)])
-            return tok.replace("▁", " ").encode("utf-8")
+        if not self.byte_level:
+            return _piece_bytes(tok)
         table = unicode_to_bytes()
         try:
             return bytes(table[c] for c in tok)
@@ -439,7 +434,18 @@ def _opt_int(x: Any) -> int | None:
 
 
 # GGUF token types (llama.cpp's llama_token_type)
-_NORMAL, _CONTROL, _USER_DEFINED, _BYTE = 1, 3, 4, 6
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+
+
+def _piece_bytes(piece: str) -> bytes:
+    """The bytes a SentencePiece piece stands for: a byte piece's byte, else its text with ▁ for
+    the spaces."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace("▁", " ").encode("utf-8")
 
 
 def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:

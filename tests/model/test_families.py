@@ -76,7 +76,7 @@ def test_prefill_extend_and_decode_match_transformers(
         assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == (3.0, 0.5, 4.0)
         assert cfg.attention_multiplier == pytest.approx(0.2)
     if name == "olmo2":
-        assert cfg.post_norm and cfg.qk_norm_whole
+        assert cfg.norm_layout == "post" and cfg.qk_norm_whole
     if name == "qwen3_moe":
         assert cfg.dense_layers == (1,) and not cfg.norm_topk_prob and cfg.qk_norm
     if name == "phi3":
@@ -230,7 +230,7 @@ def test_hf_configs_of_the_families() -> None:
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         _cfg(num_experts=4, num_experts_per_tok=5)
     olmo = ModelConfig.from_hf_dict({**base, "model_type": "olmo2"})
-    assert olmo.post_norm and olmo.qk_norm_whole and olmo.qk_norm
+    assert olmo.norm_layout == "post" and olmo.qk_norm_whole and olmo.qk_norm
     from radixserve.model.parallel import check_tp_size
 
     with pytest.raises(ValueError, match="normalizes q and k over all heads"):

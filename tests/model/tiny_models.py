@@ -168,7 +168,7 @@ def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) 
             put(b + "post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
             put(b + "ffn_norm.weight", sd[p + "pre_feedforward_layernorm.weight"])
             put(b + "post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
-        elif c.post_norm:
+        elif c.norm_layout == "post":
             put(b + "post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
             put(b + "post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
         else:
