@@ -24,6 +24,7 @@ from radixserve.server.tokenizer_manager import (
     ServerDead,
     TokenizerManager,
 )
+from radixserve.server.tool_calls import inline_tool_calls
 
 # SamplingParams field -> the OpenAI parameter a client wrote
 _OPENAI_PARAM = {"max_new_tokens": "max_tokens", "top_logprobs_num": "top_logprobs", "json_schema": "response_format",
@@ -49,8 +50,6 @@ def render_chat(
     """The prompt text of a chat, by the model's template; a template that fails is a 400."""
     dicts = [m.to_template() if isinstance(m, ChatMessage) else m for m in messages]
     if "tool_calls" not in (tokenizer.chat_template or ""):  # a template that would drop them
-        from radixserve.server.tool_calls import inline_tool_calls
-
         dicts = inline_tool_calls(dicts)
     try:
         return tokenizer.apply_chat_template(dicts, add_generation_prompt, tools, **(template_kwargs or {}))

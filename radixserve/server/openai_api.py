@@ -199,6 +199,7 @@ class OpenAIServing:
         started: set[int] = set()
         splitters: dict[int, ReasoningSplitter] = {}
         answers: dict[int, StreamedAnswer] = {}
+        names = body.tool_names()
         assert call.group is not None
         try:
             async for st, o in call.stream(first):
@@ -210,6 +211,10 @@ class OpenAIServing:
                     return
                 if st.index not in started:
                     started.add(st.index)
+                    if fmt is not None:
+                        splitters[st.index] = ReasoningSplitter(fmt)
+                    if parser is not None:
+                        answers[st.index] = StreamedAnswer(parser, names)
                     yield sse({**base, "choices": [{"index": st.index, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]})
                 lp = ({"content": self._chat_logprobs(o.new_token_ids, o.new_logprobs, o.new_top_logprobs)}
@@ -218,12 +223,10 @@ class OpenAIServing:
                     finish = fr.openai_reason if fr else None
                     delta: dict[str, Any] = {"content": o.text} if o.text else {}
                     if fmt is not None:
-                        splitter = splitters.setdefault(st.index, ReasoningSplitter(fmt))
-                        reasoning, content = splitter.feed(o.text, final=fr is not None)
+                        reasoning, content = splitters[st.index].feed(o.text, final=fr is not None)
                         delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
                     if parser is not None:
-                        answer = answers.setdefault(st.index, StreamedAnswer(parser, body.tool_names()))
-                        text, calls = answer.feed(delta.pop("content", ""), final=fr is not None)
+                        text, calls = answers[st.index].feed(delta.pop("content", ""), final=fr is not None)
                         if text:
                             delta["content"] = text
                         if calls:
