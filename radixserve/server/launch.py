@@ -179,7 +179,8 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
     tqdm.set_lock(threading.RLock())  # NOTE: tqdm's default lock is a multiprocessing semaphore
     stages = LOAD_STAGES if args.dp_size == 1 else LOAD_STAGES + 4 * (args.dp_size - 1) + 1
     stages += args.tp_ranks_per_node - 1  # each tp_<r> child's "ready"
-    bar = tqdm(total=stages, desc=f"Loading {name}", unit="stage",
+    # every stage is written, even two that arrive within tqdm's default 0.1 s of each other
+    bar = tqdm(total=stages, desc=f"Loading {name}", unit="stage", mininterval=0, miniters=1,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}] {postfix}")
 
     interactive = sys.stderr.isatty()
