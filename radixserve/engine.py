@@ -29,6 +29,7 @@ import torch
 
 from radixserve.config import ServerArgs
 from radixserve.grammar import GrammarCompiler
+from radixserve.mem.cache_events import CacheEvent
 from radixserve.mem.kv_pool import JournaledReqToTokenPool, ReqToTokenPool
 from radixserve.model.detokenize import IncrementalDetokenizer
 from radixserve.model.model_runner import ModelRunner, runner_from_args
@@ -336,8 +337,10 @@ def _stop_tp_ranks(runners: list[ModelRunner], procs: list[Any], threads: int, t
     torch.set_num_threads(threads)  # rank 0 took its share of this process's threads
 
 
-def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int) -> SchedulerCore:
-    """Size the pools, attach them to the runner, and build the scheduler over them.
+def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,
+                    event_sink: Callable[[CacheEvent], None] | None = None) -> SchedulerCore:
+    """Size the pools, attach them to the runner, and build the scheduler over them (``event_sink``:
+    the radix cache's events, ``sched.build.build_kv``).
 
     ``--overlap-schedule auto`` is the normal loop here: on a CPU the forward thread would share the
     cores with the model's own threads (the option's help has the figures)."""
@@ -356,7 +359,8 @@ def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int) -> 
         file=sys.stderr,
     )
     # under tensor parallelism the other ranks replay this pool's writes into their copy of the table
-    kv = build_kv(args, total, context_len, pool_cls=JournaledReqToTokenPool if args.tp_size > 1 else ReqToTokenPool)
+    kv = build_kv(args, total, context_len, pool_cls=JournaledReqToTokenPool if args.tp_size > 1 else ReqToTokenPool,
+                  event_sink=event_sink)
     runner.attach_pools(runner.make_kv_pool(total, args.page_size), kv.req_to_token_pool)
     tok = runner.tokenizer
     vocab = runner.model_config.vocab_size

@@ -77,7 +77,7 @@ def bench_lpm_order(
     tree, seqs = build_tree(num_seqs, seq_len, seed=seed)
     waiting = make_waiting(seqs, num_waiting, seed + 1)
     policy = get_policy("lpm")
-    ctx = PolicyContext(tree_cache=tree, now=0.0, lpm_fallback_threshold=0)
+    ctx = PolicyContext(prefix_tree=tree, now=0.0, lpm_fallback_threshold=0)
     rng = random.Random(seed + 2)
 
     cpu: dict[str, list[float]] = {}
@@ -117,7 +117,7 @@ def bench_lpm_order(
         out["naive_ms"] = (time.perf_counter() - t0) * 1e3
         # the incremental lengths are the real ones, and the order follows them
         assert policy.matches.prefix_lens(waiting, tree) == lens  # type: ignore[attr-defined]
-        got = policy.order(waiting, PolicyContext(tree_cache=tree, now=0.0, lpm_fallback_threshold=0,
+        got = policy.order(waiting, PolicyContext(prefix_tree=tree, now=0.0, lpm_fallback_threshold=0,
                                                   in_batch_deprioritize_threshold=0))
         fresh = {id(r): n for r, n in zip(waiting, lens, strict=True)}
         assert all(fresh[id(a)] >= fresh[id(b)] for a, b in zip(got, got[1:], strict=False))

@@ -17,9 +17,8 @@ from typing import Any
 
 import zmq
 
+from radixserve.disagg.kv_memory import KVMemory
 from radixserve.disagg.transfer import KVReceiver, scatter_layers
-from radixserve.mem.allocator import TokenToKVPoolAllocator
-from radixserve.mem.base_cache import BasePrefixCache, RadixKey
 from radixserve.mem.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -41,12 +40,12 @@ class _Room:
 
 @dataclass
 class Arrived:
-    """A room whose KV is in the radix cache (``node`` locked) or that failed (``error``)."""
+    """A room whose KV is in the radix cache (pinned by ``hold``) or that failed (``error``)."""
 
     payload: Any
     first_token: int = -1
     logprob: float | None = None
-    node: Any = None
+    hold: Any = None
     error: str = ""
 
 
@@ -62,11 +61,10 @@ class DecodeStats:
 
 
 class DecodeRooms:
-    def __init__(self, ctx: zmq.Context, host: str, tree: BasePrefixCache, allocator: TokenToKVPoolAllocator,
-                 pool: KVPool, headroom: int, timeout_s: float, clock: Any = time.monotonic) -> None:
+    def __init__(self, ctx: zmq.Context, host: str, kv: KVMemory, pool: KVPool, headroom: int, timeout_s: float,
+                 clock: Any = time.monotonic) -> None:
         self.rx = KVReceiver(ctx, host)
-        self.tree = tree
-        self.allocator = allocator
+        self.kv = kv
         self.pool = pool
         self.headroom = headroom
         self.timeout_s = timeout_s
@@ -86,16 +84,14 @@ class DecodeRooms:
         still take. Raises ``NoKVRoom`` (nothing reserved) or ``ValueError`` (a duplicate room)."""
         if room in self.rooms:
             raise ValueError(f"bootstrap_room {room} is already waiting for its KV")
-        ps = self.allocator.page_size
+        ps = self.kv.page_size
         need = -(-len(prompt) // ps) * ps
-        free = self.allocator.available_size() + self.tree.evictable_size()
+        free = self.kv.reclaimable_size()
         if need + self.headroom + busy_tokens > free:
             self.stats.rooms_refused += 1
             raise NoKVRoom(f"decode worker out of KV: the prompt needs {need} tokens + {self.headroom} "
                            f"reserved for decoding, {max(free - busy_tokens, 0)} can be had")
-        if need > self.allocator.available_size():
-            self.tree.evict(need - self.allocator.available_size())
-        slots = self.allocator.alloc(need)
+        slots = self.kv.reserve(need)  # fits: free + evictable covers it
         self.rooms[room] = _Room(room, bootstrap, list(prompt), slots, payload, self.clock())
         try:
             self.rx.register(bootstrap, room)
@@ -132,8 +128,8 @@ class DecodeRooms:
             st.rooms_received += 1
             st.bytes_received += nbytes
             st.tokens_received += n
-            st.pages_received += n // self.allocator.page_size
-            out.append(Arrived(r.payload, hdr.first_token, hdr.logprob, self._cache(r, n)))
+            st.pages_received += n // self.kv.page_size
+            out.append(Arrived(r.payload, hdr.first_token, hdr.logprob, self.kv.adopt(r.prompt, r.slots, n)))
         now = self.clock()
         for room in [k for k, r in self.rooms.items() if now - r.since > self.timeout_s]:
             r = self.rooms[room]
@@ -143,17 +139,9 @@ class DecodeRooms:
                                                 f"bootstrap_room {room} within {self.timeout_s:g}s"))
         return out
 
-    def _cache(self, r: _Room, n: int) -> Any:
-        """Put the received prefix into the radix cache, lock it, free the slots it did not take."""
-        dup = self.tree.insert(RadixKey(r.prompt[:n]), r.slots[:n]) if n else 0
-        self.allocator.free(r.slots[:dup] + r.slots[n:])
-        m = self.tree.match_prefix(RadixKey(r.prompt[:n]))
-        self.tree.inc_lock_ref(m.last_node)
-        return m.last_node
-
     def _drop(self, room: int) -> None:
         r = self.rooms.pop(room)
-        self.allocator.free(r.slots)
+        self.kv.unreserve(r.slots)
 
     def abort(self, payload_match: Any) -> Any:
         """Drop the room whose payload ``payload_match(payload)`` is true; returns that payload."""

@@ -17,8 +17,8 @@ from typing import Any
 
 import zmq
 
+from radixserve.disagg.kv_memory import KVMemory
 from radixserve.disagg.transfer import CONTROL_DEC, Ack, KVHeader, KVSender, Register, gather_layers
-from radixserve.mem.base_cache import BasePrefixCache, RadixKey
 from radixserve.mem.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -44,14 +44,14 @@ class PrefillStats:
 
 
 class PrefillRooms:
-    def __init__(self, ctx: zmq.Context, endpoint: str, tree: BasePrefixCache, pool: KVPool,
+    def __init__(self, ctx: zmq.Context, endpoint: str, kv: KVMemory, pool: KVPool,
                  timeout_s: float, clock: Any = time.monotonic) -> None:
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(endpoint)
         self.endpoint = endpoint
         self.sender = KVSender(ctx)
-        self.tree = tree
+        self.kv = kv
         self.pool = pool
         self.timeout_s = timeout_s
         self.clock = clock
@@ -75,7 +75,7 @@ class PrefillRooms:
             hdr = KVHeader(room, 0, -1, None, error or "the prefill worker produced no token")
             self.ready[room] = _Ready(hdr, [], now)
         else:
-            slots = list(self.tree.match_prefix(RadixKey(prompt)).device_indices)
+            slots = self.kv.cached_slots(prompt)
             layers = gather_layers(self.pool, slots) if slots else []
             self.ready[room] = _Ready(KVHeader(room, len(slots), first_token, logprob), layers, now)
         self._try_send(room)

@@ -24,14 +24,13 @@ Contract:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.kv_pool import ReqToTokenPool
-
-if TYPE_CHECKING:
-    from radixserve.mem.radix_cache import TreeNode
+from radixserve.mem.tree_node import TreeNode
 
 
 @dataclass(frozen=True)
@@ -107,6 +106,20 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def cache_unfinished_req(self, req: CacheableReq) -> None: ...
+
+    # --- read-only questions the scheduler's rules ask; a cache that shares nothing answers "none"
+    def peek_prefix_len(self, key: RadixKey) -> int:
+        """Length of the longest cached prefix of ``key`` without touching the cache (no split, no
+        access time, no lock): what ordering and admission estimates need."""
+        return 0
+
+    def exclusive_locked_tokens(self, node: TreeNode | None) -> int:
+        """Cached tokens on ``node``'s path that only one request pins: evictable once it lets go."""
+        return 0
+
+    def mark_wanted(self, keys: Iterable[RadixKey]) -> None:  # noqa: B027 - nothing to keep without a tree
+        """Hint that the cached prefixes of ``keys`` (waiting requests) are wanted soon: an eviction
+        strategy that honours it evicts them last."""
 
     def check_integrity(self) -> None:  # noqa: B027 - optional for caches without structure
         """Raise if internal bookkeeping disagrees with itself."""

@@ -27,79 +27,29 @@ what it evicted as ``cache_events`` records (a new path on ``insert``, each evic
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache, CacheableReq, MatchResult, RadixKey
 from radixserve.mem.cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
-from radixserve.mem.evict_policy import EvictionStrategy, get_eviction_strategy
+from radixserve.mem.evict_policy import EvictionStrategy, QueueAwareStrategy, get_eviction_strategy
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.leaf_heap import LeafHeap
-
-END = object()  # watch key of a match that covered its whole key: only an eviction can change it
-
-
-class TreeNode:
-    __slots__ = (
-        "children", "parent", "key", "value", "lock_ref", "last_access_time", "hit_count", "extra_key", "id", "gen",
-        "heap_stamp", "watchers",
-    )
-
-    _next_id = 0
-
-    def __init__(self, parent: TreeNode | None = None, extra_key: str | None = None) -> None:
-        self.children: dict[Any, TreeNode] = {}
-        self.parent = parent
-        self.key: list[int] = []
-        self.value: list[int] = []
-        self.lock_ref = 0
-        self.last_access_time = 0
-        self.hit_count = 0
-        self.extra_key = extra_key
-        TreeNode._next_id += 1
-        self.id = TreeNode._next_id
-        # bumped whenever a child is added or removed; -1 once the node itself is evicted. Lets a
-        # reader cache "the match stopped at this node" and know when to look again (sched.policies.prefix_match).
-        self.gen = 0
-        self.heap_stamp = 0  # only the LeafHeap entry carrying the latest stamp is live
-        self.watchers: dict[Any, list[Any]] | None = None  # watch key -> tokens (RadixCache.watch)
-
-    def __lt__(self, other: TreeNode) -> bool:  # heap tie-break: stable and deterministic
-        return self.id < other.id
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, len={len(self.key)}, lock={self.lock_ref})"
-
-
-def _match_len(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the common case, compared in C
-        return n
-    lo, hi = 0, n  # the first mismatch lies in [lo, hi)
-    while hi - lo > 16:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    while a[lo] == b[lo]:
-        lo += 1
-    return lo
+from radixserve.mem.radix_walks import all_values, exclusive_locked_tokens, peek, pretty, tally
+from radixserve.mem.tree_node import TreeNode, fire, fire_all, match_len, path_of
 
 
 class RadixCache(BasePrefixCache):
-    # Receives a ``CacheEvent`` for each change of the default namespace's cached paths (see
-    # cache_events); None: nothing is built or reported.
-    event_sink: Callable[[CacheEvent], None] | None = None
-
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool,
         allocator: TokenToKVPoolAllocator,
         eviction_policy: str | EvictionStrategy = "lru",
+        event_sink: Callable[[CacheEvent], None] | None = None,
     ) -> None:
         super().__init__(req_to_token_pool, allocator)
+        self.event_sink: Callable[[CacheEvent], None] | None = None
         self._leaves: set[TreeNode] = set()
         self._strategy = (
             get_eviction_strategy(eviction_policy) if isinstance(eviction_policy, str) else eviction_policy
@@ -108,6 +58,9 @@ class RadixCache(BasePrefixCache):
         self.evicted_tokens = 0  # since start; a flush (which evicts everything) counts too
         self.evicted_nodes = 0
         self.reset()
+        # receives a ``CacheEvent`` for each change of the default namespace's cached paths (see
+        # cache_events) from now on (not the empty tree's first reset); None: nothing is reported
+        self.event_sink = event_sink
 
     @property
     def strategy(self) -> EvictionStrategy:
@@ -172,31 +125,13 @@ class RadixCache(BasePrefixCache):
         else:
             lst.append(token)
 
-    @staticmethod
-    def _fire(node: TreeNode, key: Any) -> None:
-        w = node.watchers
-        if w:
-            lst = w.pop(key, None)
-            if lst:
-                for t in lst:
-                    t.invalidate()
-
-    @staticmethod
-    def _fire_all(node: TreeNode) -> None:
-        w = node.watchers
-        if w:
-            node.watchers = None
-            for lst in w.values():
-                for t in lst:
-                    t.invalidate()
-
     def _kill(self, root: TreeNode) -> None:
         """A reset: every node of the old tree is gone for its watchers."""
         stack = [root]
         while stack:
             node = stack.pop()
             node.gen = -1
-            self._fire_all(node)
+            fire_all(node)
             stack.extend(node.children.values())
 
     def child_key(self, node: TreeNode, key: list[int] | tuple[int, ...], extra_key: str | None) -> Any:
@@ -222,7 +157,7 @@ class RadixCache(BasePrefixCache):
             child = node.children.get(self.child_key(node, ids[pos : pos + self.page_size], key.extra_key))
             if child is None:
                 break
-            n = self._page_floor(_match_len(child.key, ids[pos : pos + len(child.key)]))
+            n = self._page_floor(match_len(child.key, ids[pos : pos + len(child.key)]))
             child.last_access_time = now
             child.hit_count += 1
             if n < len(child.key):
@@ -250,7 +185,7 @@ class RadixCache(BasePrefixCache):
         upper.hit_count = child.hit_count
         ck = self.child_key(parent, child.key, child.extra_key)
         parent.children[ck] = upper
-        self._fire(parent, ck)
+        fire(parent, ck)
         child.key, child.value = child.key[n:], child.value[n:]
         child.parent = upper
         upper.children[self.child_key(upper, child.key, child.extra_key)] = child
@@ -272,7 +207,7 @@ class RadixCache(BasePrefixCache):
                 leaf.last_access_time = now
                 node.children[ck] = leaf
                 node.gen += 1
-                self._fire(node, ck)
+                fire(node, ck)
                 self.version += 1
                 self._evictable += len(leaf.key)
                 self._refresh_leaf(node)
@@ -280,7 +215,7 @@ class RadixCache(BasePrefixCache):
                 if self.event_sink is not None and key.extra_key is None:
                     self.event_sink(BlockStored(list(ids)))
                 return pos
-            n = self._page_floor(_match_len(child.key, ids[pos : pos + len(child.key)]))
+            n = self._page_floor(match_len(child.key, ids[pos : pos + len(child.key)]))
             child.last_access_time = now
             if n < len(child.key):
                 child = self._split(child, n)
@@ -289,36 +224,38 @@ class RadixCache(BasePrefixCache):
         return pos
 
     def peek_prefix(
-        self,
-        ids: list[int],
-        extra_key: str | None = None,
-        node: TreeNode | None = None,
-        pos: int = 0,
+        self, ids: list[int], extra_key: str | None = None, node: TreeNode | None = None, pos: int = 0,
         limit: int | None = None,
     ) -> tuple[TreeNode, int, int]:
-        """The longest cached prefix of ``ids[:limit]``, read-only: no split, no access-time update,
-        no lock (what a policy needs to *order* requests). Resumes from ``node`` when given, whose
-        path must spell ``ids[:pos]``. Returns ``(node, pos, length)``: the deepest node matched
-        whole, the length of its path, and the match length, which may run into one of its children
-        (the page-aligned length ``match_prefix`` would return)."""
-        ps = self.page_size
-        end = len(ids) if limit is None else min(limit, len(ids))
-        end -= end % ps
-        if node is None:
-            node, pos = self._root, 0
-        root = self._root
-        while pos < end:
-            first: Any = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
-            child = node.children.get((extra_key, first) if node is root else first)
-            if child is None:
-                break
-            klen = len(child.key)
-            if pos + klen <= end and ids[pos : pos + klen] == child.key:
-                node = child
-                pos += klen
-                continue
-            return node, pos, pos + self._page_floor(_match_len(child.key, ids[pos : min(pos + klen, end)]))
-        return node, pos, pos
+        """The longest cached prefix of ``ids[:limit]``, read-only (``radix_walks.peek``)."""
+        return peek(self._root, ids, extra_key, self.page_size, node, pos, limit)
+
+    def peek_prefix_len(self, key: RadixKey) -> int:
+        return peek(self._root, key.token_ids, key.extra_key, self.page_size)[2]
+
+    def exclusive_locked_tokens(self, node: TreeNode | None) -> int:
+        return exclusive_locked_tokens(node)
+
+    def mark_wanted(self, keys: Iterable[RadixKey]) -> None:
+        """Under the queue-aware eviction strategy: the nodes on the cached paths of ``keys`` are
+        evicted after every other leaf. When a match ends inside a child, that child is wanted too.
+        A no-op under other strategies."""
+        strategy = self._strategy
+        if not isinstance(strategy, QueueAwareStrategy):
+            return
+        wanted: set[int] = set()
+        for key in keys:
+            ids = key.token_ids
+            node, pos, length = self.peek_prefix(list(ids), key.extra_key)
+            if length > pos:
+                child = node.children.get(self.child_key(node, ids[pos:], key.extra_key))
+                if child is not None:
+                    wanted.add(child.id)
+            n: TreeNode | None = node
+            while n is not None and n.parent is not None and n.id not in wanted:
+                wanted.add(n.id)
+                n = n.parent
+        strategy.wanted = wanted
 
     # --- locks ---------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode | None) -> int:
@@ -368,31 +305,18 @@ class RadixCache(BasePrefixCache):
         parent = node.parent
         assert parent is not None
         if self.event_sink is not None and node.extra_key is None:
-            path = self._path_of(node)
+            path = path_of(node)
             self.event_sink(BlockRemoved(path, len(path) - len(node.key)))
         ck = self.child_key(parent, node.key, node.extra_key)
         del parent.children[ck]
-        self._fire(parent, ck)
-        self._fire_all(node)
+        fire(parent, ck)
+        fire_all(node)
         parent.gen += 1
         node.gen = -1
         self.version += 1
         self._evictable -= len(node.key)
         self._leaves.discard(node)
         self._refresh_leaf(parent)
-
-    @staticmethod
-    def _path_of(node: TreeNode) -> list[int]:
-        """The tokens from the root to the end of ``node``."""
-        keys: list[list[int]] = []
-        n: TreeNode | None = node
-        while n is not None and n.parent is not None:
-            keys.append(n.key)
-            n = n.parent
-        out: list[int] = []
-        for k in reversed(keys):
-            out.extend(k)
-        return out
 
     # --- requests ------------------------------------------------------------------------------
     def cache_finished_req(self, req: CacheableReq) -> None:
@@ -440,29 +364,7 @@ class RadixCache(BasePrefixCache):
 
     # --- checks & views ------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        evictable = protected = 0
-        leaves: set[TreeNode] = set()
-        stack = [self._root]
-        while stack:
-            node = stack.pop()
-            for ck, child in node.children.items():
-                if child.parent is not node:
-                    raise AssertionError(f"{child} has a wrong parent")
-                if self.child_key(node, child.key, child.extra_key) != ck:
-                    raise AssertionError(f"{child} filed under a wrong key")
-                if len(child.key) != len(child.value) or not child.key:
-                    raise AssertionError(f"{child} key/value lengths differ or are empty")
-                if self.page_size > 1 and len(child.key) % self.page_size:
-                    raise AssertionError(f"{child} is not page aligned")
-                if child.lock_ref > node.lock_ref and node is not self._root:
-                    raise AssertionError(f"{child} is locked more than its parent")
-                if child.lock_ref == 0:
-                    evictable += len(child.key)
-                else:
-                    protected += len(child.key)
-                if child.lock_ref == 0 and not child.children:
-                    leaves.add(child)
-                stack.append(child)
+        evictable, protected, leaves = tally(self._root, self.child_key, self.page_size)
         if (evictable, protected) != (self._evictable, self._protected):
             raise AssertionError(
                 f"sizes drifted: counted evictable={evictable} protected={protected}, "
@@ -473,22 +375,7 @@ class RadixCache(BasePrefixCache):
         self._heap.check()
 
     def all_values(self) -> list[int]:
-        out: list[int] = []
-        stack = [self._root]
-        while stack:
-            node = stack.pop()
-            out.extend(node.value)
-            stack.extend(node.children.values())
-        return out
+        return all_values(self._root)
 
     def pretty(self) -> str:
-        lines: list[str] = []
-
-        def walk(node: TreeNode, depth: int) -> None:
-            for child in node.children.values():
-                lines.append(f"{'  ' * depth}{child.key[:8]}{'...' if len(child.key) > 8 else ''} "
-                             f"len={len(child.key)} lock={child.lock_ref}")
-                walk(child, depth + 1)
-
-        walk(self._root, 0)
-        return "\n".join(lines)
+        return pretty(self._root)

@@ -1,28 +1,55 @@
-"""Read-only walks over a ``RadixCache`` that the scheduler's rules need: the tokens only one
-request pins (preemption cost), the live ancestor of an evicted match (lpm's incremental matches),
-``dfs-weight``'s traversal, and the queue-aware eviction marks. They use the cache's public API
-only, so ``radix_cache.py`` stays the tree's own operations."""
+"""Read-only walks over a radix tree's nodes: the tokens only one request pins (preemption cost),
+the live ancestor of an evicted match (lpm's incremental matches), ``dfs-weight``'s traversal, and
+the tally the integrity check compares with the tree's kept sizes. They read ``TreeNode``s only,
+so ``radix_cache.py`` stays the tree's own operations."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from radixserve.mem.evict_policy import QueueAwareStrategy
-from radixserve.mem.radix_cache import RadixCache, TreeNode
+from radixserve.mem.tree_node import TreeNode, match_len
 
 T = TypeVar("T")
 
 
-def exclusive_locked_tokens(tree: RadixCache, node: TreeNode | None) -> int:
+def exclusive_locked_tokens(node: TreeNode | None) -> int:
     """Cached tokens on ``node``'s path that only one request pins (``lock_ref`` 1, from ``node``
-    up): what becomes evictable once that request lets go."""
+    up to the root, which has no parent): what becomes evictable once that request lets go."""
     n = 0
-    root = tree.root
-    while node is not None and node is not root and node.lock_ref == 1:
+    while node is not None and node.parent is not None and node.lock_ref == 1:
         n += len(node.key)
         node = node.parent
     return n
+
+
+def peek(root: TreeNode, ids: list[int] | tuple[int, ...], extra_key: str | None, page_size: int,
+         node: TreeNode | None = None, pos: int = 0, limit: int | None = None) -> tuple[TreeNode, int, int]:
+    """The longest cached prefix of ``ids[:limit]`` in the tree at ``root``, read-only: no split, no
+    access-time update, no lock (what a policy needs to *order* requests). Resumes from ``node``
+    when given, whose path must spell ``ids[:pos]``. Returns ``(node, pos, length)``: the deepest
+    node matched whole, the length of its path, and the match length, which may run into one of its
+    children (the page-aligned length ``match_prefix`` would return)."""
+    if isinstance(ids, tuple):
+        ids = list(ids)  # node keys are lists: slices must compare equal to them
+    ps = page_size
+    end = len(ids) if limit is None else min(limit, len(ids))
+    end -= end % ps
+    if node is None:
+        node, pos = root, 0
+    while pos < end:
+        first: Any = ids[pos] if ps == 1 else tuple(ids[pos : pos + ps])
+        child = node.children.get((extra_key, first) if node is root else first)
+        if child is None:
+            break
+        klen = len(child.key)
+        if pos + klen <= end and ids[pos : pos + klen] == child.key:
+            node = child
+            pos += klen
+            continue
+        n = match_len(child.key, ids[pos : min(pos + klen, end)])
+        return node, pos, pos + n - n % ps
+    return node, pos, pos
 
 
 def live_ancestor(node: TreeNode, pos: int) -> tuple[TreeNode, int]:
@@ -35,11 +62,10 @@ def live_ancestor(node: TreeNode, pos: int) -> tuple[TreeNode, int]:
     return node, pos
 
 
-def weighted_dfs(tree: RadixCache, at: dict[TreeNode, list[T]]) -> list[T]:
+def weighted_dfs(root: TreeNode, at: dict[TreeNode, list[T]]) -> list[T]:
     """The items ``at`` hangs on nodes, depth first from the root, heavier subtrees first (a subtree
     weighs the items hung in it; ties keep the tree's child order), a node's own items after its
     subtree's: ``dfs-weight``'s order."""
-    root = tree.root
     weight: dict[TreeNode, int] = {}
     for start, items in at.items():  # each node's count goes to it and every ancestor
         node: TreeNode | None = start
@@ -62,23 +88,55 @@ def weighted_dfs(tree: RadixCache, at: dict[TreeNode, list[T]]) -> list[T]:
     return out
 
 
-def mark_wanted(tree: RadixCache, prefixes: Iterable[tuple[list[int], str | None]]) -> None:
-    """Under the queue-aware eviction strategy: the nodes on the cached paths of ``prefixes`` (the
-    waiting requests' tokens and extra keys) are evicted after every other leaf. When a match ends
-    inside a child, that child is wanted too. A no-op under other strategies."""
-    strategy = tree.strategy
-    if not isinstance(strategy, QueueAwareStrategy):
-        return
-    wanted: set[int] = set()
-    root = tree.root
-    for ids, extra_key in prefixes:
-        node, pos, length = tree.peek_prefix(ids, extra_key)
-        if length > pos:
-            child = node.children.get(tree.child_key(node, ids[pos:], extra_key))
-            if child is not None:
-                wanted.add(child.id)
-        n: TreeNode | None = node
-        while n is not None and n is not root and n.id not in wanted:
-            wanted.add(n.id)
-            n = n.parent
-    strategy.wanted = wanted
+def tally(root: TreeNode, child_key: Callable[[TreeNode, list[int], str | None], Any],
+          page_size: int) -> tuple[int, int, set[TreeNode]]:
+    """Walk the whole tree checking its structure (parents, child keys, key/value lengths, page
+    alignment, locks never growing downwards); returns the evictable and protected token counts
+    and the set of evictable leaves, for the tree to compare with what it keeps."""
+    evictable = protected = 0
+    leaves: set[TreeNode] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for ck, child in node.children.items():
+            if child.parent is not node:
+                raise AssertionError(f"{child} has a wrong parent")
+            if child_key(node, child.key, child.extra_key) != ck:
+                raise AssertionError(f"{child} filed under a wrong key")
+            if len(child.key) != len(child.value) or not child.key:
+                raise AssertionError(f"{child} key/value lengths differ or are empty")
+            if page_size > 1 and len(child.key) % page_size:
+                raise AssertionError(f"{child} is not page aligned")
+            if child.lock_ref > node.lock_ref and node is not root:
+                raise AssertionError(f"{child} is locked more than its parent")
+            if child.lock_ref == 0:
+                evictable += len(child.key)
+            else:
+                protected += len(child.key)
+            if child.lock_ref == 0 and not child.children:
+                leaves.add(child)
+            stack.append(child)
+    return evictable, protected, leaves
+
+
+def all_values(root: TreeNode) -> list[int]:
+    """Every KV slot the tree below ``root`` owns."""
+    out: list[int] = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        out.extend(node.value)
+        stack.extend(node.children.values())
+    return out
+
+
+def pretty(root: TreeNode) -> str:
+    """The tree as indented lines (first tokens, length, lock count), for debugging."""
+    lines: list[str] = []
+    stack: list[tuple[TreeNode, int]] = [(c, 0) for c in reversed(root.children.values())]
+    while stack:
+        node, depth = stack.pop()
+        lines.append(f"{'  ' * depth}{node.key[:8]}{'...' if len(node.key) > 8 else ''} "
+                     f"len={len(node.key)} lock={node.lock_ref}")
+        stack.extend((c, depth + 1) for c in reversed(node.children.values()))
+    return "\n".join(lines)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from radixserve.config import ServerArgs
 from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache, ChunkCache
+from radixserve.mem.cache_events import CacheEvent
 from radixserve.mem.forward_batch import Runner
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
@@ -36,13 +37,16 @@ def request_slots(args: ServerArgs) -> int:
 def build_kv(
     args: ServerArgs, total_tokens: int, context_len: int, *,
     pool_cls: Callable[[int, int], ReqToTokenPool] = ReqToTokenPool, max_reqs: int | None = None,
+    event_sink: Callable[[CacheEvent], None] | None = None,
 ) -> KVManager:
     """The request-slot pool (``pool_cls``), the allocator over ``total_tokens`` KV slots and the
-    prefix cache ``--disable-radix-cache`` / ``--radix-eviction-policy`` ask for."""
+    prefix cache ``--disable-radix-cache`` / ``--radix-eviction-policy`` ask for; ``event_sink``
+    receives the radix cache's events (``--cache-events-port``, the simulator's router)."""
     r2t = pool_cls(max_reqs if max_reqs is not None else request_slots(args), context_len)
     allocator = TokenToKVPoolAllocator(total_tokens, args.page_size)
     cache: BasePrefixCache = (
-        ChunkCache(r2t, allocator) if args.disable_radix_cache else RadixCache(r2t, allocator, args.radix_eviction_policy)
+        ChunkCache(r2t, allocator) if args.disable_radix_cache
+        else RadixCache(r2t, allocator, args.radix_eviction_policy, event_sink)
     )
     return KVManager(r2t, allocator, cache)
 

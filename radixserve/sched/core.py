@@ -106,9 +106,6 @@ class SchedulerCore:
         self._forward_thread: ThreadPoolExecutor | None = None
         self._last_tokens: torch.Tensor | None = None
         self.outputs.in_flight = self._in_flight
-        # KV held outside the scheduler's requests for a while (a disaggregated transfer's reservation):
-        # True while there is any, so the idle self-check does not count it as leaked
-        self.kv_held_outside: Callable[[], bool] = lambda: False
 
     # --- views -----------------------------------------------------------------------------------
     @property
@@ -154,10 +151,6 @@ class SchedulerCore:
     @property
     def max_running_requests(self) -> int:
         return self.queues.max_running_requests
-
-    @property
-    def tree_cache(self) -> Any:
-        return self.kv.tree_cache
 
     def policy_context(self) -> PolicyContext:
         return self.ordering.context(self.clock())
@@ -353,7 +346,7 @@ class SchedulerCore:
 
     def on_idle(self) -> None:
         self._idle_checked = True
-        if self.args.idle_self_check and not self.kv_held_outside():
+        if self.args.idle_self_check and not self.kv.held_outside():
             self.kv.check_invariant()
 
     def admit(self, req: Req) -> None:

@@ -1,21 +1,34 @@
-"""``KVManager``: the scheduler's one door to KV memory (request slots, KV slots, the prefix cache).
+"""``KVManager``: the one door to KV memory (request slots, KV slots, the prefix cache).
 
-The scheduler never reaches into pool internals: it asks this manager to admit a request's prefix,
-grow a request by N tokens (evicting cache leaves when the free list runs dry), release a request
-into the cache, and check the accounting invariant.
+Nothing else holds the allocator or the prefix cache. The scheduler asks this manager to match and
+admit a request's prefix, grow a request by N tokens (evicting cache leaves when the free list runs
+dry), release a request into the cache and check the accounting invariant; a disaggregated decode
+worker reserves slots for KV that arrives from elsewhere and adopts it into the cache
+(``reserve`` / ``adopt`` / ``unlock``), and the prefill side reads a cached prompt's slots. Policies
+and the dashboard get a read-only view of the radix tree (``prefix_tree``), None without one.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from operator import attrgetter
+from typing import Any
 
 from radixserve.mem.allocator import OutOfKVSlots, TokenToKVPoolAllocator
-from radixserve.mem.base_cache import BasePrefixCache
+from radixserve.mem.base_cache import BasePrefixCache, RadixKey
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
-from radixserve.mem.radix_walks import exclusive_locked_tokens, mark_wanted
 from radixserve.sched.req import Req
+
+
+class Hold:
+    """A cached prefix pinned for someone outside the scheduler's requests (``KVManager.adopt``):
+    opaque; give it back with ``KVManager.unlock``."""
+
+    __slots__ = ("_node",)
+
+    def __init__(self, node: Any) -> None:
+        self._node = node
 
 
 class KVManager:
@@ -26,6 +39,10 @@ class KVManager:
         self.allocator = allocator
         self.tree_cache = tree_cache
         self.page_size = allocator.page_size
+        # the radix tree, read-only, for the cache-aware policies and the dashboard
+        self.prefix_tree: RadixCache | None = tree_cache if isinstance(tree_cache, RadixCache) else None
+        self._reserved = 0  # slots reserved outside any request (KV on its way in)
+        self._holds = 0  # live Holds
 
     @property
     def total_tokens(self) -> int:
@@ -34,9 +51,20 @@ class KVManager:
     def available_size(self) -> int:
         return self.allocator.available_size()
 
+    def evictable_size(self) -> int:
+        return self.tree_cache.evictable_size()
+
+    def protected_size(self) -> int:
+        return self.tree_cache.protected_size()
+
     def reclaimable_size(self) -> int:
         """Slots that could be had now: free ones plus unlocked cache leaves."""
         return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def evicted(self) -> tuple[int, int]:
+        """Tokens and tree nodes evicted since start (a flush counts too); (0, 0) without a tree."""
+        t = self.prefix_tree
+        return (t.evicted_tokens, t.evicted_nodes) if t is not None else (0, 0)
 
     def usage(self) -> float:
         """Fraction of the pool not free and not evictable (held by running requests)."""
@@ -44,8 +72,12 @@ class KVManager:
 
     # --- the prefix cache, as the scheduler's policies and rules need it ---------------------------
     def match(self, req: Req) -> None:
-        """Match ``req``'s next input against the prefix cache (``Req.prefix_indices``, ``last_node``)."""
-        req.init_next_round_input(self.tree_cache)
+        """Plan ``req``'s next extend: match its next input against the prefix cache (for a request
+        holding no KV yet: ``prefix_indices``, ``last_node``) and set ``extend_input_len``."""
+        if req.kv_indices:  # a chunked request continuing: its prefix is its own KV
+            req.extend_input_len = req.num_tokens - req.num_computed_tokens
+            return
+        req.set_match(self.tree_cache.match_prefix(req.match_key()))
 
     def lock_match(self, req: Req) -> None:
         """Pin ``req``'s matched prefix so this step's evictions cannot take it."""
@@ -62,26 +94,62 @@ class KVManager:
         """Prompt tokens ``req`` still has to prefill: exact once admitted, else a read-only match."""
         if req.kv_indices:
             return req.num_tokens - req.num_computed_tokens
-        ids = req.fill_ids
-        tree = self.tree_cache
-        cached = tree.peek_prefix(ids[: len(ids) - 1], req.extra_key)[2] if isinstance(tree, RadixCache) else 0
-        return len(ids) - cached
+        return len(req.fill_ids) - self.tree_cache.peek_prefix_len(req.match_key())
 
     def exclusive_cached_tokens(self, req: Req) -> int:
         """Cached tokens only ``req`` pins: evictable once it lets go."""
-        tree = self.tree_cache
-        return exclusive_locked_tokens(tree, req.last_node) if isinstance(tree, RadixCache) else 0
+        return self.tree_cache.exclusive_locked_tokens(req.last_node)
 
     def mark_wanted(self, waiting: list[Req]) -> None:
         """Queue-aware eviction: keep the waiting requests' cached prefixes longest."""
-        tree = self.tree_cache
-        if isinstance(tree, RadixCache):
-            mark_wanted(tree, ((r.fill_ids[: len(r.fill_ids) - 1], r.extra_key) for r in waiting))
+        self.tree_cache.mark_wanted(r.match_key() for r in waiting)
 
     def flush(self) -> None:
         """Drop every cached prefix (only when no request holds KV)."""
         self.tree_cache.evict(self.tree_cache.evictable_size())
         self.tree_cache.reset()
+
+    # --- KV from outside the scheduler's requests (prefill/decode disaggregation) -------------------
+    def cached_slots(self, ids: list[int]) -> list[int]:
+        """The KV slots of the longest cached prefix of ``ids`` (read while no step runs)."""
+        return list(self.tree_cache.match_prefix(RadixKey(ids)).device_indices)
+
+    def reserve(self, tokens: int) -> list[int]:
+        """Whole pages for ``tokens`` tokens of KV that will be written from outside, evicting cache
+        leaves if needed; ``OutOfKVSlots`` when even that is not enough."""
+        need = -(-tokens // self.page_size) * self.page_size
+        if need > self.allocator.available_size():
+            self.tree_cache.evict(need - self.allocator.available_size())
+        slots = self.allocator.alloc(need)
+        self._reserved += len(slots)
+        return slots
+
+    def unreserve(self, slots: list[int]) -> None:
+        """Give back reserved slots that were never adopted."""
+        self.allocator.free(slots)
+        self._reserved -= len(slots)
+
+    def adopt(self, ids: list[int], slots: list[int], n: int) -> Hold:
+        """The KV of ``ids[:n]`` was written into the reserved ``slots[:n]``: put it in the prefix
+        cache, locked, and free the reserved slots it did not take (duplicates of what the cache
+        had, and the tail past ``n``)."""
+        tree = self.tree_cache
+        dup = tree.insert(RadixKey(ids[:n]), slots[:n]) if n else 0
+        self.allocator.free(slots[:dup] + slots[n:])
+        self._reserved -= len(slots)
+        m = tree.match_prefix(RadixKey(ids[:n]))
+        tree.inc_lock_ref(m.last_node)
+        self._holds += 1
+        return Hold(m.last_node)
+
+    def unlock(self, hold: Hold) -> None:
+        self.tree_cache.dec_lock_ref(hold._node)
+        self._holds -= 1
+
+    def held_outside(self) -> bool:
+        """Whether KV is reserved or pinned outside the scheduler's requests (the idle self-check
+        would count it as leaked)."""
+        return bool(self._reserved or self._holds)
 
     # --- request slots and KV slots -----------------------------------------------------------------
     def slots_for(self, req: Req, n: int, held: int | None = None) -> int:

@@ -111,7 +111,7 @@ class Ordering:
         s = self.settings
         a, p = s.args, s.prio
         return PolicyContext(
-            tree_cache=self.kv.tree_cache, now=now, rng=self.rng,
+            prefix_tree=self.kv.prefix_tree, now=now, rng=self.rng,
             enable_priority=p.enabled, low_priority_values_first=p.low_values_first,
             default_priority=p.default, lpm_fallback_threshold=a.lpm_fallback_threshold,
             in_batch_check_threshold=a.in_batch_prefix_caching_check_threshold,

@@ -86,13 +86,12 @@ class Preemption:
         gone = {id(r) for r in chosen}
         self.queues.running.reqs = [r for r in running if id(r) not in gone]
         for r in chosen:
-            adder.rem_total_token_offset -= min(r.remaining_new_tokens, clip) * ratio
             kv.release(r)  # computed KV -> radix cache; resumes mostly as a cache hit
             r.reset_for_retract()
             r.num_preemptions += 1
             self.stats.by_class.add(r, "preemptions")
             victims.append(r)
-        adder.available_tokens = kv.available_size()
+        adder.give_back(chosen, kv.available_size())
         self.stats.num_preemptions += len(chosen)
         self.victims.note(chosen)
         return True

@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import Enum, auto
 from operator import attrgetter
+from typing import Protocol
 
 import numpy as np
 
-from radixserve.mem.base_cache import BasePrefixCache
 from radixserve.sched.req import Req
 
 _get_max_new = attrgetter("sampling_params.max_new_tokens")
@@ -35,10 +35,18 @@ class AddReqResult(Enum):
     OTHER = auto()
 
 
+class PrefixLocks(Protocol):
+    """What the adder needs of KV memory (``KVManager`` provides it)."""
+
+    def evictable_size(self) -> int: ...
+    def lock_match(self, req: Req) -> None: ...
+    def unlock_match(self, req: Req) -> None: ...
+
+
 class PrefillAdder:
     def __init__(
         self,
-        tree_cache: BasePrefixCache,
+        kv: PrefixLocks,
         available_tokens: int,
         running_reqs: Sequence[Req],
         new_token_ratio: float,
@@ -48,7 +56,7 @@ class PrefillAdder:
         clip_max_new_tokens: int = 4096,
         mixed_with_decode_tokens: int = 0,
     ) -> None:
-        self.tree_cache = tree_cache
+        self.kv = kv
         self.available_tokens = available_tokens
         self.new_token_ratio = new_token_ratio
         self.rem_input_tokens = max_prefill_tokens - mixed_with_decode_tokens
@@ -70,7 +78,7 @@ class PrefillAdder:
 
     @property
     def rem_total_tokens(self) -> float:
-        return self.available_tokens + self.tree_cache.evictable_size() - self.rem_total_token_offset
+        return self.available_tokens + self.kv.evictable_size() - self.rem_total_token_offset
 
     def budget_state(self) -> AddReqResult:
         if self.rem_total_tokens <= 0:
@@ -78,6 +86,13 @@ class PrefillAdder:
         if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
             return AddReqResult.OTHER
         return AddReqResult.CONTINUE
+
+    def give_back(self, reqs: Sequence[Req], available_tokens: int) -> None:
+        """Running requests ``reqs`` left the batch (preempted): what they were expected to still
+        decode is no longer reserved, and ``available_tokens`` slots are free now."""
+        for r in reqs:
+            self.rem_total_token_offset -= min(r.remaining_new_tokens, self.clip) * self.new_token_ratio
+        self.available_tokens = available_tokens
 
     def _take(self, extend_len: int, reserve_new: int) -> None:
         # NOTE: an extend starts on a page boundary and takes whole pages (SGLang's ceil_paged_tokens);
@@ -102,12 +117,12 @@ class PrefillAdder:
     def add_one_req(self, req: Req) -> AddReqResult:
         extend = req.extend_input_len
         reserve = min(req.remaining_new_tokens, self.clip)
-        self.tree_cache.inc_lock_ref(req.last_node)  # the prefix must survive evictions from here on
+        self.kv.lock_match(req)  # the prefix must survive evictions from here on
         if extend + reserve >= self.rem_total_tokens:
-            self.tree_cache.dec_lock_ref(req.last_node)
+            self.kv.unlock_match(req)
             return AddReqResult.NO_TOKEN
         if extend > self.rem_input_tokens and self.can_run_list:
-            self.tree_cache.dec_lock_ref(req.last_node)
+            self.kv.unlock_match(req)
             return AddReqResult.OTHER
         if self.rem_chunk_tokens is None or extend <= self.rem_chunk_tokens:
             self.can_run_list.append(req)
@@ -115,7 +130,7 @@ class PrefillAdder:
         else:
             trunc = self.rem_chunk_tokens - self.rem_chunk_tokens % self.page_size
             if trunc <= 0:
-                self.tree_cache.dec_lock_ref(req.last_node)
+                self.kv.unlock_match(req)
                 return AddReqResult.OTHER
             req.extend_input_len = trunc
             req.is_chunked = True

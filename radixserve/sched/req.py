@@ -18,8 +18,8 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any
 
-from radixserve.mem.base_cache import BasePrefixCache, RadixKey
-from radixserve.mem.radix_cache import TreeNode
+from radixserve.mem.base_cache import MatchResult, RadixKey
+from radixserve.mem.tree_node import TreeNode
 from radixserve.sched.finish import FINISH_ABORT, FinishReason
 from radixserve.sched.sampling_params import SamplingParams
 
@@ -58,7 +58,7 @@ class Req:
         self.cache_protected_len = 0
         self.last_node: TreeNode | None = None  # where its cached prefix ends in the radix tree
 
-        # this round's plan (set by init_next_round_input / the adder)
+        # this round's plan (set by KVManager.match / the adder)
         self.prefix_indices: list[int] = []
         self.extend_input_len = 0
         self.is_chunked = False
@@ -135,18 +135,18 @@ class Req:
         return self.finished_reason is not None
 
     # --- scheduling --------------------------------------------------------------------------
-    def init_next_round_input(self, tree_cache: BasePrefixCache) -> None:
-        """Plan the next extend: match the radix cache (for a request holding no KV yet) and set
-        ``extend_input_len`` to the gap left. At least one token is always computed, since its
-        logits give the next token."""
-        if self.kv_indices:  # a chunked request continuing: its prefix is its own KV
-            self.extend_input_len = self.num_tokens - self.num_computed_tokens
-            return
+    def match_key(self) -> RadixKey:
+        """What to look up in the prefix cache: every token but the last, whose logits give the next
+        token (so at least one token is always computed)."""
         fill = self.fill_ids
-        match = tree_cache.match_prefix(RadixKey(fill[: len(fill) - 1], self.extra_key))
+        return RadixKey(fill[: len(fill) - 1], self.extra_key)
+
+    def set_match(self, match: MatchResult) -> None:
+        """Take a prefix-cache match of ``match_key()`` as this round's plan: the cached prefix, the
+        node that ends it, and the extend left to compute."""
         self.prefix_indices = match.device_indices
         self.last_node = match.last_node
-        self.extend_input_len = len(fill) - len(self.prefix_indices)
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
     def reset_for_retract(self) -> None:
         """Back to a waiting request; its outputs so far stay and are recomputed as prompt."""

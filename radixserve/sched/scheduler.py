@@ -97,7 +97,7 @@ class Scheduler(SchedulerCore):
         running = q.running.reqs
         mixed = a.enable_mixed_chunk and bool(running)
         adder = PrefillAdder(
-            kv.tree_cache, kv.available_size(), running, self.new_token_ratio,
+            kv, kv.available_size(), running, self.new_token_ratio,
             a.max_prefill_tokens, self.chunk_budget(), kv.page_size, a.clip_max_new_tokens,
             mixed_with_decode_tokens=len(running) if mixed else 0,
         )

@@ -67,11 +67,11 @@ def rank_snapshot(sched: SchedulerCore, dp_rank: int = 0) -> dict[str, Any]:
     from radixserve.sched.policies import policy_names  # scheduler side only: the HTTP process has no torch
 
     q, kv, st = sched.queues, sched.kv, sched.stats
-    tree = kv.tree_cache
     waiting_ids = {id(r) for r in q.waiting}
     running = [r for r in q.by_rid.values() if id(r) not in waiting_ids]
     free = kv.available_size()
-    evictable = tree.evictable_size()
+    evictable = kv.evictable_size()
+    evicted = kv.evicted()
     a = sched.args
     low_first = a.schedule_low_priority_values_first
     return {
@@ -86,11 +86,10 @@ def rank_snapshot(sched: SchedulerCore, dp_rank: int = 0) -> dict[str, Any]:
         "kv": {"total": kv.total_tokens, "used": kv.total_tokens - free - evictable, "evictable": evictable,
                "free": free, "usage": kv.usage(), "req_slots_free": kv.req_to_token_pool.available_size(),
                "req_slots_total": kv.req_to_token_pool.size},
-        "cache": {"radix": not a.disable_radix_cache, "size": tree.total_size(), "evictable": evictable,
-                  "protected": tree.protected_size(), "hit_rate": st.cache_hit_rate,
+        "cache": {"radix": not a.disable_radix_cache, "size": evictable + kv.protected_size(), "evictable": evictable,
+                  "protected": kv.protected_size(), "hit_rate": st.cache_hit_rate,
                   "prompt_tokens": st.prompt_tokens, "cached_tokens": st.cached_tokens,
-                  "evicted_tokens": getattr(tree, "evicted_tokens", 0),
-                  "evicted_nodes": getattr(tree, "evicted_nodes", 0)},
+                  "evicted_tokens": evicted[0], "evicted_nodes": evicted[1]},
         "counters": {"forward_steps": st.forward_steps, "prefill_steps": st.prefill_steps,
                      "decode_steps": st.decode_steps, "prefill_tokens": st.prefill_tokens,
                      "generated_tokens": st.generated_tokens, "finished": st.num_finished,

@@ -24,6 +24,7 @@ from radixserve.disagg.prefill import PrefillRooms
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from radixserve.sched.io import BatchOut, DetokParams
+from radixserve.sched.kv_manager import Hold
 from radixserve.sched.req import Req
 from radixserve.server.io_struct import GenerateReq
 
@@ -43,7 +44,7 @@ class PDWorker:
         self.args = args
         self.sched = sched
         self.mode = args.disaggregation_mode
-        tree, kv = sched.kv.tree_cache, sched.kv
+        kv = sched.kv
         pool = getattr(sched.runner, "kv_pool", None)
         if pool is None:
             raise ValueError("--disaggregation-mode needs a runner with a KV pool")
@@ -52,19 +53,17 @@ class PDWorker:
         self.decode: DecodeRooms | None = None
         if self.mode == "prefill":
             endpoint = f"tcp://{args.host}:{args.disaggregation_bootstrap_port + dp_rank}"
-            self.prefill = PrefillRooms(ctx, endpoint, tree, pool, timeout)
+            self.prefill = PrefillRooms(ctx, endpoint, kv, pool, timeout)
             logger.info("prefill worker: bootstrap server on %s", endpoint)
         else:
-            self.decode = DecodeRooms(ctx, args.host, tree, kv.allocator, pool, args.num_reserved_decode_tokens,
-                                      timeout)
+            self.decode = DecodeRooms(ctx, args.host, kv, pool, args.num_reserved_decode_tokens, timeout)
             logger.info("decode worker: receiving KV on %s", self.decode.rx.endpoint)
         self.poller = zmq.Poller()
         for s in (self.prefill or self.decode).sockets:  # type: ignore[union-attr]
             self.poller.register(s, zmq.POLLIN)
         self.prefill_rooms: dict[str, tuple[int, list[int]]] = {}  # rid -> (room, prompt)
         self.first_tokens: dict[str, tuple[int, float | None]] = {}  # rid -> first token seen (prefill)
-        self.holds: list[tuple[Req, Any]] = []  # decode: received prefixes locked until admission
-        sched.kv_held_outside = lambda: not self.idle()
+        self.holds: list[tuple[Req, Hold]] = []  # decode: received prefixes pinned until admission
 
     @classmethod
     def create(cls, args: ServerArgs, sched: SchedulerCore, ctx: zmq.Context, dp_rank: int) -> PDWorker | None:
@@ -105,13 +104,13 @@ class PDWorker:
             done = (FINISH_STOP(first) if first in req.finish_token_ids
                     else FINISH_LENGTH(1) if req.max_new_tokens <= 1 else None)
             if done is not None:  # the first token is the whole answer: nothing to decode
-                self.sched.tree_cache.dec_lock_ref(a.node)
+                self.sched.kv.unlock(a.hold)
                 outs.add(req.rid, [first], done, req.prompt_len, 1, req.prompt_len,
                          list(req.output_logprobs), list(req.output_top_logprobs))
                 sp = req.sampling_params
                 outs.detok_params.append(DetokParams(req.rid, sp.stop, sp.skip_special_tokens))
                 continue
-            self.holds.append((req, a.node))
+            self.holds.append((req, a.hold))
             ready.append(req)
         if outs:
             send(outs)
@@ -119,11 +118,11 @@ class PDWorker:
 
     def _release_holds(self) -> None:
         keep = []
-        for req, node in self.holds:
+        for req, hold in self.holds:
             if req.req_pool_idx is not None or req.finished_reason is not None:
-                self.sched.tree_cache.dec_lock_ref(node)
+                self.sched.kv.unlock(hold)
             else:
-                keep.append((req, node))
+                keep.append((req, hold))
         self.holds = keep
 
     def on_request(self, msg: GenerateReq, req: Req, send: Send) -> Req | None:

@@ -27,7 +27,6 @@ import zmq
 
 from radixserve.config import ServerArgs
 from radixserve.engine import build_scheduler
-from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.core import SchedulerCore, calm_garbage_collector
 from radixserve.sched.io import BatchOut
 from radixserve.sched.req import Req
@@ -80,9 +79,9 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_r
         runner = make_runner(args)
         to_tm.send(ENCODER.encode(LoadProgress("model loaded")))
         context_len = runner.max_context_len
-        scheduler = build_scheduler(args, runner, context_len)
+        publisher = open_cache_events(ctx, args, dp_rank or 0)
+        scheduler = build_scheduler(args, runner, context_len, publisher.add if publisher is not None else None)
         to_tm.send(ENCODER.encode(LoadProgress("KV cache allocated")))
-        publisher = open_cache_events(ctx, args, scheduler, dp_rank or 0)
     except Exception as e:
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         to_tm.send(ENCODER.encode(ProcReady(name, error=f"{type(e).__name__}: {e}")))
@@ -120,15 +119,12 @@ def tp_broken(runner: Any) -> bool:
     return tp is not None and tp.broken is not None
 
 
-def open_cache_events(ctx: zmq.Context, args: ServerArgs, scheduler: SchedulerCore, dp_rank: int) -> CacheEventPublisher | None:
-    """Bind this rank's cache events socket and hook it to the radix cache (None when off)."""
+def open_cache_events(ctx: zmq.Context, args: ServerArgs, dp_rank: int) -> CacheEventPublisher | None:
+    """Bind this rank's cache events socket, for the radix cache to be built with (None when off;
+    ServerArgs refuses the port with --disable-radix-cache)."""
     if args.cache_events_port is None:
         return None
-    tree = scheduler.kv.tree_cache
-    if not isinstance(tree, RadixCache):  # ServerArgs refuses --disable-radix-cache with the port
-        raise ValueError("--cache-events-port needs the radix cache")
     publisher = CacheEventPublisher(ctx, bind_endpoint(args.host, args.cache_events_port + dp_rank))
-    tree.event_sink = publisher.add
     logger.info("publishing cache events on %s", publisher.endpoint)
     return publisher
 
@@ -273,8 +269,8 @@ class SchedulerServer:
         out: dict[str, Any] = {
             "total": kv.total_tokens,
             "available": kv.available_size(),
-            "evictable": kv.tree_cache.evictable_size(),
-            "protected": kv.tree_cache.protected_size(),
+            "evictable": kv.evictable_size(),
+            "protected": kv.protected_size(),
             "req_slots_free": kv.req_to_token_pool.available_size(),
             "req_slots_total": kv.req_to_token_pool.size,
             "idle": idle,

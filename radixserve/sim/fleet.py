@@ -37,11 +37,12 @@ import functools
 import heapq
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import ServerArgs, parse_tenant_weights
+from radixserve.mem.cache_events import CacheEvent
 from radixserve.router.admission import NO_PRIORITY_RANK, AdmissionQueue, TenantCounters
 from radixserve.router.policy import (
     NoTargetMeetsDeadline,
@@ -189,8 +190,10 @@ class Fleet:
             self.targets.extend(ranks)
             for r in range(cfg.dp_size):
                 target = ranks[r] if cfg.dp_aware else ranks[0]
+                sink = self._sink(target.key) if cfg.cache_events else None
                 sched, runner, clock = build_sim_scheduler(args, cost, context_len,
-                                                           skip_req_to_token_writes=skip_req_to_token_writes)
+                                                           skip_req_to_token_writes=skip_req_to_token_writes,
+                                                           event_sink=sink)
                 eng = Engine(sched, runner, clock, w, r, target)
                 self.engines.append(eng)
                 self.by_target.setdefault(target.key, []).append(eng)
@@ -208,17 +211,14 @@ class Fleet:
         self.queue: AdmissionQueue[tuple[Req, RequestSpec, int]] = AdmissionQueue(
             cfg.router_max_concurrent, cfg.router_queue_size, tenants)
         self.low_first = args.schedule_low_priority_values_first
-        if cfg.cache_events:
-            self._subscribe()
 
     def _key(self, ids: Sequence[int]) -> Sequence[Any]:
         return chars_key(ids) if self.cfg.match == "chars" else ids
 
-    def _subscribe(self) -> None:
-        from radixserve.sim.fleet_events import subscribe  # the radix cache's event hook
+    def _sink(self, target_key: str) -> Callable[[CacheEvent], None] | None:
+        from radixserve.sim.fleet_events import event_sink  # the radix cache's event hook
 
-        for eng in self.engines:
-            subscribe(eng.sched, eng.target.key, self.policy, self._key, self._count_event)
+        return event_sink(target_key, self.policy, self._key, self._count_event)
 
     def _count_event(self) -> None:
         self.events += 1

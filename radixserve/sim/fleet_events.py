@@ -15,19 +15,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from radixserve.mem.cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
-from radixserve.mem.radix_cache import RadixCache
 from radixserve.router.policy import CacheAware, RouterPolicy
-from radixserve.sched.core import SchedulerCore
 
 
-def subscribe(sched: SchedulerCore, target_key: str, policy: RouterPolicy,
-              to_key: Callable[[Sequence[int]], Sequence[Any]], count: Callable[[], None]) -> None:
-    """Apply ``sched``'s cache events to ``policy`` as events of ``target_key`` (the engine's
-    router target: its rank with --dp-aware, else its worker, as the router's subscriber does).
-    ``to_key`` turns a token path into the router's key (token ids, or their text stand-in)."""
-    cache = sched.kv.tree_cache
-    if not isinstance(policy, CacheAware) or not isinstance(cache, RadixCache):
-        return  # no tree to drive, or no radix cache to listen to (--disable-radix-cache)
+def event_sink(target_key: str, policy: RouterPolicy, to_key: Callable[[Sequence[int]], Sequence[Any]],
+               count: Callable[[], None]) -> Callable[[CacheEvent], None] | None:
+    """The sink an engine's radix cache is built with: it applies the cache's events to ``policy``
+    as events of ``target_key`` (the engine's router target: its rank with --dp-aware, else its
+    worker, as the router's subscriber does). ``to_key`` turns a token path into the router's key
+    (token ids, or their text stand-in). None when the policy keeps no tree to drive."""
+    if not isinstance(policy, CacheAware):
+        return None
 
     def sink(ev: CacheEvent) -> None:
         count()
@@ -40,4 +38,4 @@ def subscribe(sched: SchedulerCore, target_key: str, policy: RouterPolicy,
         elif isinstance(ev, AllCleared):
             policy.remove_target(target_key)
 
-    cache.event_sink = sink
+    return sink

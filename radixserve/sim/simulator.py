@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 
 from radixserve.config import ServerArgs
+from radixserve.mem.cache_events import CacheEvent
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.sched.build import build_kv, build_scheduler
@@ -97,14 +98,15 @@ class SimRunner:
 
 def build_sim_scheduler(
     args: ServerArgs, cost: CostModel, context_len: int, clock: VirtualClock | None = None,
-    skip_req_to_token_writes: bool = False,
+    skip_req_to_token_writes: bool = False, event_sink: Callable[[CacheEvent], None] | None = None,
 ) -> tuple[SchedulerCore, SimRunner, VirtualClock]:
     """The engine's pools, cache and scheduler (as ``engine.build_scheduler``) without a model."""
     clock = clock or VirtualClock()
     if args.max_total_tokens is None:
         raise ValueError("the simulator needs --max-total-tokens (KV pool size in tokens)")
     kv = build_kv(args, args.max_total_tokens, context_len,
-                  pool_cls=NoWriteReqToTokenPool if skip_req_to_token_writes else ReqToTokenPool)
+                  pool_cls=NoWriteReqToTokenPool if skip_req_to_token_writes else ReqToTokenPool,
+                  event_sink=event_sink)
     runner = SimRunner(cost, clock)
     sched = build_scheduler(args, runner, kv, context_len=context_len, vocab_size=None,
                             eos_token_ids=[EOS_TOKEN_ID], clock=clock)

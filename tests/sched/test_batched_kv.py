@@ -54,8 +54,8 @@ def _setup(page_size: int) -> tuple[KVManager, list[Req]]:
     reqs = []
     for i in range(5):
         req = Req(f"r{i}", [i + 1] * (3 + i))
-        req.init_next_round_input(cache)
-        cache.inc_lock_ref(req.last_node)
+        kv.match(req)
+        kv.lock_match(req)
         kv.admit(req)
         kv.grow(req, req.extend_input_len)
         reqs.append(req)

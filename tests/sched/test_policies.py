@@ -188,9 +188,9 @@ def test_dfs_weight_reproduces_the_seed_example() -> None:
     sched, _, _ = make_scheduler(pool_tokens=512, schedule_policy="dfs-weight")
     A, C, D, B, E, F, G = [1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12], [13, 14]
     _warm(sched, A + C, A + D, B + E + F, B + E + G)
-    sched.tree_cache.match_prefix(RadixKey(B))  # split B|E, as drawn in the seed
+    sched.kv.tree_cache.match_prefix(RadixKey(B))  # split B|E, as drawn in the seed
     shape = {tuple(c.key): sorted(tuple(g.key) for g in c.children.values())
-             for c in sched.tree_cache.root.children.values()}
+             for c in sched.kv.tree_cache.root.children.values()}
     assert shape == {(1, 2): [(3, 4), (5, 6)], (7, 8): [(9, 10)]}
 
     log = BatchLog(sched)
@@ -209,10 +209,10 @@ def test_dfs_weight_order_directly_and_with_priority() -> None:
     waiting = [_req("x", [7, 8, 9, 1, 1]), _req("y", [1, 2, 3, 4, 1, 1]), _req("z", [1, 2, 5, 6, 2, 2]),
                _req("w", [50, 51])]
     pol = get_policy("dfs-weight")
-    ctx = PolicyContext(tree_cache=sched.tree_cache, now=0.0)
+    ctx = PolicyContext(prefix_tree=sched.kv.prefix_tree, now=0.0)
     assert [r.rid for r in pol.order(waiting, ctx)] == ["y", "z", "x", "w"]  # [1,2] branch weighs 2
     waiting[2].priority = 5
-    ctx = PolicyContext(tree_cache=sched.tree_cache, now=0.0, enable_priority=True, default_priority=0)
+    ctx = PolicyContext(prefix_tree=sched.kv.prefix_tree, now=0.0, enable_priority=True, default_priority=0)
     assert [r.rid for r in pol.order(waiting, ctx)] == ["z", "y", "x", "w"]
 
 

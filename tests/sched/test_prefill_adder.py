@@ -10,6 +10,7 @@ from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import RadixKey
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
+from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.prefill_adder import AddReqResult, PrefillAdder
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
@@ -21,9 +22,13 @@ def make_cache(page_size: int = 1) -> RadixCache:
     return RadixCache(ReqToTokenPool(8, 256), TokenToKVPoolAllocator(256, page_size))
 
 
+def kv_of(cache: RadixCache) -> KVManager:
+    return KVManager(cache.req_to_token_pool, cache.allocator, cache)
+
+
 def new_req(cache: RadixCache, rid: str, prompt: list[int], max_new: int) -> Req:
     r = Req(rid, prompt, SamplingParams(max_new_tokens=max_new))
-    r.init_next_round_input(cache)
+    kv_of(cache).match(r)
     return r
 
 
@@ -40,7 +45,7 @@ def cache_prefix(cache: RadixCache, tokens: list[int]) -> None:
 
 def adder(cache: RadixCache, available: int, running: list[Req] | None = None, ratio: float = 0.5,
           max_prefill: int = 1000, chunk: int | None = None, clip: int = 4096) -> PrefillAdder:
-    return PrefillAdder(cache, available, running or [], ratio, max_prefill, chunk, cache.page_size, clip)
+    return PrefillAdder(kv_of(cache), available, running or [], ratio, max_prefill, chunk, cache.page_size, clip)
 
 
 def test_rem_total_reserves_running_requests_remaining_tokens() -> None:
@@ -55,6 +60,14 @@ def test_rem_total_reserves_running_requests_remaining_tokens() -> None:
     # Evictable cache counts as available.
     cache_prefix(cache, [9, 9, 9, 9])
     assert a.rem_total_tokens == 79.0
+
+
+def test_give_back_returns_preempted_requests_reservations() -> None:
+    cache = make_cache()
+    running = [running_req("r1", 50, 10), running_req("r2", 10, 0)]  # remaining 40 and 10
+    a = adder(cache, 100, running, ratio=0.5)
+    a.give_back([running[0]], 130)  # r1 preempted: its 20 reserved go, and its KV was freed
+    assert a.rem_total_token_offset == 5.0 and a.rem_total_tokens == 125.0
 
 
 def test_reserve_is_the_same_float_as_summing_request_by_request() -> None:
@@ -216,7 +229,7 @@ def test_add_chunked_req(chunk: int, expect_len: int, still_chunked: bool) -> No
     cache = make_cache()
     r = Req("c", list(range(100, 120)), SamplingParams(max_new_tokens=30))
     r.kv_indices = list(range(1, 9))  # 8 of 20 computed in earlier chunks
-    r.init_next_round_input(cache)
+    kv_of(cache).match(r)
     assert r.extend_input_len == 12
     a = adder(cache, 100, chunk=chunk)
     back = a.add_chunked_req(r)

@@ -102,7 +102,7 @@ def _run(sched: SchedulerCore) -> int:
 ])
 def test_eviction_policy_from_server_args(path: str, policy: str, strategy: type, cached: int) -> None:
     sched = BUILDERS[path](policy)
-    assert isinstance(sched.tree_cache, RadixCache) and type(sched.tree_cache.strategy) is strategy
+    assert isinstance(sched.kv.tree_cache, RadixCache) and type(sched.kv.tree_cache.strategy) is strategy
     assert _run(sched) == cached
 
 
@@ -124,4 +124,4 @@ def test_strategy_orders_unwanted_first() -> None:
                                               ("queue-aware", QueueAwareStrategy)])
 def test_config_accepts(policy: str, strategy: type) -> None:
     sched = make_scheduler(radix_eviction_policy=policy)[0]
-    assert type(sched.tree_cache.strategy) is strategy  # type: ignore[attr-defined]
+    assert type(sched.kv.tree_cache.strategy) is strategy  # type: ignore[attr-defined]

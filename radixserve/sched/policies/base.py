@@ -19,13 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from radixserve.mem.base_cache import BasePrefixCache
+from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.req import Req
 
 
 @dataclass
 class PolicyContext:
-    tree_cache: BasePrefixCache
+    prefix_tree: RadixCache | None  # read-only: a policy orders requests, it never locks or frees
     now: float
     enable_priority: bool = False
     low_priority_values_first: bool = False

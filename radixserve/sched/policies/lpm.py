@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from operator import itemgetter
 
-from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.policies.base import PolicyContext, SchedulePolicy
 from radixserve.sched.policies.lpm_order import IncrementalLPM
 from radixserve.sched.policies.prefix_match import PrefixLengthCache, dfs_weight_order, lpm_sort_keys
@@ -27,16 +26,17 @@ class LongestPrefixMatch(SchedulePolicy):
         self.incremental = IncrementalLPM(self.matches)
 
     def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
-        if not isinstance(ctx.tree_cache, RadixCache) or (
+        tree = ctx.prefix_tree
+        if tree is None or (
             ctx.lpm_fallback_threshold and len(waiting) > ctx.lpm_fallback_threshold
         ):
             self.incremental.reset()
             return FCFS().order(waiting, ctx)
         if not ctx.enable_priority:  # the same order, kept up to date between rounds (lpm_order.py)
-            return self.incremental.order(waiting, ctx.tree_cache, ctx.in_batch_check_threshold,
+            return self.incremental.order(waiting, tree, ctx.in_batch_check_threshold,
                                           ctx.in_batch_deprioritize_threshold)
         self.incremental.reset()  # with priorities: the class first, then the lpm key
-        keys = lpm_sort_keys(waiting, ctx.tree_cache, self.matches, ctx.in_batch_check_threshold,
+        keys = lpm_sort_keys(waiting, tree, self.matches, ctx.in_batch_check_threshold,
                              ctx.in_batch_deprioritize_threshold)
         return [r for _, _, r in sorted(zip(map(ctx.priority_key, waiting), keys, waiting, strict=True),
                                          key=itemgetter(0, 1))]
@@ -50,7 +50,7 @@ class DFSWeight(SchedulePolicy):
     cache_aware = True
 
     def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
-        if not isinstance(ctx.tree_cache, RadixCache):
+        if ctx.prefix_tree is None:
             return FCFS().order(waiting, ctx)
-        out = dfs_weight_order(waiting, ctx.tree_cache)
+        out = dfs_weight_order(waiting, ctx.prefix_tree)
         return sorted(out, key=ctx.priority_key) if ctx.enable_priority else out

@@ -16,7 +16,7 @@ request (``Req.lpm_key``) and is recomputed only when the tree changed where its
 So ordering N waiting requests costs a few C-level passes over the queue (``attrgetter`` over
 the keys, the in-batch check, one sort of ints) plus a walk for each request whose match may
 have changed, instead of a Python loop over all of them. The request being admitted is matched
-for real (``Req.init_next_round_input``) as before.
+for real (``KVManager.match``) as before.
 
 ``in_batch_deprioritized``: SGLang's in-batch prefix caching check. ``dfs_weight_order``: SGLang's
 ``_sort_by_dfs_weight`` (the tree walk is ``radix_walks.weighted_dfs``).
@@ -30,8 +30,9 @@ from itertools import compress
 from operator import attrgetter
 from typing import Any
 
-from radixserve.mem.radix_cache import END, RadixCache, TreeNode
+from radixserve.mem.radix_cache import RadixCache
 from radixserve.mem.radix_walks import live_ancestor, weighted_dfs
+from radixserve.mem.tree_node import END, TreeNode
 from radixserve.sched.req import LPM_STALE, Req
 
 _SHIFT = 64  # sort key = -length * 2**64 + arrival in microseconds (clamped to [0, 2**64))
@@ -194,6 +195,6 @@ def dfs_weight_order(reqs: Sequence[Req], tree: RadixCache) -> list[Req]:
     subtree's. Requests sharing a hot branch come out together, the hottest branch first."""
     at: dict[Any, list[Req]] = {}
     for req in reqs:
-        req.init_next_round_input(tree)  # match_prefix: may split, so last_node ends the match exactly
+        req.set_match(tree.match_prefix(req.match_key()))  # may split: last_node ends the match exactly
         at.setdefault(req.last_node, []).append(req)
-    return weighted_dfs(tree, at)
+    return weighted_dfs(tree.root, at)

@@ -2,8 +2,8 @@
 
     size = uncached prompt tokens + min(max_new_tokens, --clip-max-new-tokens) * --sjf-output-weight
 
-Uncached prompt tokens come from a read-only radix match (``RadixCache.peek_prefix``; the whole
-prompt without a radix cache). Short-first starves long requests under a steady stream of short
+Uncached prompt tokens come from a read-only radix match (``RadixCache.peek_prefix_len``; the
+whole prompt without a radix cache). Short-first starves long requests under a steady stream of short
 ones; pair it with ``--priority-aging-horizon`` / ``--priority-aging-rate`` (``ordering.py``).
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.policies.base import PolicyContext, SchedulePolicy
 from radixserve.sched.req import Req
 
@@ -30,10 +29,9 @@ class ShortestJobFirst(SchedulePolicy):
             raise ValueError(f"sjf takes no parameters {sorted(params)}")
 
     def job_size(self, req: Req, ctx: PolicyContext) -> float:
-        tree = ctx.tree_cache
-        ids = req.fill_ids
-        cached = tree.peek_prefix(ids[: len(ids) - 1], req.extra_key)[2] if isinstance(tree, RadixCache) else 0
-        return len(ids) - cached + min(req.remaining_new_tokens, self.clip) * self.output_weight
+        tree = ctx.prefix_tree
+        cached = tree.peek_prefix_len(req.match_key()) if tree is not None else 0
+        return len(req.fill_ids) - cached + min(req.remaining_new_tokens, self.clip) * self.output_weight
 
     def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
         return sorted(waiting, key=lambda r: (ctx.priority_key(r), self.job_size(r, ctx), r.arrival_time))
