@@ -120,7 +120,7 @@ class TokenToKVPoolAllocator:
         if not slots:
             return
         ps = self.page_size
-        pages = sorted({s // ps for s in slots}) if ps > 1 else slots
+        pages = list(set(map(ps.__rfloordiv__, slots))) if ps > 1 else slots  # (C passes over the slots)
         for p in pages:
             if p <= 0 or p > self.num_pages:
                 raise RuntimeError(f"slot of page {p} is not in this pool")
