@@ -13,7 +13,7 @@ GBNF / Lark (``ebnf``). Its life::
                        (on the thread that runs the forward, so the overlap loop's next step sees
                        the matcher after this step's token)
 
-Why llguidance (measured on the bundled SmolLM2 tokenizer, docs/benchmarks.md "Grammar engines"):
+Why llguidance (measured on the bundled SmolLM2 tokenizer, docs/benchmarks.md, "Grammar engines"):
 no dependencies (xgrammar needs torch, transformers and triton), compiling a JSON schema takes
 about 1 ms (xgrammar 6-23 ms), and one token mask 30-110 us: nothing against a decode step.
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from radixserve.bench.results import write_result
 from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model.attention import AttentionBackend, create_attention_backend
@@ -217,7 +217,7 @@ def main(ns: argparse.Namespace) -> int:
           "through" + ("; read-only: the same rows read with nothing computed (the memory floor), 'of floor': its "
                        f"time over {names[-1]}'s" if reader is not None else ""))
     if ns.output:
-        with open(ns.output, "w") as f:
-            json.dump({"stream_copy_gbs": stream, "dtype": ns.dtype, "stat": ns.stat, "heads": heads, "rows": rows}, f, indent=2)
+        write_result(ns.output, {"stream_copy_gbs": stream, "dtype": ns.dtype, "stat": ns.stat, "heads": heads,
+                                 "rows": rows})
     return 0
 

@@ -20,7 +20,6 @@ template takes about 30) so that no case takes long, rather than capping the bod
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -28,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from radixserve.bench.results import write_result
 from radixserve.bench.subprocs import BenchError
 from radixserve.bench.target import Target, add_target_args
 
@@ -280,9 +280,8 @@ def main(ns: argparse.Namespace) -> int:
     for p in health["problems"]:
         print(f"  problem: {p}")
     if ns.output:
-        with open(ns.output, "w") as f:
-            json.dump({"cases": tally.cases(), "schemathesis_cases": tally.cases("schemathesis"),
-                       "mutation_cases": tally.cases("mutation"), "per_operation": per_op,
-                       "statuses": {s: dict(c) for s, c in tally.statuses.items()}, "5xx": fives,
-                       "failures": tally.failures, "elapsed_s": round(elapsed, 1), "health": health}, f, indent=2)
+        write_result(ns.output, {"cases": tally.cases(), "schemathesis_cases": tally.cases("schemathesis"),
+                                 "mutation_cases": tally.cases("mutation"), "per_operation": per_op,
+                                 "statuses": {s: dict(c) for s, c in tally.statuses.items()}, "5xx": fives,
+                                 "failures": tally.failures, "elapsed_s": round(elapsed, 1), "health": health})
     return 0 if fives == 0 and health["ok"] else 1

@@ -7,7 +7,6 @@ given batch next to the time the model's matmuls alone take at that batch.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from radixserve.bench.results import write_result
 from radixserve.bench.workloads import BenchRequest, make_workload
 from radixserve.engine import Engine
 
@@ -290,6 +290,5 @@ def main(args: Any) -> int:
     print(f"dtype: {engine.runner.dtype}, attention backend: {args.attention_backend}, "
           f"quantization: {args.quantization}")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"results": [asdict(r) for r in results], **extra, "dtype": str(engine.runner.dtype)}, f, indent=2)
+        write_result(args.output, {"results": [asdict(r) for r in results], **extra, "dtype": str(engine.runner.dtype)})
     return 0

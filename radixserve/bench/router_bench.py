@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     import aiohttp
     from tqdm import tqdm
 
+from radixserve.bench.results import write_result
 from radixserve.bench.subprocs import (
     BenchError,
     Procs,
@@ -481,6 +482,5 @@ def main(ns: argparse.Namespace) -> int:
     else:
         print_real_report(rep)
     if ns.output:
-        with open(ns.output, "w") as f:
-            json.dump(rep, f, indent=2)
+        write_result(ns.output, rep)
     return 0

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from radixserve.bench.results import write_result
 from radixserve.bench.workloads import WORKLOADS, BenchRequest, make_workload
 
 
@@ -336,8 +337,7 @@ def main(ns: argparse.Namespace) -> int:
     rep = asyncio.run(ServingBenchmark(ns).run())
     print_report(rep)
     if ns.output:
-        with open(ns.output, "w") as f:
-            json.dump(rep, f, indent=2)
+        write_result(ns.output, rep)
     if ns.plot:
         plot(rep, ns.plot)
     return 0 if rep["completed"] else 1

@@ -34,6 +34,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.bench.results import write_result
 from radixserve.bench.subprocs import BenchError
 from radixserve.bench.target import Target, add_target_args, memory_problems
 
@@ -290,8 +291,7 @@ def main(ns: argparse.Namespace) -> int:
     print(f"RSS start {_fmt_rss(rss['start'])}\n    after warm-up {_fmt_rss(rss['after_warmup'])}\n"
           f"    end {_fmt_rss(rss['end'])}\n    growth after warm-up: {res.get('rss_growth_pct', 'n/a')}%")
     if ns.output:
-        with open(ns.output, "w") as f:
-            json.dump(res, f, indent=2)
+        write_result(ns.output, res)
     for p in res["problems"]:
         print(f"problem: {p}")
     print("PASS" if res["ok"] else "FAIL")

@@ -9,7 +9,7 @@ the torch path (their SDPA calls are GEMM-bound, not gather-bound).
 
 Shared prefixes: the kernel attends every decode row, grouped or not, and the torch
 ``cascade.py`` grouping is off for this backend (``share_prefixes = False``). Measured
-(docs/benchmarks.md, "Paged decode kernel"): a shared prefix read once per member by the kernel
+(docs/benchmarks.md, "Where a decode step goes"): a shared prefix read once per member by the kernel
 is still faster than the cascade's gather-once + GEMM (3.5 against 13.3 ms for 128 rows in 8
 groups sharing a 512-token prefix, one layer, one thread), since the rows of a group run one after
 the other on a thread and the prefix is in cache for all but the first.
