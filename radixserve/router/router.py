@@ -136,6 +136,12 @@ class Router:
 
     def _route_key(self, path: str, body: dict[str, Any]) -> RouteRequest:
         tok = self.tokenizer
+        if path == "/v1/responses":  # route by the conversation's text: instructions, then the input
+            inp = body.get("input")
+            items = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp if isinstance(inp, list) else []
+            system = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+            body = {"messages": [*system, *items]}
+            path = "/v1/chat/completions"
         if path == "/v1/chat/completions":
             messages = body.get("messages")
             if not isinstance(messages, list):
@@ -388,4 +394,4 @@ def _message_text(m: Any) -> str:
 
 
 def routed_paths() -> Sequence[str]:
-    return ("/generate", "/v1/completions", "/v1/chat/completions")
+    return ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses")

@@ -54,6 +54,7 @@ from radixserve.server.protocol import (
     SchedulePolicyRequest,
     parse_body,
 )
+from radixserve.server.responses_api import ResponsesServing
 from radixserve.server.sched_fields import sched_fields
 from radixserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest, add_tokenize_routes
 from radixserve.server.tokenizer_manager import ClientGone, ReqState, ServerDead, TokenizerManager
@@ -72,6 +73,7 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
     args = tm.args
     app = FastAPI(title="radixserve", version=VERSION, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     openai = OpenAIServing(tm, {model_path, "default"})
+    responses = ResponsesServing(openai)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
@@ -104,6 +106,18 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await openai.completions(request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return responses.delete(response_id)
 
     def model_card() -> dict[str, Any]:
         return {"id": tm.model_name, "object": "model", "created": int(started), "owned_by": "radixserve",

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.sched.io import OutRow
+from radixserve.server.chat_run import ChatRun, ChoiceDeltas
 from radixserve.server.common import (
     SSE_DONE,
     SSE_HEADERS,
@@ -43,10 +44,10 @@ from radixserve.server.protocol import (
     parse_body,
     unsupported,
 )
-from radixserve.server.reasoning import FORMATS, ReasoningFormat, ReasoningSplitter, split_reasoning
+from radixserve.server.reasoning import FORMATS, ReasoningFormat, split_reasoning
 from radixserve.server.sched_fields import SchedFields, sched_fields
 from radixserve.server.tokenizer_manager import ClientGone, ReqState, TokenizerManager
-from radixserve.server.tool_calls import StreamedAnswer, parse_tool_calls, tool_grammar, tools_system_prompt
+from radixserve.server.tool_calls import parse_tool_calls, tool_grammar, tools_system_prompt
 
 
 class OpenAIServing:
@@ -89,6 +90,22 @@ class OpenAIServing:
     # --- chat ----------------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         body = parse_body(await request.body(), ChatCompletionRequest)
+        run = await self.start_chat(request, body)
+        if body.stream:
+            first = await run.call.first_outputs()
+            return StreamingResponse(self._chat_stream(run, first), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        try:
+            states = await run.call.wait_all()
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse({
+            "id": run.rid, "object": "chat.completion", "created": run.created, "model": self.tm.model_name,
+            "choices": [self.chat_choice(run, st) for st in states], "usage": _usage(states, body.n),
+        })
+
+    async def start_chat(self, request: Request, body: ChatCompletionRequest) -> ChatRun:
+        """Render the chat, build its requests and send them (the ``Call`` is open on return)."""
         self.check_model(body.model)
         fmt = self._reasoning_format(body)
         template_kwargs = dict(body.chat_template_kwargs or {})
@@ -107,40 +124,30 @@ class OpenAIServing:
                                             pd_mode=self.tm.args.disaggregation_mode), extra)
         call = Call(self.tm, request)
         await call.open(reqs)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if body.stream:
-            first = await call.first_outputs()
-            return StreamingResponse(self._chat_stream(call, first, body, rid, created, fmt, parser),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
-        try:
-            states = await call.wait_all()
-        except ClientGone:
-            return Response(status_code=499)
-        choices = []
-        for st in states:
-            assert st.last is not None and st.last.finished_reason is not None
-            message: dict[str, Any] = {"role": "assistant", "content": st.text}
-            if fmt is not None:
-                reasoning, message["content"] = split_reasoning(fmt, st.text)
-                message["reasoning_content"] = reasoning or None
-            finish = st.last.finished_reason.openai_reason
-            if parser is not None:
-                message["content"], calls = parse_tool_calls(parser, message["content"], body.tool_names())
-                if calls:
-                    message["content"] = message["content"] or None
-                    message["tool_calls"] = [c.to_openai() for c in calls]
-                    finish = "tool_calls" if finish == "stop" else finish  # a cut answer says so
-            choices.append({
-                "index": st.index,
-                "message": message,
-                "logprobs": {"content": self._chat_logprobs(st.output_ids, st.logprobs, st.top_logprobs)}
-                if body.logprobs else None,
-                "finish_reason": finish,
-            })
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": created, "model": self.tm.model_name,
-            "choices": choices, "usage": _usage(states, body.n),
-        })
+        return ChatRun(call, body, fmt, parser, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
+
+    def chat_choice(self, run: ChatRun, st: ReqState) -> dict[str, Any]:
+        """One finished choice: its message (content, reasoning, tool calls), logprobs and finish reason."""
+        assert st.last is not None and st.last.finished_reason is not None
+        body, fmt, parser = run.body, run.fmt, run.parser
+        message: dict[str, Any] = {"role": "assistant", "content": st.text}
+        if fmt is not None:
+            reasoning, message["content"] = split_reasoning(fmt, st.text)
+            message["reasoning_content"] = reasoning or None
+        finish = st.last.finished_reason.openai_reason
+        if parser is not None:
+            message["content"], calls = parse_tool_calls(parser, message["content"], body.tool_names())
+            if calls:
+                message["content"] = message["content"] or None
+                message["tool_calls"] = [c.to_openai() for c in calls]
+                finish = "tool_calls" if finish == "stop" else finish  # a cut answer says so
+        return {
+            "index": st.index,
+            "message": message,
+            "logprobs": {"content": self._chat_logprobs(st.output_ids, st.logprobs, st.top_logprobs)}
+            if body.logprobs else None,
+            "finish_reason": finish,
+        }
 
     def _tool_setup(
         self, body: ChatCompletionRequest, fmt: ReasoningFormat | None, messages: list[dict[str, Any]]
@@ -189,17 +196,12 @@ class OpenAIServing:
                               "yet (separate_reasoning: false turns the parser off for a request)")
         return FORMATS[parser]
 
-    async def _chat_stream(
-        self, call: Call, first: list[tuple[ReqState, OutRow]], body: ChatCompletionRequest, rid: str, created: int,
-        fmt: ReasoningFormat | None = None, parser: str | None = None,
-    ) -> AsyncIterator[bytes]:
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.tm.model_name}
+    async def _chat_stream(self, run: ChatRun, first: list[tuple[ReqState, OutRow]]) -> AsyncIterator[bytes]:
+        body, call = run.body, run.call
+        base = {"id": run.rid, "object": "chat.completion.chunk", "created": run.created, "model": self.tm.model_name}
         if body.include_usage:
             base["usage"] = None
-        started: set[int] = set()
-        splitters: dict[int, ReasoningSplitter] = {}
-        answers: dict[int, StreamedAnswer] = {}
-        names = body.tool_names()
+        deltas = ChoiceDeltas(run)
         assert call.group is not None
         try:
             async for st, o in call.stream(first):
@@ -209,31 +211,19 @@ class OpenAIServing:
                     yield stream_error(err)
                     yield SSE_DONE
                     return
-                if st.index not in started:
-                    started.add(st.index)
-                    if fmt is not None:
-                        splitters[st.index] = ReasoningSplitter(fmt)
-                    if parser is not None:
-                        answers[st.index] = StreamedAnswer(parser, names)
+                if deltas.start(st.index):
                     yield sse({**base, "choices": [{"index": st.index, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]})
                 lp = ({"content": self._chat_logprobs(o.new_token_ids, o.new_logprobs, o.new_top_logprobs)}
                       if body.logprobs and o.new_token_ids else None)
                 if o.text or lp is not None or fr is not None:
-                    finish = fr.openai_reason if fr else None
-                    delta: dict[str, Any] = {"content": o.text} if o.text else {}
-                    if fmt is not None:
-                        reasoning, content = splitters[st.index].feed(o.text, final=fr is not None)
-                        delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
-                    if parser is not None:
-                        text, calls = answers[st.index].feed(delta.pop("content", ""), final=fr is not None)
-                        if text:
-                            delta["content"] = text
-                        if calls:
-                            delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(calls)]
-                            finish = "tool_calls" if finish == "stop" else finish
+                    d = deltas.feed(st.index, o)
+                    delta: dict[str, Any] = {k: v for k, v in (("reasoning_content", d.reasoning),
+                                                               ("content", d.content)) if v}
+                    if d.calls:
+                        delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(d.calls)]
                     yield sse({**base, "choices": [{"index": st.index, "delta": delta, "logprobs": lp,
-                                                    "finish_reason": finish}]})
+                                                    "finish_reason": d.finish}]})
             if body.include_usage:
                 yield sse({**base, "choices": [], "usage": _usage(call.group.states, body.n)})
             yield SSE_DONE

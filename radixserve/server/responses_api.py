@@ -1,0 +1,506 @@
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
+
+A response is a chat completion underneath: the request's ``instructions`` and ``input`` items
+become chat messages (``message`` items as they are, ``function_call`` items as an assistant turn's
+tool calls, ``function_call_output`` items as tool messages; earlier ``reasoning`` items are left
+out, as chat templates leave out earlier thinking), ``tools`` and ``tool_choice`` their chat forms,
+``text.format`` the ``response_format``, ``reasoning.effort`` the ``reasoning_effort``; the chat
+machinery runs it (openai_api.py, chat_run.py) and its answer comes back as output items:
+``reasoning`` (with ``--reasoning-parser``), ``message`` (``output_text``) and ``function_call``.
+
+Stored responses (``store``, true by default) are kept in this server's memory, the newest
+``STORE_SIZE`` of them, for ``GET`` and for ``previous_response_id``: the conversation so far (not
+its instructions, as OpenAI) comes before the new input. Streams send OpenAI's typed events
+(``event: response.output_text.delta`` ...), each with its ``sequence_number``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from radixserve.server.chat_run import ChatRun, ChoiceDeltas
+from radixserve.server.common import SSE_HEADERS, dead_error
+from radixserve.server.openai_api import OpenAIServing, _usage
+from radixserve.server.protocol import (
+    _OPENAI_EXTRA,
+    INT64_MAX,
+    INT64_MIN,
+    APIError,
+    ChatCompletionRequest,
+    StreamOptions,
+    _Body,
+    parse_body,
+    unsupported,
+)
+from radixserve.server.tokenizer_manager import ClientGone, ReqState, ServerDead
+from radixserve.server.tool_calls import ToolCall
+
+STORE_SIZE = 1024  # stored responses kept per server (the oldest go first)
+_LOGPROBS = "message.output_text.logprobs"
+
+
+class ResponsesRequest(_Body):
+    EXTRA_FIELDS = _OPENAI_EXTRA
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(description="A user message, or a list of input items.")
+    instructions: str | None = Field(None, description="A system message first (not carried to a later turn).")
+    previous_response_id: str | None = Field(None, description="Continue a stored response's conversation.")
+    max_output_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = Field(None, description=f'Only "{_LOGPROBS}".')
+    tools: list[dict[str, Any]] | None = Field(None, description="Function tools (no built-in tools).")
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = Field(None, description='{"format": {"type": "text" | "json_object" | "json_schema", ...}}')
+    reasoning: dict[str, Any] | None = Field(None, description='{"effort": ..., "summary": "auto"} (needs --reasoning-parser)')
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    store: bool = Field(True, description=f"Keep the response in this server's memory (the newest {STORE_SIZE}).")
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = Field(None, description="Accepted; the radix cache reuses prefixes by itself.")
+    truncation: str | None = Field(None, description='Only "disabled": a too long input is refused.')
+    background: bool | None = Field(None, description="Only false.")
+    service_tier: str | None = Field(None, description='Only "auto" or "default".')
+    max_tool_calls: int | None = Field(None, description="Not supported (null only).")
+    # extensions, as in chat completions
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX - 64)
+    top_k: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+
+    def check(self) -> None:
+        if self.truncation not in (None, "disabled"):
+            raise unsupported("truncation", 'only "disabled" is supported: a too long input is refused')
+        if self.background:
+            raise unsupported("background", "background responses are not supported")
+        if self.max_tool_calls is not None:
+            raise unsupported("max_tool_calls", "max_tool_calls is not supported")
+        if self.service_tier not in (None, "auto", "default"):
+            raise unsupported("service_tier", 'only "auto" and "default" are supported')
+        for i, item in enumerate(self.include or []):
+            if item != _LOGPROBS:
+                raise unsupported(f"include[{i}]", f'only "{_LOGPROBS}" can be included')
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+
+
+class ResponseStore:
+    """The newest stored responses: the response object, and the conversation it ends (chat
+    messages, without instructions) for a ``previous_response_id``."""
+
+    def __init__(self, size: int = STORE_SIZE) -> None:
+        self.size = size
+        self.items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, resp: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        self.items[resp["id"]] = (resp, conversation)
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+    def get(self, rid: str, param: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        got = self.items.get(rid)
+        if got is None:
+            raise APIError(f"Response with id '{rid}' not found.", status_code=404, param=param, code="not_found")
+        return got
+
+
+# --- input items -> chat messages --------------------------------------------------------------------
+def _text(value: Any, param: str) -> str:
+    """A string, or text parts (input_text / output_text) joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        out = []
+        for k, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                    or not isinstance(part.get("text"), str):
+                raise unsupported(f"{param}[{k}]", "only text parts (input_text, output_text) are supported")
+            out.append(part["text"])
+        return "".join(out)
+    raise APIError(f"{param} must be a string or a list of text parts", param=param, code="invalid_type")
+
+
+def _need_str(item: dict[str, Any], key: str, param: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise APIError(f"{param}.{key} must be a string", param=f"{param}.{key}", code="missing_required_parameter")
+    return value
+
+
+def input_messages(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(inp, str):
+        return [{"role": "user", "content": inp}]
+    msgs: list[dict[str, Any]] = []
+    for i, item in enumerate(inp):
+        param = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise APIError(f"{param}.role must be user, system, developer or assistant, got {role!r}",
+                               param=f"{param}.role", code="invalid_value")
+            msgs.append({"role": role, "content": _text(item.get("content"), f"{param}.content")})
+        elif kind == "function_call":
+            call = {"id": _need_str(item, "call_id", param), "type": "function",
+                    "function": {"name": _need_str(item, "name", param),
+                                 "arguments": _need_str(item, "arguments", param)}}
+            if msgs and msgs[-1]["role"] == "assistant":  # calls of the same turn
+                msgs[-1].setdefault("tool_calls", []).append(call)
+            else:
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            msgs.append({"role": "tool", "tool_call_id": _need_str(item, "call_id", param),
+                         "content": _text(item.get("output"), f"{param}.output")})
+        elif kind != "reasoning":  # earlier reasoning is not shown to the model again
+            raise unsupported(f"{param}.type", f"input items of type {kind!r} are not supported (message, "
+                                               "function_call, function_call_output and reasoning are)")
+    return msgs
+
+
+def chat_body(body: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat completion request this response runs as."""
+    messages = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    messages += history + input_messages(body.input)
+    # top_logprobs asks for logprobs as include does
+    logprobs = _LOGPROBS in (body.include or []) or bool(body.top_logprobs)
+    out: dict[str, Any] = {"messages": messages, "stream": body.stream, "logprobs": logprobs}
+    for key in ("model", "temperature", "top_p", "parallel_tool_calls", "user", "safety_identifier",
+                "prompt_cache_key", "metadata", "seed", "top_k", "min_p", "repetition_penalty", "priority"):
+        value = getattr(body, key)
+        if value is not None:
+            out[key] = value
+    if body.max_output_tokens is not None:
+        out["max_completion_tokens"] = body.max_output_tokens
+    if out["logprobs"] and body.top_logprobs:
+        out["top_logprobs"] = body.top_logprobs
+    out.update(body.model_extra or {})  # scheduling extensions (ttft_slo_ms, bootstrap fields)
+    if body.tools:
+        out["tools"] = [_chat_tool(t, i) for i, t in enumerate(body.tools)]
+    if body.tool_choice is not None:
+        out["tool_choice"] = _chat_tool_choice(body.tool_choice)
+    fmt = _text_format(body.text)
+    if fmt is not None:
+        out["response_format"] = fmt
+    effort = _reasoning_effort(body.reasoning)
+    if effort is not None:
+        out["reasoning_effort"] = effort
+    return out
+
+
+def _chat_tool(t: dict[str, Any], i: int) -> dict[str, Any]:
+    if t.get("type") != "function":
+        raise unsupported(f"tools[{i}].type", "only function tools are supported (no built-in tools such as "
+                                              "web_search or file_search)")
+    unknown = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
+    if unknown:
+        raise APIError(f"Unknown parameter: 'tools[{i}].{unknown[0]}'.", param=f"tools[{i}].{unknown[0]}",
+                       code="unknown_parameter")
+    fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+    if not isinstance(fn.get("name"), str):
+        raise APIError(f"tools[{i}].name must be a string", param=f"tools[{i}].name", code="missing_required_parameter")
+    return {"type": "function", "function": fn}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise unsupported("tool_choice", 'tool_choice is none, auto, required or {"type": "function", "name": ...}')
+
+
+def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    unknown = sorted(set(text) - {"format", "verbosity"})
+    if unknown:
+        raise APIError(f"Unknown parameter: 'text.{unknown[0]}'.", param=f"text.{unknown[0]}", code="unknown_parameter")
+    if text.get("verbosity") is not None:
+        raise unsupported("text.verbosity", "verbosity is not supported by this model")
+    fmt = text.get("format")
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("json_object", "json_schema"):
+        raise APIError("text.format.type is text, json_object or json_schema", param="text.format",
+                       code="invalid_value")
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def _reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
+    if not reasoning:
+        return None
+    unknown = sorted(set(reasoning) - {"effort", "summary", "generate_summary"})
+    if unknown:
+        raise APIError(f"Unknown parameter: 'reasoning.{unknown[0]}'.", param=f"reasoning.{unknown[0]}",
+                       code="unknown_parameter")
+    for key in ("summary", "generate_summary"):
+        if reasoning.get(key) not in (None, "auto"):
+            raise unsupported(f"reasoning.{key}", 'only "auto": the reasoning comes whole, as reasoning_text')
+    return reasoning.get("effort")
+
+
+# --- the answer -> output items ----------------------------------------------------------------------
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id or _id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def message_item(text: str, status: str, logprobs: list[dict[str, Any]] | None,
+                 item_id: str | None = None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return {"type": "message", "id": item_id or _id("msg"), "status": status, "role": "assistant", "content": [part]}
+
+
+def call_item(call: dict[str, Any], item_id: str | None = None) -> dict[str, Any]:
+    fn = call["function"]
+    return {"type": "function_call", "id": item_id or _id("fc"), "call_id": call["id"], "name": fn["name"],
+            "arguments": fn["arguments"], "status": "completed"}
+
+
+def assistant_turn(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The output items as chat messages, for the next turn of the conversation."""
+    msg: dict[str, Any] = {"role": "assistant", "content": None}
+    for it in items:
+        if it["type"] == "message":
+            msg["content"] = it["content"][0]["text"]
+        elif it["type"] == "function_call":
+            msg.setdefault("tool_calls", []).append(
+                {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}})
+    return [msg] if msg["content"] is not None or msg.get("tool_calls") else []
+
+
+class ResponsesServing:
+    def __init__(self, openai: OpenAIServing) -> None:
+        self.openai = openai
+        self.tm = openai.tm
+        self.store = ResponseStore()
+
+    async def create(self, request: Request) -> Response:
+        body = parse_body(await request.body(), ResponsesRequest)
+        if (body.reasoning or {}).get("effort") is not None and self.tm.args.reasoning_parser is None:
+            raise unsupported("reasoning.effort", "this server runs no reasoning parser (--reasoning-parser)")
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            history = list(self.store.get(body.previous_response_id, "previous_response_id")[1])
+        chat = chat_body(body, history)
+        cbody = parse_body(json.dumps(chat).encode(), ChatCompletionRequest)
+        run = await self.openai.start_chat(request, cbody)
+        rid, created = _id("resp"), int(time.time())
+        conversation = chat["messages"][1:] if body.instructions is not None else chat["messages"]
+        if body.stream:
+            first = await run.call.first_outputs()
+            stream = ResponseStream(self, body, run, rid, created, conversation)
+            return StreamingResponse(stream.events(first), media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            (st,) = await run.call.wait_all()
+        except ClientGone:
+            return Response(status_code=499)
+        choice = self.openai.chat_choice(run, st)
+        msg, finish = choice["message"], choice["finish_reason"]
+        status = "incomplete" if finish == "length" else "completed"
+        items: list[dict[str, Any]] = []
+        if msg.get("reasoning_content"):
+            items.append(reasoning_item(msg["reasoning_content"]))
+        if msg.get("content") or not msg.get("tool_calls"):
+            lp = choice["logprobs"]["content"] if choice["logprobs"] is not None else None
+            items.append(message_item(msg.get("content") or "", status, lp))
+        items += [call_item(c) for c in msg.get("tool_calls") or []]
+        resp = self.response(body, rid, created, status, items, [st], msg.get("reasoning_content") or "")
+        self.keep(body, resp, conversation + assistant_turn(items))
+        return JSONResponse(resp)
+
+    def keep(self, body: ResponsesRequest, resp: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        if body.store and resp["status"] != "failed":
+            self.store.put(resp, conversation)
+
+    def response(self, body: ResponsesRequest, rid: str, created: int, status: str, output: list[dict[str, Any]],
+                 states: list[ReqState] | None, reasoning: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
+        usage = None
+        if states is not None:
+            u = _usage(states, 1)
+            rtoks = len(self.tm.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+            usage = {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
+                     "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": rtoks},
+                     "total_tokens": u["total_tokens"]}
+        return {
+            "id": rid, "object": "response", "created_at": created, "status": status, "background": False,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "max_tool_calls": None,
+            "model": self.tm.model_name, "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
+            "service_tier": body.service_tier or "default", "store": body.store,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "text": body.text or {"format": {"type": "text"}},
+            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+            "tools": body.tools or [], "top_logprobs": body.top_logprobs or 0,
+            "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled", "usage": usage,
+            "user": body.user, "metadata": body.metadata or {},
+        }
+
+    def retrieve(self, rid: str) -> dict[str, Any]:
+        return self.store.get(rid)[0]
+
+    def delete(self, rid: str) -> dict[str, Any]:
+        self.store.get(rid)
+        del self.store.items[rid]
+        return {"id": rid, "object": "response.deleted", "deleted": True}
+
+
+class ResponseStream:
+    """A response as OpenAI's stream of typed events: created, in progress, each output item added,
+    its deltas and done, then completed (or incomplete, or failed)."""
+
+    def __init__(self, serving: ResponsesServing, body: ResponsesRequest, run: ChatRun, rid: str, created: int,
+                 conversation: list[dict[str, Any]]) -> None:
+        self.serving, self.body, self.run = serving, body, run
+        self.rid, self.created, self.conversation = rid, created, conversation
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []  # output items done
+        self.open: dict[str, Any] | None = None  # the item being streamed: reasoning or message
+        self.text = ""
+        self.reasoning = ""
+        self.logprobs: list[dict[str, Any]] = []
+
+    def _event(self, kind: str, **data: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+    def _snapshot(self, status: str, states: list[ReqState] | None = None,
+                  error: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.serving.response(self.body, self.rid, self.created, status, list(self.items), states,
+                                     self.reasoning, error)
+
+    def _begin(self, kind: str) -> list[bytes]:
+        """Close the open item unless it is of ``kind``; open one of ``kind`` if none is."""
+        out = self._close() if self.open is not None and self.open["type"] != kind else []
+        if self.open is None:
+            idx = len(self.items)
+            if kind == "reasoning":
+                self.open = {"type": "reasoning", "id": _id("rs"), "summary": [], "content": []}
+                out.append(self._event("response.output_item.added", output_index=idx, item=self.open))
+            else:
+                self.open = {"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant",
+                             "content": []}
+                out.append(self._event("response.output_item.added", output_index=idx, item=self.open))
+                out.append(self._event("response.content_part.added", item_id=self.open["id"], output_index=idx,
+                                       content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        return out
+
+    def _close(self, status: str = "completed") -> list[bytes]:
+        item, idx = self.open, len(self.items)
+        if item is None:
+            return []
+        self.open = None
+        if item["type"] == "reasoning":
+            done = reasoning_item(self.reasoning, item["id"])
+            out = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                               text=self.reasoning)]
+        else:
+            lp = self.logprobs if self.run.body.logprobs else None
+            done = message_item(self.text, status, lp, item["id"])
+            out = [self._event("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                               text=self.text, logprobs=self.logprobs),
+                   self._event("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                               part=done["content"][0])]
+        self.items.append(done)
+        out.append(self._event("response.output_item.done", output_index=idx, item=done))
+        return out
+
+    def _call(self, call: ToolCall) -> list[bytes]:
+        idx, done = len(self.items), call_item(call.to_openai())
+        item_id = done["id"]
+        self.items.append(done)
+        return [self._event("response.output_item.added", output_index=idx,
+                            item={**done, "arguments": "", "status": "in_progress"}),
+                self._event("response.function_call_arguments.delta", item_id=item_id, output_index=idx,
+                            delta=done["arguments"]),
+                self._event("response.function_call_arguments.done", item_id=item_id, output_index=idx,
+                            arguments=done["arguments"]),
+                self._event("response.output_item.done", output_index=idx, item=done)]
+
+    async def events(self, first: list[tuple[ReqState, Any]]) -> AsyncIterator[bytes]:
+        call, openai = self.run.call, self.serving.openai
+        deltas = ChoiceDeltas(self.run)
+        yield self._event("response.created", response=self._snapshot("in_progress"))
+        yield self._event("response.in_progress", response=self._snapshot("in_progress"))
+        try:
+            async for st, o in call.stream(first):
+                err = call.error_of(o)
+                if err is not None:
+                    for chunk in self._fail(err):
+                        yield chunk
+                    return
+                deltas.start(st.index)
+                d = deltas.feed(st.index, o)
+                if d.reasoning:
+                    for chunk in self._begin("reasoning"):
+                        yield chunk
+                    self.reasoning += d.reasoning
+                    yield self._event("response.reasoning_text.delta", item_id=self.open["id"],  # type: ignore[index]
+                                      output_index=len(self.items), content_index=0, delta=d.reasoning)
+                lp = (openai._chat_logprobs(o.new_token_ids, o.new_logprobs, o.new_top_logprobs)
+                      if self.run.body.logprobs and o.new_token_ids else [])
+                self.logprobs += lp
+                if d.content:
+                    for chunk in self._begin("message"):
+                        yield chunk
+                    self.text += d.content
+                    yield self._event("response.output_text.delta", item_id=self.open["id"],  # type: ignore[index]
+                                      output_index=len(self.items), content_index=0, delta=d.content, logprobs=lp)
+                if d.finish is not None:
+                    status = "incomplete" if d.finish == "length" else "completed"
+                    if self.open is None and not d.calls and not self.items:  # nothing at all was said
+                        for chunk in self._begin("message"):
+                            yield chunk
+                    for chunk in self._close(status):
+                        yield chunk
+                    for c in d.calls:
+                        for chunk in self._call(c):
+                            yield chunk
+                    assert call.group is not None
+                    resp = self._snapshot(status, call.group.states)
+                    self.serving.keep(self.body, resp, self.conversation + assistant_turn(self.items))
+                    yield self._event("response.completed" if status == "completed" else "response.incomplete",
+                                      response=resp)
+        except ClientGone:
+            return
+        except Exception as e:
+            for chunk in self._fail(e):
+                yield chunk
+        finally:
+            call.close()
+
+    def _fail(self, e: BaseException) -> list[bytes]:
+        err = (e if isinstance(e, APIError) else dead_error(e) if isinstance(e, ServerDead)
+               else APIError(f"internal error: {e}", 500, "server_error", "internal_error"))
+        body = err.to_json()["error"]
+        return [self._event("error", code=body.get("code"), message=body.get("message"), param=body.get("param")),
+                self._event("response.failed", response=self._snapshot(
+                    "failed", error={"code": body.get("code") or "server_error", "message": body.get("message")}))]
