@@ -33,14 +33,15 @@ from radixserve.bench.target import Target, add_target_args
 
 DEFAULT_SERVER_ARGS = ("--context-length 64 --max-total-tokens 4096 --max-running-requests 32 "
                        "--enable-metrics --decode-log-interval 200 --log-level warning")
-BODY_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
+BODY_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses")
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 VALID: dict[str, dict[str, Any]] = {
     "/v1/completions": {"prompt": "Hello", "max_tokens": 2, "temperature": 0},
     "/v1/chat/completions": {"messages": MESSAGES, "max_tokens": 2, "temperature": 0},
     "/generate": {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
+    "/v1/responses": {"input": "Say hello.", "max_output_tokens": 2, "temperature": 0},
 }
-# every field name of the three bodies (and their extension fields), so a mutation can hit any
+# every field name of the four bodies (and their extension fields), so a mutation can hit any
 FIELDS = sorted({
     "model", "n", "stream", "stream_options", "stop", "temperature", "top_p", "seed", "presence_penalty",
     "frequency_penalty", "logit_bias", "user", "top_k", "min_p", "min_tokens", "repetition_penalty",
@@ -51,8 +52,11 @@ FIELDS = sorted({
     "input_ids", "sampling_params", "rid", "return_logprob", "top_logprobs_num", "logprob_start_len",
     "return_text_in_logprobs", "ttft_slo_ms", "tpot_slo_ms", "data_parallel_rank", "data_parallel_rank_decode",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "tenant",
-    "deadline_ms", "regex", "ebnf", "reasoning_effort", "chat_template_kwargs", "separate_reasoning"})
-LENGTH_FIELDS = {"max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens"}
+    "deadline_ms", "regex", "ebnf", "reasoning_effort", "chat_template_kwargs", "separate_reasoning",
+    "input", "instructions", "previous_response_id", "max_output_tokens", "include", "reasoning", "truncation",
+    "background", "max_tool_calls"})
+LENGTH_FIELDS = {"max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens",
+                 "max_output_tokens"}
 INT64_MAX = (1 << 63) - 1
 
 

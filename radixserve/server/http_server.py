@@ -54,7 +54,7 @@ from radixserve.server.protocol import (
     SchedulePolicyRequest,
     parse_body,
 )
-from radixserve.server.responses_api import ResponsesServing
+from radixserve.server.responses_api import ResponsesRequest, ResponsesServing
 from radixserve.server.sched_fields import sched_fields
 from radixserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest, add_tokenize_routes
 from radixserve.server.tokenizer_manager import ClientGone, ReqState, ServerDead, TokenizerManager
@@ -293,6 +293,7 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
 _BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/generate": GenerateRequest,
     "/abort_request": AbortRequest,
     "/set_schedule_policy": SchedulePolicyRequest,
@@ -334,7 +335,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 op["requestBody"] = {"required": path != "/abort_request", "content": {"application/json": {
                     "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
                 op["responses"]["413"] = err
-                if path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+                if path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate"):
                     op["responses"]["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
     app.openapi_schema = schema
     return schema

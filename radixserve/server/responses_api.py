@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -38,6 +38,7 @@ from radixserve.server.protocol import (
     ChatCompletionRequest,
     StreamOptions,
     _Body,
+    _extra_schema,
     parse_body,
     unsupported,
 )
@@ -49,6 +50,7 @@ _LOGPROBS = "message.output_text.logprobs"
 
 
 class ResponsesRequest(_Body):
+    model_config = ConfigDict(extra="allow", json_schema_extra=_extra_schema)
     EXTRA_FIELDS = _OPENAI_EXTRA
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(description="A user message, or a list of input items.")
@@ -144,6 +146,8 @@ def _need_str(item: dict[str, Any], key: str, param: str) -> str:
 def input_messages(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(inp, str):
         return [{"role": "user", "content": inp}]
+    if not inp:
+        raise APIError("input must not be empty", param="input", code="invalid_value")
     msgs: list[dict[str, Any]] = []
     for i, item in enumerate(inp):
         param = f"input[{i}]"
@@ -239,6 +243,9 @@ def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                        code="invalid_value")
     if fmt["type"] == "json_object":
         return {"type": "json_object"}
+    if not isinstance(fmt.get("name"), str):
+        raise APIError("text.format.name is required for json_schema", param="text.format.name",
+                       code="missing_required_parameter")
     schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
     return {"type": "json_schema", "json_schema": schema}
 

@@ -17,16 +17,18 @@ import pytest
 
 from radixserve.bench.fuzz import FIELDS, mutate
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from radixserve.server.responses_api import ResponsesRequest
 from tests.server.helpers import API_KEY, REPO, ServerProcess, assert_memory_ok, started, wait_idle
 
 pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
 
-POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
+POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses")
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 VALID: dict[str, dict[str, Any]] = {
     "/v1/completions": {"prompt": "Hello", "max_tokens": 2, "temperature": 0},
     "/v1/chat/completions": {"messages": MESSAGES, "max_tokens": 2, "temperature": 0},
     "/generate": {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
+    "/v1/responses": {"input": "Say hello.", "max_output_tokens": 2, "temperature": 0},
 }
 
 
@@ -114,6 +116,11 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
     ("/generate", {"rid": 5}, "rid"),
     ("/generate", {"top_logprobs_num": 21}, "top_logprobs_num"),
     ("/generate", {"deadline_ms": "soon"}, "deadline_ms"),
+    ("/v1/responses", {"input": 5}, "input"),
+    ("/v1/responses", {"input": [{"role": "wizard", "content": "hi"}]}, "input[0].role"),
+    ("/v1/responses", {"max_output_tokens": HUGE}, "max_output_tokens"),
+    ("/v1/responses", {"tools": [{"type": "function"}]}, "tools[0].name"),
+    ("/v1/responses", {"text": {"format": {"type": "json_schema"}}}, "text.format.name"),
 ]
 
 
@@ -139,7 +146,7 @@ def test_unknown_field_is_400(c: httpx.Client, route: str) -> None:
 
 
 def test_mutation_fuzzer_knows_every_field() -> None:
-    for model in (ChatCompletionRequest, CompletionRequest, GenerateRequest):
+    for model in (ChatCompletionRequest, CompletionRequest, GenerateRequest, ResponsesRequest):
         assert not (set(model.model_fields) | set(model.EXTRA_FIELDS)) - set(FIELDS), model.__name__
 
 
@@ -149,7 +156,7 @@ def test_mutation_fuzz_never_5xx(c: httpx.Client) -> None:
     rng = random.Random(11)
     statuses: dict[int, int] = {}
     for i in range(360):
-        route = POST_ROUTES[i % 3]
+        route = POST_ROUTES[i % len(POST_ROUTES)]
         body = mutate(rng, VALID[route])
         r = c.post(route, json=body)
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
@@ -191,7 +198,7 @@ def test_default_body_limit_is_16_mib(c: httpx.Client) -> None:
 def test_openapi_documents_every_route_with_request_schemas(c: httpx.Client, shared_server: ServerProcess) -> None:
     doc = c.get("/openapi.json").json()
     paths = doc["paths"]
-    for route in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/generate",
+    for route in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/models/{model_id}", "/generate",
                   "/health", "/health_generate", "/get_server_info", "/get_model_info", "/flush_cache",
                   "/abort_request", "/set_schedule_policy", "/get_load", "/metrics", "/debug/memory"):
         assert route in paths, route
@@ -199,7 +206,8 @@ def test_openapi_documents_every_route_with_request_schemas(c: httpx.Client, sha
     assert len(ids) == len(set(ids)), sorted(ids)
     schemas = doc["components"]["schemas"]
     for route, name in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest"),
-                        ("/generate", "GenerateRequest"), ("/abort_request", "AbortRequest"),
+                        ("/v1/responses", "ResponsesRequest"), ("/generate", "GenerateRequest"),
+                        ("/abort_request", "AbortRequest"),
                         ("/set_schedule_policy", "SchedulePolicyRequest")):
         body = paths[route]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{name}"}
@@ -307,7 +315,7 @@ def test_docs_list_every_field() -> None:
         doc = f.read()
     first_cells = re.findall(r"^\|([^|\n]*)\|", doc, flags=re.M)  # a table row's first cell
     listed = {name for cell in first_cells for name in re.findall(r"`([a-z_]+)`", cell)}
-    for model in (ChatCompletionRequest, CompletionRequest, GenerateRequest):
+    for model in (ChatCompletionRequest, CompletionRequest, GenerateRequest, ResponsesRequest):
         missing = (set(model.model_fields) | set(model.EXTRA_FIELDS)) - listed
         assert not missing, (model.__name__, sorted(missing))
     from radixserve.sched.sampling_params import SamplingParams

@@ -70,6 +70,7 @@ def test_request_fields_become_their_chat_forms() -> None:
     ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),
     ({"input": "x", "reasoning": {"summary": "detailed"}}, "reasoning.summary"),
     ({"input": "x", "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"input": []}, "input"),
 ])
 def test_what_cannot_be_honoured_is_refused(body: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as e:
