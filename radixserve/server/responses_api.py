@@ -331,7 +331,7 @@ class ResponsesServing:
         items: list[dict[str, Any]] = []
         if msg.get("reasoning_content"):
             items.append(reasoning_item(msg["reasoning_content"]))
-        if msg.get("content") or not msg.get("tool_calls"):
+        if msg.get("content") or not (msg.get("tool_calls") or msg.get("reasoning_content")):  # else nothing said
             lp = choice["logprobs"]["content"] if choice["logprobs"] is not None else None
             items.append(message_item(msg.get("content") or "", status, lp))
         items += [call_item(c) for c in msg.get("tool_calls") or []]

@@ -110,6 +110,24 @@ def test_server_answers_reasoning_apart(server: ServerProcess) -> None:
         _chat(c, response_format=fmt, separate_reasoning=False, max_tokens=4)
 
 
+@pytest.mark.slow
+def test_responses_carry_the_reasoning_as_its_own_item(server: ServerProcess) -> None:
+    with server.client() as c:
+        plain = _chat(c, separate_reasoning=False)["choices"][0]["message"]["content"]
+        body = {"input": MESSAGES[0]["content"], "max_output_tokens": 12, "temperature": 0}
+        resp = c.post("/v1/responses", json=body).json()
+        assert [it["type"] for it in resp["output"]] == ["reasoning"]  # cut inside the thinking
+        assert resp["output"][0]["content"] == [{"type": "reasoning_text", "text": plain}]
+        assert 0 < resp["usage"]["output_tokens_details"]["reasoning_tokens"] <= resp["usage"]["output_tokens"]
+        events = []
+        with c.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == plain
+        assert [it["type"] for it in events[-1]["response"]["output"]] == ["reasoning"]
+        effort = c.post("/v1/responses", json={**body, "reasoning": {"effort": "low"}}).json()
+        assert effort["usage"]["input_tokens"] > resp["usage"]["input_tokens"]  # the template shows it
+
+
 def test_reasoning_parser_option() -> None:
     from radixserve.config import ServerArgs
 
