@@ -112,6 +112,8 @@ def clamp_lengths(body: Any, cap: int) -> Any:
     if out.get("max_tokens", 0) is None or ("messages" in out and "max_tokens" not in out
                                             and "max_completion_tokens" not in out):
         out["max_tokens"] = cap  # none means "as many as fit in the context"
+    if "input" in out and out.get("max_output_tokens") is None:  # a Responses body: the same
+        out["max_output_tokens"] = cap
     return out
 
 

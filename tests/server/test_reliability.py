@@ -48,6 +48,8 @@ def test_clamp_lengths_caps_only_in_range_values() -> None:
     for bad in (-1, 2**64, True, "9"):
         assert clamp_lengths({"max_tokens": bad}, 8) == {"max_tokens": bad}
     assert clamp_lengths({"messages": []}, 8) == {"messages": [], "max_tokens": 8}
+    assert clamp_lengths({"input": ""}, 8) == {"input": "", "max_output_tokens": 8}
+    assert clamp_lengths({"input": "x", "max_output_tokens": 3}, 8) == {"input": "x", "max_output_tokens": 3}
 
 
 def test_soak_short(shared_server: ServerProcess, tmp_path: Path) -> None:
