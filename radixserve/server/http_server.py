@@ -54,7 +54,8 @@ from radixserve.server.protocol import (
     SchedulePolicyRequest,
     parse_body,
 )
-from radixserve.server.responses_api import ResponsesRequest, ResponsesServing
+from radixserve.server.responses_api import ResponsesServing
+from radixserve.server.responses_protocol import ResponsesRequest
 from radixserve.server.sched_fields import sched_fields
 from radixserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest, add_tokenize_routes
 from radixserve.server.tokenizer_manager import ClientGone, ReqState, ServerDead, TokenizerManager

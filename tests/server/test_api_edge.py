@@ -17,7 +17,7 @@ import pytest
 
 from radixserve.bench.fuzz import FIELDS, mutate
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from radixserve.server.responses_api import ResponsesRequest
+from radixserve.server.responses_protocol import ResponsesRequest
 from tests.server.helpers import API_KEY, REPO, ServerProcess, assert_memory_ok, started, wait_idle
 
 pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)

@@ -16,7 +16,8 @@ import pytest
 
 from radixserve.router.router import Router
 from radixserve.server.protocol import APIError
-from radixserve.server.responses_api import ResponsesRequest, ResponseStore, chat_body, input_messages
+from radixserve.server.responses_api import ResponseStore
+from radixserve.server.responses_protocol import ResponsesRequest, chat_body, input_messages
 from tests.server.helpers import ServerProcess
 
 ADD = {"type": "function", "name": "add", "description": "Add two integers",
