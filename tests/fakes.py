@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from radixserve.config import ServerArgs
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.mem.kv_pool import ReqToTokenPool
@@ -47,14 +49,16 @@ def make_scheduler(
     context_len: int = 512,
     page_size: int = 1,
     radix: bool = True,
+    runner: Callable[[ReqToTokenPool], EchoRunner] = EchoRunner,
     **kw: object,
 ) -> tuple[SchedulerCore, EchoRunner, KVManager]:
+    """A scheduler over ``runner(request-slot pool)`` (an ``EchoRunner`` or a subclass)."""
     args = ServerArgs(page_size=page_size, disable_radix_cache=not radix, **kw)  # type: ignore[arg-type]
     # built as the engine and the simulator build theirs (sched/build.py), over a pool of max_reqs slots
     kv = build_kv(args, pool_tokens, context_len, max_reqs=max_reqs)
-    runner = EchoRunner(kv.req_to_token_pool)
-    sched = build_scheduler(args, runner, kv, context_len=context_len, vocab_size=VOCAB, eos_token_ids=[0])
-    return sched, runner, kv
+    model = runner(kv.req_to_token_pool)
+    sched = build_scheduler(args, model, kv, context_len=context_len, vocab_size=VOCAB, eos_token_ids=[0])
+    return sched, model, kv
 
 
 def drain(sched: SchedulerCore, max_steps: int = 10000) -> list:

@@ -86,7 +86,7 @@ class _PagedDecode(_DecodeGroup):
     NOTE: the kernel reads ``req_to_token`` during the forward, not a copy taken here as the torch
     path's gather indices are. That is safe under the overlap loop: while a step is in flight the
     scheduler only writes slots past its rows' ``seq_lens`` (the next step's tokens) and never
-    retracts or frees one of its requests (``SchedulerCore.can_build_ahead``)."""
+    retracts or frees one of its requests (``SchedulerCore.can_build_ahead``, ``PrefillFirst.may_build_ahead``)."""
 
     req_to_token: torch.Tensor | None = None  # the whole [R, C] table
     req_pool_indices: torch.Tensor | None = None  # [n]

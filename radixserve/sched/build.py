@@ -1,6 +1,6 @@
 """One function builds a scheduler and its KV memory from the options: the request-slot pool, the
-KV slot allocator, the prefix cache, the ``KVManager`` and the scheduler class ``--scheduler``
-names. The engine, the simulator and the test doubles all build through it, so they cannot drift
+KV slot allocator, the prefix cache, the ``KVManager``, the managers (``parts.py``) and the batch
+builder ``--scheduler`` names. The engine, the simulator and the test doubles all build through it, so they cannot drift
 apart (the KV tensors themselves are the model runner's: the engine attaches them afterwards)."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.grammar_queue import Compiler
 from radixserve.sched.kv_manager import KVManager
-from radixserve.sched.scheduler import Scheduler
-from radixserve.sched.unified_scheduler import UnifiedScheduler
+from radixserve.sched.parts import BatchBuilder, build_parts
+from radixserve.sched.scheduler import PrefillFirst
+from radixserve.sched.unified_scheduler import TokenBudget
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256  # request slots without --max-running-requests (SGLang's CPU default)
 
@@ -56,7 +57,10 @@ def build_scheduler(
     eos_token_ids: Sequence[int] = (), detokenize: Callable[[list[int]], str] | None = None,
     clock: Callable[[], float] = time.monotonic, grammar_compiler: Compiler | None = None,
 ) -> SchedulerCore:
-    """The scheduler ``--scheduler`` names (sglang: ``Scheduler``, unified: ``UnifiedScheduler``)."""
-    cls = UnifiedScheduler if args.scheduler == "unified" else Scheduler
-    return cls(args, runner, kv, context_len=context_len, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
-               detokenize=detokenize, clock=clock, grammar_compiler=grammar_compiler)
+    """A ``SchedulerCore`` over the managers and the builder ``--scheduler`` names (sglang:
+    ``PrefillFirst``, unified: ``TokenBudget``)."""
+    parts = build_parts(args, runner, kv, context_len=context_len, vocab_size=vocab_size,
+                        eos_token_ids=eos_token_ids, detokenize=detokenize, clock=clock,
+                        grammar_compiler=grammar_compiler)
+    builder: BatchBuilder = TokenBudget(parts) if args.scheduler == "unified" else PrefillFirst(parts)
+    return SchedulerCore(parts, builder, context_len=context_len, eos_token_ids=eos_token_ids)

@@ -1,50 +1,27 @@
-"""``SchedulerCore``: what both schedulers share, and the managers they orchestrate.
+"""``SchedulerCore``: the scheduler's loop around the parts it is given (``parts.py``).
 
-A scheduler step is ``get_next_batch_to_run`` (the scheduler's own: SGLang's prefill-then-decode
-in ``scheduler.py``, vLLM's token budget in ``unified_scheduler.py``), ``run_batch`` (the runner's
-``forward``) and ``process_batch_result``. Everything else is delegated to managers that receive
-their collaborators explicitly and never see a scheduler:
-
-    Intake ──────────────── validation, priority, deadline admission, queue cap, aborts, timeouts
-    Ordering ────────────── the policy's order, aging, returned victims, queue-aware eviction marks
-    Preemption ──────────── priority preemption, decode retraction (thrash.py: the victim rules)
-    Outputs ─────────────── tokens onto requests, stop checks, finishing, BatchOut rows
-    DeadlineAdmission ───── step-time measurements and the TTFT prediction
-    KVManager ───────────── the one door to KV memory (request slots, KV slots, the prefix cache)
-
-They share ``Queues`` (where every unfinished request is), ``SchedSettings`` (the live settings
-and the policy), ``SchedStats`` and the clock.
+A step is ``get_next_batch_to_run`` (the ``BatchBuilder``'s: SGLang's prefill-then-decode in
+``scheduler.py``, vLLM's token budget in ``unified_scheduler.py``), the runner's ``forward`` and
+``process_batch_result`` (``Outputs``, the deadline estimator, the policy's ``on_batch``). The
+normal loop runs them in order; the overlap loop (``step_overlapped``) builds and launches step
+N+1 on the ``ForwardThread`` before it processes step N's results. Intake, admin (policy switch,
+cache flush, load) and the idle self-check are here too; everything else is a manager's.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, final
 
-import torch
-
-from radixserve.config import ServerArgs
-from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, Runner
-from radixserve.sched.deadline import DeadlineAdmission
+from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.sched.finish import FINISH_ABORT, FinishReason
-from radixserve.sched.grammar_queue import Compiler, GrammarQueue
-from radixserve.sched.intake import Intake
 from radixserve.sched.io import BatchOut
-from radixserve.sched.kv_manager import KVManager
-from radixserve.sched.ordering import Ordering, ReturnedVictims
-from radixserve.sched.output import Outputs
-from radixserve.sched.policies.base import PolicyContext, SchedulePolicy
-from radixserve.sched.preemption import Preemption
+from radixserve.sched.overlap import InFlight
+from radixserve.sched.parts import BatchBuilder, SchedParts
+from radixserve.sched.policies.base import PolicyContext
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
-from radixserve.sched.settings import SchedSettings
-from radixserve.sched.state import Queues
-from radixserve.sched.stats import SchedStats
 
 logger = logging.getLogger(__name__)
 _GRAMMAR_WAIT = 0.005  # seconds the loop waits on a grammar's compile when it has nothing else to do
@@ -52,108 +29,31 @@ _GRAMMAR_WAIT = 0.005  # seconds the loop waits on a grammar's compile when it h
 Command = tuple[str, str]  # ("abort", rid)
 
 
-@dataclass
-class InFlight:
-    """A step whose forward runs on the forward thread (the overlap loop)."""
-
-    batch: ScheduleBatch  # a snapshot: the running batch is rebuilt for the next step meanwhile
-    fb: ForwardBatch
-    future: Future[tuple[ForwardOutput, float]]  # the output, and the forward's own seconds
-    ids: frozenset[int]  # id() of its requests
-
-
+@final
 class SchedulerCore:
-    def __init__(
-        self,
-        args: ServerArgs,
-        runner: Runner,
-        kv: KVManager,
-        *,
-        context_len: int,
-        vocab_size: int | None = None,
-        eos_token_ids: Sequence[int] = (),
-        detokenize: Callable[[list[int]], str] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        grammar_compiler: Compiler | None = None,
-    ) -> None:
-        """``grammar_compiler`` (``radixserve.grammar.GrammarCompiler``): builds the matchers of
-        requests with a grammar; without one such requests are refused."""
-        self.runner = runner
-        self.kv = kv
-        self._clock = clock
+    def __init__(self, parts: SchedParts, builder: BatchBuilder, *, context_len: int,
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        self.parts = parts
+        self.builder = builder
         self.context_len = context_len
         self.eos_token_ids = tuple(eos_token_ids)
-        self.settings = SchedSettings(args)
-        pool_reqs = kv.req_to_token_pool.size
-        self.queues = Queues(min(args.max_running_requests or pool_reqs, pool_reqs))
-        self.stats = SchedStats()
-        self.outputs = Outputs(kv, self.stats, self.queues.by_rid, clock, context_len, detokenize)
-        self.deadlines = DeadlineAdmission(self.settings, self.queues, kv, self.stats, clock)
-        self.grammars = GrammarQueue(grammar_compiler, self.outputs.end)
-        self.intake = Intake(self.settings, self.queues, kv, self.outputs, self.deadlines, clock,
-                             context_len=context_len, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
-                             grammars=self.grammars)
-        self.victims = ReturnedVictims()
-        self.ordering = Ordering(self.settings, kv, self.victims, random.Random(args.random_seed))
-        self.preemption = Preemption(self.settings, self.queues, kv, self.stats, self.outputs, self.ordering,
-                                     self.victims, clock)
+        self.settings = parts.settings
+        self.clock = parts.clock
+        self.queues = parts.queues
+        self.stats = parts.stats
+        self.kv = parts.kv
+        self.runner = parts.runner
+        self.forward = parts.forward
+        self.outputs = parts.outputs
+        self.deadlines = parts.deadlines
+        self.grammars = parts.grammars
+        self.intake = parts.intake
         self.cur_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
         self._idle_checked = True
-        # the overlap loop (step_overlapped): the step whose forward runs, the thread running it, and
-        # the sampled tokens of the forward before (what the placeholders of a pending token stand for)
-        self.in_flight: InFlight | None = None
-        self._forward_thread: ThreadPoolExecutor | None = None
-        self._last_tokens: torch.Tensor | None = None
-        self.outputs.in_flight = self._in_flight
-
-    # --- views -----------------------------------------------------------------------------------
-    @property
-    def clock(self) -> Callable[[], float]:
-        return self._clock
-
-    @clock.setter
-    def clock(self, clock: Callable[[], float]) -> None:
-        """Replace the clock of the scheduler and of every manager that reads one (tests, replays)."""
-        self._clock = clock
-        for m in (self.outputs, self.deadlines, self.intake, self.preemption):
-            m.clock = clock
-
-    @property
-    def args(self) -> ServerArgs:
-        return self.settings.args
-
-    @property
-    def policy(self) -> SchedulePolicy:
-        return self.settings.policy
-
-    @property
-    def waiting_queue(self) -> list[Req]:
-        return self.queues.waiting
-
-    @waiting_queue.setter
-    def waiting_queue(self, reqs: list[Req]) -> None:
-        self.queues.waiting = reqs
-
-    @property
-    def running_batch(self) -> ScheduleBatch:
-        return self.queues.running
-
-    @property
-    def chunked_req(self) -> Req | None:
-        return self.queues.chunked
-
-    @property
-    def reqs(self) -> dict[str, Req]:
-        """Every unfinished request by rid."""
-        return self.queues.by_rid
-
-    @property
-    def max_running_requests(self) -> int:
-        return self.queues.max_running_requests
 
     def policy_context(self) -> PolicyContext:
-        return self.ordering.context(self.clock())
+        return self.parts.ordering.context(self.clock())
 
     # --- intake ----------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -173,10 +73,12 @@ class SchedulerCore:
 
     # --- one step --------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        raise NotImplementedError
+        q, fwd = self.queues, self.forward
+        return bool(q.waiting or q.running.reqs or q.chunked or fwd.in_flight or fwd.held or self.grammars.pending
+                    or self.builder.busy(self.last_batch))
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        raise NotImplementedError
+        return self.builder.next_batch(self.last_batch)
 
     def step(self) -> BatchOut:
         self.intake.poll_grammars()
@@ -200,7 +102,7 @@ class SchedulerCore:
         normal loop: tensor parallelism (its ranks replay the request table's writes, which must not
         change while a forward ships them) and disaggregation (its transfers follow each step's
         results)."""
-        a = self.args
+        a = self.settings.args
         if a.disable_overlap_schedule or a.overlap_schedule == "off":
             return False
         return a.tp_size == 1 and a.disaggregation_mode == "null"
@@ -209,8 +111,9 @@ class SchedulerCore:
         """Whether the next step may be scheduled before ``running``'s results are processed.
         Only after a decode step (a prefill's results feed the prefix cache and the chunked
         request), never with priority preemption (a victim could be a request in flight), and as
-        the scheduler allows (``Scheduler``: not when the next decode would have to retract)."""
-        return running.batch.forward_mode is ForwardMode.DECODE and not self.settings.prio.enabled
+        the builder allows (``PrefillFirst``: not when the next decode would have to retract)."""
+        return (running.batch.forward_mode is ForwardMode.DECODE and not self.settings.prio.enabled
+                and self.builder.may_build_ahead())
 
     def step_overlapped(self) -> BatchOut:
         """One iteration of SGLang's overlap loop: schedule step N+1 while step N's forward runs,
@@ -218,76 +121,42 @@ class SchedulerCore:
         is in step N+1 too; the token it gets there is dropped, so outputs equal the normal loop's.
         Falls back to the normal order for a step that ``can_build_ahead`` refuses."""
         self.intake.poll_grammars()
-        prev = self.in_flight
+        fwd = self.forward
+        prev = fwd.in_flight
         if prev is not None and not self.can_build_ahead(prev):
-            self.in_flight = None
+            fwd.take()
             self._collect(prev)
             prev = None
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         if batch is not None:
-            self._launch(batch, prev)  # the new step is in flight now (or none, if it could not start)
+            try:
+                fwd.launch(batch, prev)  # the new step is in flight now
+            except Exception as e:
+                self._abort_batch(batch, e)
         else:
-            self.in_flight = None
+            fwd.take()
         if prev is not None:
             self._collect(prev)
-        self.outputs.release_held()  # those only the collected step included
-        if self.in_flight is None and batch is None and self.grammars.pending:
+        fwd.release_held()  # those only the collected step included
+        if fwd.in_flight is None and batch is None and self.grammars.pending:
             self.grammars.wait(_GRAMMAR_WAIT)
-        elif self.in_flight is None and batch is None and not self._idle_checked and not self.has_work():
+        elif fwd.in_flight is None and batch is None and not self._idle_checked and not self.has_work():
             self.on_idle()
         self.last_batch = batch
         return self.outputs.take()
 
     def drain_in_flight(self) -> BatchOut:
         """Wait for the running forward and process its results (stopping, or switching loops)."""
-        running, self.in_flight = self.in_flight, None
+        running = self.forward.take()
         if running is not None:
             self._collect(running)
-            self.outputs.release_held()
+            self.forward.release_held()
         return self.outputs.take()
-
-    def _in_flight(self, req: Req) -> bool:
-        running = self.in_flight
-        return running is not None and id(req) in running.ids
-
-    def _launch(self, batch: ScheduleBatch, prev: InFlight | None) -> None:
-        pending = {id(r): j for j, r in enumerate(prev.batch.reqs)} if prev is not None else None
-        try:
-            fb = batch.to_forward_batch(pending=pending)
-        except Exception as e:
-            if prev is not None:
-                prev.future.exception()  # its forward may read the rows the abort frees: let it end first
-            self.in_flight = None
-            self._abort_batch(batch, e)
-            return
-        if self._forward_thread is None:
-            self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        future = self._forward_thread.submit(self._forward, fb, pending is not None)
-        self.in_flight = InFlight(batch.snapshot(), fb, future, frozenset(map(id, batch.reqs)))
-
-    def _forward(self, fb: ForwardBatch, resolve: bool) -> tuple[ForwardOutput, float]:
-        """On the forward thread, one forward after the other: replace the placeholders of pending
-        tokens with the previous forward's samples, run, keep this forward's samples. Returns the
-        output and the forward's own duration on the scheduler's clock (what the step log keeps)."""
-        if resolve:
-            ids = fb.input_ids
-            mask = ids < 0
-            if bool(mask.any()):
-                last = self._last_tokens
-                if last is None:
-                    raise RuntimeError("the step this one continues failed")
-                ids[mask] = last[-ids[mask] - 1]
-        self._last_tokens = None
-        t0 = self.clock()
-        out = self.runner.forward(fb)
-        dt = self.clock() - t0
-        self._last_tokens = torch.tensor(out.next_token_ids, dtype=torch.int64)
-        return out, dt
 
     def _collect(self, running: InFlight) -> None:
         try:
-            out, dt = running.future.result()
+            out, dt = self.forward.result(running)
         except Exception as e:
             self._abort_batch(running.batch, e)
             return
@@ -346,14 +215,9 @@ class SchedulerCore:
 
     def on_idle(self) -> None:
         self._idle_checked = True
-        if self.args.idle_self_check and not self.kv.held_outside():
+        self.builder.on_idle()
+        if self.settings.args.idle_self_check and not self.kv.held_outside():
             self.kv.check_invariant()
-
-    def admit(self, req: Req) -> None:
-        """Give ``req`` its request slot and cached prefix; the first time, count it as admitted."""
-        self.kv.admit(req)
-        if not req.admitted_before:
-            self.stats.on_first_admission(req, self.clock(), self.args.starvation_threshold)
 
     def run_batch(self, batch: ScheduleBatch) -> ForwardOutput | None:
         # The step's duration on the scheduler's clock: wall time on the engine, virtual time under
@@ -396,9 +260,7 @@ class SchedulerCore:
     def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
         self.outputs.process_batch_result(batch, out)
         self.deadlines.observe(batch)
-        hook = getattr(self.settings.policy, "on_batch", None)
-        if hook is not None:
-            hook(batch)
+        self.settings.policy.on_batch(batch)
 
     # --- admin -----------------------------------------------------------------------------------
     def set_schedule_policy(self, params: dict[str, Any]) -> dict[str, Any]:

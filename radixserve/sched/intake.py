@@ -127,10 +127,9 @@ class Intake:
             return None
         prio = self.settings.prio
         if prio.enabled and queue:
-            rank = prio.rank
-            i = max(range(len(queue)), key=lambda j: (rank(queue[j]), queue[j].arrival_time, j))
+            i = prio.least_important(queue)
             victim = queue[i]
-            if rank(req) < rank(victim):
+            if prio.rank(req) < prio.rank(victim):
                 del queue[i]
                 self.outputs.end(victim, FINISH_ABORT(
                     f"the request queue is full (max_queued_requests={cap}) and this request was the least "

@@ -31,8 +31,9 @@ import random
 
 from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.policies.base import PolicyContext
+from radixserve.sched.priority import PrioritySettings
 from radixserve.sched.req import Req
-from radixserve.sched.settings import PrioritySettings, SchedSettings
+from radixserve.sched.settings import SchedSettings
 
 
 class ReturnedVictims:
@@ -111,9 +112,8 @@ class Ordering:
         s = self.settings
         a, p = s.args, s.prio
         return PolicyContext(
-            prefix_tree=self.kv.prefix_tree, now=now, rng=self.rng,
-            enable_priority=p.enabled, low_priority_values_first=p.low_values_first,
-            default_priority=p.default, lpm_fallback_threshold=a.lpm_fallback_threshold,
+            prefix_tree=self.kv.prefix_tree, now=now, rng=self.rng, prio=p,
+            lpm_fallback_threshold=a.lpm_fallback_threshold,
             in_batch_check_threshold=a.in_batch_prefix_caching_check_threshold,
             in_batch_deprioritize_threshold=a.in_batch_prefix_caching_deprioritize_threshold,
         )

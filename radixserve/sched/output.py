@@ -27,8 +27,10 @@ from radixserve.sched.stats import SchedStats
 class Outputs:
     def __init__(
         self, kv: KVManager, stats: SchedStats, by_rid: dict[str, Req], clock: Callable[[], float], context_len: int,
-        detokenize: Callable[[list[int]], str] | None = None,
+        detokenize: Callable[[list[int]], str] | None = None, hold: Callable[[Req], bool] | None = None,
     ) -> None:
+        """``hold``: keeps an ended request's KV while a running forward still includes it, or says
+        False (``ForwardThread.hold``, the overlap loop)."""
         self.kv = kv
         self.stats = stats
         self.by_rid = by_rid
@@ -36,10 +38,7 @@ class Outputs:
         self.context_len = context_len
         self.detokenize = detokenize
         self.records = BatchOut()
-        # the overlap loop: a request that ends while a forward that includes it is still running
-        # keeps its KV (and request slot, whose row that forward reads) until the forward is done
-        self.in_flight: Callable[[Req], bool] | None = None
-        self.held: list[Req] = []
+        self.hold = hold
 
     def take(self) -> BatchOut:
         """The rows emitted since the last call."""
@@ -144,21 +143,9 @@ class Outputs:
     def end(self, req: Req, reason: FinishReason) -> None:
         """``req`` leaves: its KV goes to the cache (or is freed; later, while a running forward
         still includes it), then ``finish``."""
-        if self.in_flight is not None and self.in_flight(req):
-            self.held.append(req)
-        else:
+        if self.hold is None or not self.hold(req):
             self.kv.release(req)
         self.finish(req, reason)
-
-    def release_held(self) -> None:
-        """Release the KV of the held requests that no running forward includes any more."""
-        held, self.held = self.held, []
-        busy = self.in_flight
-        for req in held:
-            if busy is not None and busy(req):
-                self.held.append(req)
-            else:
-                self.kv.release(req)
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         """Record the finish reason, count it, unregister the request and emit its last record.

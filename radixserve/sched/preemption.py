@@ -1,5 +1,7 @@
 """``Preemption``: taking KV and batch slots back from running requests.
 
+``evict`` is preemption by recompute, shared by both builders.
+
 Priority preemption (the sglang scheduler, ``--enable-priority-scheduling``): a waiting request
 that cannot get a slot in the running batch, or KV memory, takes it from running requests it beats
 by more than ``--priority-scheduling-preemption-threshold`` (aged ranks, ``ordering.py``), least
@@ -86,15 +88,20 @@ class Preemption:
         gone = {id(r) for r in chosen}
         self.queues.running.reqs = [r for r in running if id(r) not in gone]
         for r in chosen:
-            kv.release(r)  # computed KV -> radix cache; resumes mostly as a cache hit
-            r.reset_for_retract()
-            r.num_preemptions += 1
-            self.stats.by_class.add(r, "preemptions")
+            self.evict(r)
             victims.append(r)
         adder.give_back(chosen, kv.available_size())
-        self.stats.num_preemptions += len(chosen)
         self.victims.note(chosen)
         return True
+
+    def evict(self, req: Req) -> None:
+        """Preempt a running ``req`` by recompute: its computed KV goes to the radix cache (so it
+        resumes mostly as a cache hit) and it is a waiting request again; the caller queues it."""
+        self.kv.release(req)
+        req.reset_for_retract()
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.stats.by_class.add(req, "preemptions")
 
     def add_or_preempt(self, req: Req, adder: PrefillAdder, victims: list[Req]) -> AddReqResult:
         """``adder.add_one_req(req)``; with priority scheduling, when KV memory is what refused it,

@@ -53,7 +53,7 @@ class ScheduleBatch:
     def to_forward_batch(self, capture_logits: bool = False, pending: dict[int, int] | None = None) -> ForwardBatch:
         """``pending`` (the overlap loop): ``id(req) -> i`` for requests whose last token is the
         ``i``-th output of the forward still running; their input id is the placeholder ``-(i + 1)``,
-        which the forward thread replaces with that token (``core.SchedulerCore._forward``)."""
+        which the forward thread replaces with that token (``overlap.ForwardThread``)."""
         if self.forward_mode is ForwardMode.DECODE:
             return self._decode_forward_batch(capture_logits, pending)
         ids: list[int] = []

@@ -1,60 +1,64 @@
-"""``Scheduler``: the event loop that turns a waiting queue into model steps (SGLang's shape).
+"""``PrefillFirst``: SGLang's way of turning the waiting queue into model steps (a ``BatchBuilder``).
 
-Each step, ``get_next_batch_to_run``:
+Each step, ``next_batch``:
 1. merges the last prefill batch into ``running_batch`` (all but the still-chunked request);
 2. tries to build a new prefill batch (``get_new_batch_prefill``): the policy orders
    ``waiting_queue``, the ``PrefillAdder`` admits requests within its budgets; prefill goes first;
 3. otherwise decodes ``running_batch`` one token (``update_running_batch``), retracting requests
    back to the waiting queue when the next step cannot get KV slots.
 
-The managers (``core.py``) do the rest: ``Ordering`` orders the queue, ``Preemption`` makes room
+The managers (``parts.py``) do the rest: ``Ordering`` orders the queue, ``Preemption`` makes room
 for more important requests and retracts, ``Outputs`` turns results into tokens and records.
 ``new_token_ratio`` (SGLang's estimate of how much of ``max_new_tokens`` running requests will
-still use) and the chunked request are this scheduler's own state.
+still use) is this builder's own state.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from radixserve.sched.core import InFlight, SchedulerCore, calm_garbage_collector
+from radixserve.config import ServerArgs
+from radixserve.sched.parts import SchedParts
 from radixserve.sched.prefill_adder import AddReqResult, PrefillAdder
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
 
-__all__ = ["Scheduler", "calm_garbage_collector"]
 
-
-class Scheduler(SchedulerCore):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # SchedulerCore's parameters
-        super().__init__(*args, **kwargs)
-        a = self.args
+class PrefillFirst:
+    def __init__(self, parts: SchedParts) -> None:
+        self.parts = parts
+        self.settings = parts.settings
+        self.queues = parts.queues
+        self.kv = parts.kv
+        self.stats = parts.stats
+        self.intake = parts.intake
+        self.deadlines = parts.deadlines
+        self.preemption = parts.preemption
+        a = parts.settings.args
         self.init_new_token_ratio = min(a.init_new_token_ratio * a.schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(self.init_new_token_ratio * a.min_new_token_ratio_factor, 1.0)
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / a.new_token_ratio_decay_steps
         self.new_token_ratio = self.init_new_token_ratio
         self._ended_at_filter = 0  # finished + aborted when the running batch was last filtered
 
-    def has_work(self) -> bool:
-        q, last = self.queues, self.last_batch
-        unmerged = last is not None and last.forward_mode.is_extend() and any(not r.finished() for r in last.reqs)
-        return bool(q.waiting or q.running.reqs or q.chunked or unmerged or self.in_flight or self.outputs.held
-                    or self.grammars.pending)
+    @property
+    def args(self) -> ServerArgs:
+        return self.settings.args
 
-    def can_build_ahead(self, running: InFlight) -> bool:
-        """Also not while a prompt is being chunked (its next chunk starts from the cache entry its
-        last chunk's results make), nor when the next decode step would have to retract (a victim
-        could be a request in flight)."""
+    def busy(self, last: ScheduleBatch | None) -> bool:
+        """The last prefill's requests, until the next step merges them into the running batch."""
+        return last is not None and last.forward_mode.is_extend() and any(not r.finished() for r in last.reqs)
+
+    def may_build_ahead(self) -> bool:
+        """Not while a prompt is being chunked (its next chunk starts from the cache entry its last
+        chunk's results make), nor when the next decode step would have to retract (a victim could
+        be a request in flight)."""
         kv, q = self.kv, self.queues
-        return (super().can_build_ahead(running) and q.chunked is None
-                and kv.decode_tokens_needed(q.running.reqs) <= kv.reclaimable_size())
+        return q.chunked is None and kv.decode_tokens_needed(q.running.reqs) <= kv.reclaimable_size()
 
     def on_idle(self) -> None:
         self.new_token_ratio = self.init_new_token_ratio
-        super().on_idle()
 
-    def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        q, last = self.queues, self.last_batch
+    def next_batch(self, last: ScheduleBatch | None) -> ScheduleBatch | None:
+        q = self.queues
         if last is not None and last.forward_mode.is_extend():
             q.running.extend([r for r in last.reqs if not r.finished() and r is not q.chunked])
         self.intake.apply_aborts()  # after the merge, so a request prefilled last step is aborted now too
@@ -84,7 +88,7 @@ class Scheduler(SchedulerCore):
         prio_on = self.settings.prio.enabled
         if not q.waiting and q.chunked is None:
             return None
-        held = len(self.outputs.held)  # ended, but their slots are free only once the forward in flight is done
+        held = self.parts.held_slots()  # ended, but their slots are free only once the forward in flight is done
         running_bs = len(q.running.reqs) + held
         if running_bs >= q.max_running_requests and q.chunked is None and not prio_on:
             return None
@@ -107,7 +111,7 @@ class Scheduler(SchedulerCore):
             q.chunked = adder.add_chunked_req(chunked)
 
         if q.waiting:
-            q.waiting = self.ordering.order(q.waiting, self.clock())
+            q.waiting = self.parts.ordering.order(q.waiting, self.parts.clock())
         max_new_reqs = a.prefill_max_requests
         victims: list[Req] = []  # running requests preempted by more important ones
         for req in q.waiting:
@@ -144,7 +148,7 @@ class Scheduler(SchedulerCore):
         for req in can_run:
             req.prefix_match_cache = None  # lpm's match state is for waiting requests (and cycles back to req)
             if req.req_pool_idx is None:
-                self.admit(req)
+                self.parts.admit(req)
             batch.prefix_lens.append(req.num_computed_tokens)
             batch.extend_lens.append(req.extend_input_len)
             batch.out_slots.extend(kv.grow(req, req.extend_input_len))

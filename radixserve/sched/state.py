@@ -1,7 +1,10 @@
-"""``Queues``: where every unfinished request is, shared by the scheduler and its managers."""
+"""What the scheduler and its managers share: ``Queues`` (where every unfinished request is) and
+the ``Clock`` they all read."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from radixserve.sched.req import Req
@@ -24,3 +27,16 @@ class Queues:
         else:
             gone = {id(r) for r in reqs}
             self.waiting = [r for r in wq if id(r) not in gone]
+
+
+class Clock:
+    """The scheduler's time: wall time on the engine, virtual time under the simulator. Every
+    manager reads the same ``Clock``, so replacing its ``source`` (a test, a replay) moves them all."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, source: Callable[[], float] = time.monotonic) -> None:
+        self.source = source
+
+    def __call__(self) -> float:
+        return self.source()

@@ -22,8 +22,8 @@ chosen and re-queued as SGLang does: the policy puts them back wherever its key 
 from __future__ import annotations
 
 from radixserve.sched.kv_manager import KVManager
+from radixserve.sched.priority import PrioritySettings
 from radixserve.sched.req import Req
-from radixserve.sched.settings import PrioritySettings
 
 
 def times_victimized(req: Req) -> int:

@@ -1,4 +1,5 @@
-"""``UnifiedScheduler`` (``--scheduler unified``): vLLM V1's ``schedule()`` over radixserve's KV.
+"""``TokenBudget`` (``--scheduler unified``): vLLM V1's ``schedule()`` over radixserve's KV, as a
+``BatchBuilder``.
 
 There is no prefill phase and no decode phase. Every request is two counters,
 ``num_computed_tokens`` and ``num_tokens``; each step hands requests ``num_new_tokens`` so the
@@ -24,23 +25,24 @@ nothing (``Scheduler.process_batch_result``).
 KV is planned before anything is allocated (so a victim never holds KV of this step); the slots
 are then taken with ``KVManager.grow``, which evicts unlocked cache leaves as needed. Intake,
 aborts, ``--queue-timeout``, the queue cap, result processing and stats are the shared managers'
-(``core.py``); this scheduler has no ``new_token_ratio`` and no chunked request of its own.
+(``parts.py``); this builder has no ``new_token_ratio`` and no chunked request.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from radixserve.sched.core import InFlight, SchedulerCore
+from radixserve.sched.parts import SchedParts
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
 
 
-class UnifiedScheduler(SchedulerCore):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # SchedulerCore's parameters
-        super().__init__(*args, **kwargs)
-        a = self.args
-        self.max_num_seqs = min(a.max_num_seqs, self.max_running_requests)
+class TokenBudget:
+    def __init__(self, parts: SchedParts) -> None:
+        self.parts = parts
+        self.queues = parts.queues
+        self.kv = parts.kv
+        a = parts.settings.args
+        self.max_num_batched_tokens = a.max_num_batched_tokens
+        self.max_num_seqs = min(a.max_num_seqs, parts.queues.max_running_requests)
         self.long_prefill_token_threshold = a.long_prefill_token_threshold
         self.preempt_by_priority = a.scheduling_policy == "priority"
 
@@ -51,32 +53,36 @@ class UnifiedScheduler(SchedulerCore):
             n = t
         return min(n, budget)
 
-    def _select_preempt_target(self, running: list[Req]) -> Req:
-        if self.preempt_by_priority:  # vLLM: max(running, key=(priority, arrival_time))
-            rank = self.settings.prio.rank
-            return max(running, key=lambda r: (rank(r), r.arrival_time))
-        return running[-1]
-
-    def _preempt(self, victim: Req) -> None:
-        self.kv.release(victim)  # computed KV -> radix cache: the recompute is mostly a cache hit
-        victim.reset_for_retract()
-        victim.num_preemptions += 1
-        self.stats.num_preemptions += 1
-        self.stats.by_class.add(victim, "preemptions")
-        self.waiting_queue.insert(0, victim)
+    def _select_preempt_target(self, running: list[Req]) -> int:
+        if self.preempt_by_priority:  # vLLM: the largest (priority, arrival_time)
+            return self.parts.settings.prio.least_important(running)
+        return len(running) - 1
 
     def _order_waiting(self) -> None:
-        prio = self.settings.prio
+        prio = self.parts.settings.prio
         if prio.enabled:  # vLLM's priority queue: (priority, arrival_time)
             rank = prio.rank
-            self.waiting_queue.sort(key=lambda r: (rank(r), r.arrival_time))
+            self.queues.waiting.sort(key=lambda r: (rank(r), r.arrival_time))
 
-    # --- one step ------------------------------------------------------------------------------
-    def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        self.intake.apply_aborts()
-        self.intake.abort_timed_out()
-        running = self.running_batch.reqs = [r for r in self.running_batch.reqs if not r.finished()]
-        budget = self.args.max_num_batched_tokens
+    # --- the BatchBuilder contract ----------------------------------------------------------------
+    def busy(self, last: ScheduleBatch | None) -> bool:
+        return False
+
+    def may_build_ahead(self) -> bool:
+        """Never: every step may preempt, and a victim could be a request in flight. The overlap
+        loop still runs each forward on the forward thread while results go out and requests come in."""
+        return False
+
+    def on_idle(self) -> None:
+        return None
+
+    def next_batch(self, last: ScheduleBatch | None) -> ScheduleBatch | None:
+        p = self.parts
+        p.intake.apply_aborts()
+        p.intake.abort_timed_out()
+        q = self.queues
+        running = q.running.reqs = [r for r in q.running.reqs if not r.finished()]
+        budget = self.max_num_batched_tokens
         scheduled: list[Req] = []
         num_new: dict[int, int] = {}  # id(req) -> tokens this step
         slots: dict[int, int] = {}  # id(req) -> KV slots this step
@@ -94,16 +100,16 @@ class UnifiedScheduler(SchedulerCore):
             s = self.kv.slots_for(req, n)
             can_schedule = True
             while needed + s > self.kv.reclaimable_size():
-                victim = self._select_preempt_target(running)
-                j = running.index(victim)
-                running.pop(j)
+                j = self._select_preempt_target(running)
+                victim = running.pop(j)
                 if id(victim) in num_new:  # scheduled earlier this step: give its share back
                     scheduled.remove(victim)
                     budget += num_new.pop(id(victim))
                     needed -= slots.pop(id(victim))
                 if j < i:
                     i -= 1
-                self._preempt(victim)
+                p.preemption.evict(victim)
+                q.waiting.insert(0, victim)
                 preempted = True
                 if victim is req:
                     can_schedule = False
@@ -117,11 +123,11 @@ class UnifiedScheduler(SchedulerCore):
             i += 1
 
         # 2. waiting requests (not in a step that preempted)
-        if not preempted and self.waiting_queue:
+        if not preempted and q.waiting:
             self._order_waiting()
-            held = len(self.outputs.held)  # ended, their slots free once the forward in flight is done
-            while self.waiting_queue and budget > 0 and len(running) + held < self.max_num_seqs:
-                req = self.waiting_queue[0]
+            held = p.held_slots()  # ended, their slots free once the forward in flight is done
+            while q.waiting and budget > 0 and len(running) + held < self.max_num_seqs:
+                req = q.waiting[0]
                 self.kv.match(req)
                 n = self._cap(req.extend_input_len, budget)
                 self.kv.lock_match(req)  # the match must survive this step's evictions
@@ -129,8 +135,8 @@ class UnifiedScheduler(SchedulerCore):
                 if needed + s > self.kv.reclaimable_size():
                     self.kv.unlock_match(req)
                     break
-                self.waiting_queue.pop(0)
-                self.admit(req)
+                q.waiting.pop(0)
+                p.admit(req)
                 running.append(req)
                 scheduled.append(req)
                 num_new[id(req)], slots[id(req)] = n, s
@@ -150,7 +156,7 @@ class UnifiedScheduler(SchedulerCore):
             if decode:
                 batch.num_decode += 1
             else:
-                self.stats.prefill_tokens += n
+                p.stats.prefill_tokens += n
             req.extend_input_len = n
             req.is_chunked = start + n < req.num_tokens
             batch.prefix_lens.append(start)
@@ -159,12 +165,3 @@ class UnifiedScheduler(SchedulerCore):
         if all_decode:
             batch.forward_mode = ForwardMode.DECODE
         return batch
-
-    def has_work(self) -> bool:
-        return bool(self.queues.waiting or self.queues.running.reqs or self.in_flight or self.outputs.held
-                    or self.grammars.pending)
-
-    def can_build_ahead(self, running: InFlight) -> bool:
-        """Never: every step may preempt, and a victim could be a request in flight. The overlap
-        loop still runs each forward on the forward thread while results go out and requests come in."""
-        return False

@@ -72,7 +72,7 @@ def rank_snapshot(sched: SchedulerCore, dp_rank: int = 0) -> dict[str, Any]:
     free = kv.available_size()
     evictable = kv.evictable_size()
     evicted = kv.evicted()
-    a = sched.args
+    a = sched.settings.args
     low_first = a.schedule_low_priority_values_first
     return {
         "dp_rank": dp_rank,

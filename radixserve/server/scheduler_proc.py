@@ -91,7 +91,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_r
         "context_len": context_len,
         "vocab_size": runner.model_config.vocab_size,
         "max_total_num_tokens": scheduler.kv.total_tokens,
-        "max_running_requests": scheduler.max_running_requests,
+        "max_running_requests": scheduler.queues.max_running_requests,
         "max_req_input_len": context_len - 1,
         "page_size": scheduler.kv.page_size,
         "dtype": str(getattr(runner, "dtype", args.dtype)).removeprefix("torch."),
@@ -296,11 +296,11 @@ class SchedulerServer:
         assert self.to_controller is not None
         sched = self.sched
         now = time.monotonic()
-        if sched.waiting_queue and now - self._last_load_time < LOAD_REPORT_S:
+        if sched.queues.waiting and now - self._last_load_time < LOAD_REPORT_S:
             return
         self._last_load_time = now
-        waiting_tokens = sum(len(r.origin_input_ids) for r in sched.waiting_queue) if sched.waiting_queue else 0
-        load = (len(sched.reqs), sched.kv.total_tokens - sched.kv.reclaimable_size() + waiting_tokens)
+        waiting_tokens = sum(len(r.origin_input_ids) for r in sched.queues.waiting) if sched.queues.waiting else 0
+        load = (len(sched.queues.by_rid), sched.kv.total_tokens - sched.kv.reclaimable_size() + waiting_tokens)
         if load != self._last_load:
             self._last_load = load
             self.to_controller.send(ENCODER.encode(RankLoad(self.dp_rank, *load)))
@@ -319,7 +319,7 @@ class SchedulerServer:
                 "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
                 "#running-req: %d, #queue-req: %d",
                 len(last.reqs), sum(last.extend_lens), sum(last.prefix_lens), sched.kv.usage(),
-                len(sched.running_batch.reqs), len(sched.waiting_queue),
+                len(sched.queues.running.reqs), len(sched.queues.waiting),
             )
         interval = self.args.decode_log_interval
         if st.decode_steps - self._last_decode_logged >= interval:
@@ -327,16 +327,16 @@ class SchedulerServer:
             self._update_throughput()
             # requests that finished this step are still listed until the next batch is built, but
             # their KV is already released: count only the unfinished, as the token count does
-            running = sum(1 for r in sched.running_batch.reqs if not r.finished())
+            running = sum(1 for r in sched.queues.running.reqs if not r.finished())
             logger.info(
                 "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
                 "#queue-req: %d",
                 running, sched.kv.total_tokens - sched.kv.reclaimable_size(),
-                sched.kv.usage(), self._gen_throughput, len(sched.waiting_queue),
+                sched.kv.usage(), self._gen_throughput, len(sched.queues.waiting),
             )
         now = time.monotonic()
         busy = sched.has_work()
-        key = (st.forward_steps, st.num_finished, st.num_aborted, len(sched.waiting_queue), busy)
+        key = (st.forward_steps, st.num_finished, st.num_aborted, len(sched.queues.waiting), busy)
         if key != self._last_stats_key and (now - self._last_stats_time >= STATS_INTERVAL_S or not busy):
             self._last_stats_key = key
             self._last_stats_time = now
@@ -353,12 +353,12 @@ class SchedulerServer:
     def stats(self) -> SchedulerStats:
         s = self.sched
         st = s.stats
-        running = len(s.reqs) - len(s.waiting_queue)
+        running = len(s.queues.by_rid) - len(s.queues.waiting)
         if not s.has_work():
             self._gen_throughput = 0.0
         return SchedulerStats(
             num_running_reqs=running,
-            num_queue_reqs=len(s.waiting_queue),
+            num_queue_reqs=len(s.queues.waiting),
             num_used_tokens=s.kv.total_tokens - s.kv.reclaimable_size(),
             token_usage=s.kv.usage(),
             cache_hit_rate=st.cache_hit_rate,

@@ -328,8 +328,8 @@ class Fleet:
             eng.steps += 1
             eng.usage_sum += usage
             eng.usage_max = max(eng.usage_max, usage)
-            eng.max_running = max(eng.max_running, len(sched.running_batch.reqs))
-            eng.max_waiting = max(eng.max_waiting, len(sched.waiting_queue))
+            eng.max_running = max(eng.max_running, len(sched.queues.running.reqs))
+            eng.max_waiting = max(eng.max_waiting, len(sched.queues.waiting))
         for rid, reason in zip(outs.rids, outs.finished_reasons, strict=True):
             if reason is None or rid not in eng.live:
                 continue
@@ -404,7 +404,7 @@ class Fleet:
         for eng in self.engines:
             if eng.sched.has_work() or eng.pending or eng.live:
                 raise RuntimeError(f"engine w{eng.worker} rank {eng.rank} has work but schedules nothing "
-                                   f"({len(eng.sched.waiting_queue)} waiting)")
+                                   f"({len(eng.sched.queues.waiting)} waiting)")
             eng.sched.step()  # the idle step (the scheduler's own self-check with --idle-self-check)
             eng.sched.kv.check_invariant()
         leaked = {t.key: t.load for t in self.targets if t.load}

@@ -245,15 +245,15 @@ def run(
             trace.step_forward_s.append(fwd)
             if estimator is not None:
                 trace.prefill_estimate.append(estimator.tokens_per_s)
-            trace.step_running.append(len(sched.running_batch.reqs))
-            trace.step_waiting.append(len(sched.waiting_queue))
-            trace.timeline.append((clock.now, sched.kv.usage(), len(sched.running_batch.reqs), len(sched.waiting_queue)))
+            trace.step_running.append(len(sched.queues.running.reqs))
+            trace.step_waiting.append(len(sched.queues.waiting))
+            trace.timeline.append((clock.now, sched.kv.usage(), len(sched.queues.running.reqs), len(sched.queues.waiting)))
         elif sched.has_work():
             stuck += 1
             if i < n:
                 clock.now = max(clock.now, specs[i].arrival_time)
             elif stuck > 3:
-                raise RuntimeError(f"the scheduler has work but schedules nothing ({len(sched.waiting_queue)} waiting)")
+                raise RuntimeError(f"the scheduler has work but schedules nothing ({len(sched.queues.waiting)} waiting)")
         for rid, reason in zip(outs.rids, outs.finished_reasons, strict=True):
             if reason is None:
                 continue
@@ -265,8 +265,8 @@ def run(
             if bar is not None:
                 bar.update(1)
                 if len(trace.records) % 500 == 0:
-                    bar.set_postfix_str(f"virtual {clock.now:.1f} s, {len(sched.running_batch.reqs)} running, "
-                                        f"{len(sched.waiting_queue)} waiting", refresh=False)
+                    bar.set_postfix_str(f"virtual {clock.now:.1f} s, {len(sched.queues.running.reqs)} running, "
+                                        f"{len(sched.queues.waiting)} waiting", refresh=False)
         if on_step is not None:
             on_step(sched)
     if not trace.truncated:

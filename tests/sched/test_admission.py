@@ -129,7 +129,7 @@ def test_duplicate_rid_is_refused_and_the_original_stays_abortable() -> None:
     a = submit(sched, "a", prompt(21, 5), 6)
     dup = submit(sched, "a", prompt(22, 5), 6)
     assert isinstance(dup.finished_reason, FINISH_ABORT) and dup.finished_reason.param == "rid"
-    assert sched.reqs["a"] is a
+    assert sched.queues.by_rid["a"] is a
     outs = drain(sched)
     assert tokens(outs)["a"] == expected_tokens(a.origin_input_ids, 6)
     assert a.finished_reason == FINISH_LENGTH(6)
@@ -154,11 +154,11 @@ def test_abort_waiting_request() -> None:
     a = submit(sched, "a", prompt(25, 5), 4)
     b = submit(sched, "b", prompt(26, 5), 4)
     sched.step()
-    assert sched.waiting_queue == [b]
+    assert sched.queues.waiting == [b]
     assert sched.abort_request("b") is True
     assert sched.abort_request("b") is False  # already gone
     assert sched.abort_request("nope") is False
-    assert b.finished() and sched.waiting_queue == []
+    assert b.finished() and sched.queues.waiting == []
     outs = drain(sched)
     fin = finals(outs)
     reason = fin["b"].finished_reason
@@ -201,12 +201,12 @@ def test_abort_chunked_request() -> None:
     sched, runner, kv = make_scheduler(chunked_prefill_size=8)
     a = submit(sched, "a", prompt(30, 30), 4)
     sched.step()
-    assert sched.chunked_req is a
+    assert sched.queues.chunked is a
     assert sched.abort_request("a")
     b = submit(sched, "b", prompt(31, 5), 4)
     outs = drain(sched)
     assert isinstance(finals(outs)["a"].finished_reason, FINISH_ABORT)
-    assert sched.chunked_req is None
+    assert sched.queues.chunked is None
     assert_exact([o for o in outs if o.rid == "b"], [b])
     assert kv.tree_cache.evictable_size() == 8 + 5 + 3  # a's computed chunk stays cached, and b
 
@@ -220,12 +220,12 @@ def test_max_running_requests_respected() -> None:
     outs = drain(sched)
     assert_exact(outs, reqs)
     assert max(b.batch_size for b in runner.batches) == 2
-    assert sched.max_running_requests == 2
+    assert sched.queues.max_running_requests == 2
 
 
 def test_max_running_requests_capped_by_request_pool() -> None:
     sched, runner, kv = make_scheduler(max_reqs=3)
-    assert sched.max_running_requests == 3
+    assert sched.queues.max_running_requests == 3
     reqs = [submit(sched, f"r{i}", prompt(45 + i, 4), 3) for i in range(5)]
     assert_exact(drain(sched), reqs)
     assert max(b.batch_size for b in runner.batches) == 3

@@ -28,7 +28,7 @@ def _stream(policy: str, steps: int = 20, **kw: object) -> tuple[SchedulerCore, 
     sched, _, kv = make_scheduler(pool_tokens=1024, schedule_policy=policy, prefill_max_requests=2,
                                   lpm_fallback_threshold=0, starvation_threshold=3.0, **kw)
     clock = Clock()
-    sched.clock = clock  # type: ignore[method-assign]
+    sched.clock.source = clock
     submit(sched, "warm", HOT, 1)
     drain(sched)
     cold = submit(sched, "cold", prompt(2, 40), 1)
@@ -50,7 +50,7 @@ def _finish(sched: SchedulerCore, reqs: list[Req]) -> None:
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "sjf"])
 def test_cold_request_starves_without_aging(policy: str) -> None:
     sched, cold, reqs = _stream(policy)
-    assert cold.first_scheduled_time is None and cold in sched.waiting_queue
+    assert cold.first_scheduled_time is None and cold in sched.queues.waiting
     _finish(sched, reqs)
     assert sched.stats.num_starved == 1  # admitted only once the stream stopped
 
@@ -80,7 +80,7 @@ def test_aging_rate_adds_to_priority() -> None:
     """Priority 0 waiting 3 s at 1 unit/s outranks a fresh priority 2."""
     sched, _, _ = make_scheduler(enable_priority_scheduling=True, priority_aging_rate=1.0, prefill_max_requests=1)
     clock = Clock()
-    sched.clock = clock  # type: ignore[method-assign]
+    sched.clock.source = clock
     old = submit(sched, "old", prompt(3, 8), 1, priority=0)
     clock.t += 3.0
     new = submit(sched, "new", prompt(4, 8), 1, priority=2)
@@ -89,7 +89,7 @@ def test_aging_rate_adds_to_priority() -> None:
     drain(sched)
     # without the wait, the fresh one goes first
     sched, _, _ = make_scheduler(enable_priority_scheduling=True, priority_aging_rate=1.0, prefill_max_requests=1)
-    sched.clock = clock  # type: ignore[method-assign]
+    sched.clock.source = clock
     old = submit(sched, "old", prompt(3, 8), 1, priority=0)
     clock.t += 1.0
     new = submit(sched, "new", prompt(4, 8), 1, priority=2)
@@ -120,7 +120,7 @@ def test_sjf_orders_by_uncached_prompt_plus_output() -> None:
 def _aged_victim_setup(**kw: object) -> tuple[SchedulerCore, Clock, Req]:
     sched, _, _ = make_scheduler(enable_priority_scheduling=True, max_running_requests=1, **kw)
     clock = Clock()
-    sched.clock = clock  # type: ignore[method-assign]
+    sched.clock.source = clock
     low = submit(sched, "low", prompt(1, 8), 12, priority=0)
     clock.t += 6.0  # it waited 6 s before it got in
     sched.step()
@@ -134,7 +134,7 @@ def test_aged_running_request_is_not_preempted_by_a_fresh_arrival() -> None:
     sched, _, low = _aged_victim_setup(priority_aging_horizon=5.0)
     high = submit(sched, "high", prompt(2, 8), 4, priority=100)
     sched.step()
-    assert low.num_preemptions == 0 and sched.waiting_queue == [high]
+    assert low.num_preemptions == 0 and sched.queues.waiting == [high]
     drain(sched)
     sched2, _, low2 = _aged_victim_setup()
     submit(sched2, "high", prompt(2, 8), 4, priority=100)

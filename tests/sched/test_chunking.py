@@ -36,21 +36,21 @@ def test_dynamic_chunk_budget_follows_the_measured_speed() -> None:
                                  dynamic_chunk_target_ms=50.0)
     est = sched.deadlines.throughput
     est.tokens_per_s, est.decode_step_s = 1000.0, 0.02
-    assert sched.chunk_budget() == 256  # nobody decodes: the whole chunk
+    assert sched.builder.chunk_budget() == 256  # nobody decodes: the whole chunk
     submit(sched, "s", prompt(4, 8), 50)
     sched.step()
     sched.step()
     est.tokens_per_s, est.decode_step_s = 1000.0, 0.02  # (the fake runner's steps measured ~0 s)
-    assert sched.chunk_budget() == 50  # 50 ms at 1,000 tokens/s
+    assert sched.builder.chunk_budget() == 50  # 50 ms at 1,000 tokens/s
     est.tokens_per_s = 100000.0
-    assert sched.chunk_budget() == 256  # never above --chunked-prefill-size
+    assert sched.builder.chunk_budget() == 256  # never above --chunked-prefill-size
     est.tokens_per_s = 10.0
-    assert sched.chunk_budget() == 32  # never below 32 tokens
-    sched.settings.args = sched.args.replace(enable_mixed_chunk=True)
+    assert sched.builder.chunk_budget() == 32  # never below 32 tokens
+    sched.settings.args = sched.settings.args.replace(enable_mixed_chunk=True)
     est.tokens_per_s = 1000.0
-    assert sched.chunk_budget() == 32  # mixed: 50 ms less a 20 ms decode step = 30 tokens, floor 32
+    assert sched.builder.chunk_budget() == 32  # mixed: 50 ms less a 20 ms decode step = 30 tokens, floor 32
     est.decode_step_s = 0.005
-    assert sched.chunk_budget() == 45
+    assert sched.builder.chunk_budget() == 45
 
 
 def test_dynamic_chunks_in_a_run() -> None:

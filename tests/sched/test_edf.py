@@ -29,7 +29,7 @@ def test_edf_order_no_deadline_last_fcfs() -> None:
     sched, _, _ = make_scheduler(schedule_policy="edf", prefill_max_requests=1)
     clock = Clock()
     clock.t = 0.0  # every deadline below is still ahead
-    sched.clock = clock  # type: ignore[method-assign]
+    sched.clock.source = clock
     reqs = [
         add(sched, "none1", 8, None, arrival=0.0),
         add(sched, "late", 8, 9.0, arrival=1.0),
@@ -52,7 +52,7 @@ def test_edf_puts_a_request_that_already_missed_behind_those_that_can_still_make
     behind it past its deadline too; it goes after them, with the requests that have no deadline."""
     sched, _, _ = make_scheduler(schedule_policy="edf", prefill_max_requests=1)
     clock = Clock()
-    sched.clock = clock  # type: ignore[method-assign]
+    sched.clock.source = clock
     now = clock.t
     reqs = [
         add(sched, "missed", 8, now - 1.0, arrival=0.0),
@@ -73,7 +73,7 @@ def test_deadline_admission_rejects_unmeetable() -> None:
     sched, _, _ = make_scheduler(pool_tokens=512, schedule_policy="edf", deadline_admission=True,
                                  deadline_prefill_tokens_per_s=100.0)
     clock = Clock()
-    sched.clock = clock  # type: ignore[method-assign]
+    sched.clock.source = clock
     now = clock.t
     queued = [add(sched, f"q{i}", 100, now + 5.0) for i in range(3)]  # 1, 2, 3 s of prefill: all meetable
     tight = add(sched, "tight", 50, now + 0.4)  # first in edf order, but 50 tokens take 0.5 s
@@ -87,7 +87,7 @@ def test_deadline_admission_rejects_unmeetable() -> None:
         assert reason.code == "deadline_unmeetable" and "deadline" in reason.message
     assert all(r.finished_reason is None for r in (*queued, ok, later, free))
     assert sched.stats.num_deadline_rejected == 2
-    assert sched.waiting_queue == [*queued, ok, later, free]
+    assert sched.queues.waiting == [*queued, ok, later, free]
     drain(sched)
     for r in (*queued, ok, later, free):
         assert r.output_ids == expected_tokens(r.origin_input_ids, 2)

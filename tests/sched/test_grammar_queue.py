@@ -66,8 +66,7 @@ class FakeCompiler:
 
 
 def _sched(**kw: Any) -> tuple[SchedulerCore, FakeCompiler]:
-    sched, _, kv = make_scheduler(**kw)
-    sched.runner = GrammarEchoRunner(kv.req_to_token_pool)
+    sched, _, _ = make_scheduler(runner=GrammarEchoRunner, **kw)
     comp = FakeCompiler()
     sched.grammars.compiler = comp
     return sched, comp

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import OutRow
@@ -50,7 +51,7 @@ def _run(sched: SchedulerCore, first: list[Req], events: list[Event], overlap: b
                 action(sched)
         if not sched.has_work() and not pending:
             sched.step_overlapped() if overlap else sched.step()  # the idle step's self-check
-            assert sched.in_flight is None and not sched.outputs.held
+            assert sched.forward.in_flight is None and not sched.forward.held
             sched.kv.check_invariant()
             return {"tokens": seen, "final": final}
     raise AssertionError("did not drain")
@@ -162,8 +163,8 @@ def test_unified_scheduler() -> None:
 class _FailOnce(EchoRunner):
     """Fails the n-th forward."""
 
-    def __init__(self, n: int) -> None:
-        super().__init__()
+    def __init__(self, n: int, pool: ReqToTokenPool) -> None:
+        super().__init__(pool)
         self.n = n
 
     def forward(self, batch):  # type: ignore[no-untyped-def]
@@ -174,10 +175,8 @@ class _FailOnce(EchoRunner):
 
 
 def test_failed_forward_aborts_its_requests_and_the_step_built_on_it() -> None:
-    sched, _, kv = make_scheduler(pool_tokens=512)
-    runner = _FailOnce(4)  # prefill, decode, decode, then the failing decode
-    runner.pool = kv.req_to_token_pool
-    sched.runner = runner
+    # prefill, decode, decode, then the failing decode
+    sched, _, kv = make_scheduler(pool_tokens=512, runner=lambda pool: _FailOnce(4, pool))
     p = prompt(3, 9)
     first = [_req("a", p, 20), _req("b", prompt(4, 9), 20)]
     res = _run(sched, first, [("a", -1, lambda s: s.add_request(_req("c", p, 4)))], overlap=True)

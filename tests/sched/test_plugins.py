@@ -51,7 +51,7 @@ def _admissions(sched, reqs):  # type: ignore[no-untyped-def]
 
 def test_plugin_file_loads_and_orders() -> None:
     sched, _, _ = make_scheduler(policy_plugin=EXAMPLE, schedule_policy="oldest-first", prefill_max_requests=1)
-    assert "oldest-first" in policy_names() and sched.policy.name == "oldest-first"
+    assert "oldest-first" in policy_names() and sched.settings.policy.name == "oldest-first"
     reqs = [submit(sched, f"r{i}", prompt(i, 6), 2, arrival=float(10 - i)) for i in range(4)]
     assert _admissions(sched, reqs) == ["r3", "r2", "r1", "r0"]
 
@@ -75,10 +75,10 @@ def test_live_switch_keeps_the_queue() -> None:
     sched, _, kv = make_scheduler(prefill_max_requests=1, max_running_requests=1)
     reqs = [submit(sched, f"r{i}", prompt(40 + i, 6), 3, arrival=float(i)) for i in range(5)]
     sched.step()  # r0 admitted (fcfs)
-    queue = list(sched.waiting_queue)
+    queue = list(sched.queues.waiting)
     res = sched.set_schedule_policy({"schedule_policy": "tests.sched.test_plugins:NewestFirst"})
     assert res["success"] and res["schedule_policy"] == "tests.sched.test_plugins:NewestFirst"
-    assert sched.waiting_queue == queue and reqs[0].admitted_before and reqs[0] not in queue
+    assert sched.queues.waiting == queue and reqs[0].admitted_before and reqs[0] not in queue
     order = _admissions(sched, reqs)
     assert order == ["r0", "r4", "r3", "r2", "r1"]
     kv.check_invariant()
@@ -90,15 +90,15 @@ def test_live_switch_params_and_errors() -> None:
     res = sched.set_schedule_policy({"schedule_policy": "oldest-first", "per_tenant": 2,
                                      "priority_aging_horizon": 3.0})
     assert res["success"], res
-    assert sched.policy.per_tenant == 2 and sched.args.priority_aging_horizon == 3.0  # type: ignore[attr-defined]
-    before = sched.policy
+    assert sched.settings.policy.per_tenant == 2 and sched.settings.args.priority_aging_horizon == 3.0  # type: ignore[attr-defined]
+    before = sched.settings.policy
     for bad in ({"schedule_policy": "nope"}, {"schedule_policy": "fcfs", "per_tenant": 1},
                 {"priority_aging_horizon": -1}, {"schedule_policy": "vtc", "tenant_weights": "a=x"}):
         res = sched.set_schedule_policy(bad)
         assert not res["success"] and res["message"], bad
-        assert sched.policy is before  # nothing changed
+        assert sched.settings.policy is before  # nothing changed
     res = sched.set_schedule_policy({"schedule_policy": "vtc", "tenant_weights": "a=2"})
-    assert res["success"] and sched.policy.weights == {"a": 2.0}  # type: ignore[attr-defined]
-    assert sched.waiting_queue == [r]
+    assert res["success"] and sched.settings.policy.weights == {"a": 2.0}  # type: ignore[attr-defined]
+    assert sched.queues.waiting == [r]
     drain(sched)
     assert r.output_ids == expected_tokens(r.origin_input_ids, 2)

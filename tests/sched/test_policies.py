@@ -16,6 +16,7 @@ from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.policies import PolicyContext, get_policy, policy_names
 from radixserve.sched.policies.prefix_match import PrefixLengthCache, in_batch_deprioritized
+from radixserve.sched.priority import PrioritySettings
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
 from tests.fakes import drain, make_scheduler
@@ -212,7 +213,7 @@ def test_dfs_weight_order_directly_and_with_priority() -> None:
     ctx = PolicyContext(prefix_tree=sched.kv.prefix_tree, now=0.0)
     assert [r.rid for r in pol.order(waiting, ctx)] == ["y", "z", "x", "w"]  # [1,2] branch weighs 2
     waiting[2].priority = 5
-    ctx = PolicyContext(prefix_tree=sched.kv.prefix_tree, now=0.0, enable_priority=True, default_priority=0)
+    ctx = PolicyContext(prefix_tree=sched.kv.prefix_tree, now=0.0, prio=PrioritySettings(enabled=True, default=0))
     assert [r.rid for r in pol.order(waiting, ctx)] == ["z", "y", "x", "w"]
 
 

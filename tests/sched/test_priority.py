@@ -91,10 +91,10 @@ def test_preemption_threshold(low_first: bool, running_prio: int, new_prio: int,
     if preempts:
         assert log.steps[-1] == [("high", 0, 8)]
         assert low.num_preemptions == 1 and sched.stats.num_preemptions == 1
-        assert sched.waiting_queue == [low] and low.req_pool_idx is None
+        assert sched.queues.waiting == [low] and low.req_pool_idx is None
     else:
         assert log.rids(-1) == ["low"] and log.modes[-1] == "DECODE"
-        assert low.num_preemptions == 0 and sched.waiting_queue == [high]
+        assert low.num_preemptions == 0 and sched.queues.waiting == [high]
     outs += drain(sched)
     assert_exact(outs, [low, high])
     if preempts:
@@ -113,7 +113,7 @@ def test_preemption_for_kv_memory() -> None:
     high = submit(sched, "high", prompt(2, 10), max_new=30, priority=20)
     outs += sched.step()
     assert log.steps[-1] == [("high", 0, 10)]
-    assert low.num_preemptions == 1 and sched.waiting_queue == [low]
+    assert low.num_preemptions == 1 and sched.queues.waiting == [low]
     outs += drain(sched)
     assert_exact(outs, [low, high])
 
@@ -139,7 +139,7 @@ def test_preemption_victim_is_least_important_then_latest() -> None:
     n = submit(sched, "n", prompt(4, 6), max_new=4, priority=20)
     outs += sched.step()
     assert [r.num_preemptions for r in (a, b, c)] == [0, 1, 0]
-    assert sorted(r.rid for r in sched.running_batch.reqs) == ["a", "c"]
+    assert sorted(r.rid for r in sched.queues.running.reqs) == ["a", "c"]
     outs += drain(sched)
     assert_exact(outs, [a, b, c, n])
 
@@ -154,7 +154,7 @@ def test_queue_cap_evicts_the_least_important_queued_request() -> None:
     c = submit(sched, "c", prompt(3, 5), priority=3)  # evicts a
     d = submit(sched, "d", prompt(4, 5), priority=3)  # c is least important now, d no better: refused
     e = submit(sched, "e", prompt(5, 5), priority=9)  # evicts c
-    assert sched.waiting_queue == [b, e]
+    assert sched.queues.waiting == [b, e]
     outs = drain(sched)
     ab = aborts(outs)
     assert set(ab) == {"a", "c", "d"}
@@ -193,16 +193,16 @@ def test_queue_cap_without_priority_refuses_the_newcomer() -> None:
 def test_queue_timeout_aborts_a_request_never_scheduled() -> None:
     now = [100.0]
     sched, _, _ = make_scheduler(queue_timeout=5.0, max_running_requests=1)
-    sched.clock = lambda: now[0]
+    sched.clock.source = lambda: now[0]
     r1 = submit(sched, "r1", prompt(1, 6), max_new=30)
     r2 = submit(sched, "r2", prompt(2, 6), max_new=3)
     outs = list(sched.step())
     now[0] = 105.0  # waited exactly 5 s: not yet
     outs += sched.step()
-    assert r2 in sched.waiting_queue
+    assert r2 in sched.queues.waiting
     now[0] = 105.5
     outs += sched.step()
-    assert r2 not in sched.waiting_queue
+    assert r2 not in sched.queues.waiting
     ab = aborts(outs)
     assert set(ab) == {"r2"} and (ab["r2"].status_code, ab["r2"].code) == (503, "queue_timeout")
     assert "queue_timeout=5.0" in ab["r2"].message

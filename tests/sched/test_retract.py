@@ -53,8 +53,8 @@ def test_retraction_victim_fewest_outputs_then_longest_prompt() -> None:
     sched, runner, kv, (r1, r2, r3), hog = _three_running(steps=1)
     sched.step()
     # r3 and r2 have the fewest outputs; r3 has the longer prompt. r1 (longest prompt) is safe.
-    assert sched.waiting_queue == [r3]
-    assert sched.running_batch.reqs == [r1, r2]
+    assert sched.queues.waiting == [r3]
+    assert sched.queues.running.reqs == [r1, r2]
     assert (r1.num_retractions, r2.num_retractions, r3.num_retractions) == (0, 0, 1)
     assert sched.stats.num_retractions == 1
     assert r3.req_pool_idx is None and r3.kv_indices == [] and r3.last_node is None
@@ -62,7 +62,7 @@ def test_retraction_victim_fewest_outputs_then_longest_prompt() -> None:
     assert runner.batches[-1].batch_size == 2
     # SGLang's estimate (decoded 2+1 + steps 1 * 2 survivors) / (max_new 20+20 + 1) = 5/41 is below
     # the ratio (0.7 after one decay step of 0.7 * 0.86 / 100): a retraction never lowers it
-    assert sched.new_token_ratio == pytest.approx(0.7 - 0.7 * 0.86 / 100)
+    assert sched.builder.new_token_ratio == pytest.approx(0.7 - 0.7 * 0.86 / 100)
     kv.allocator.free(hog)
     outs = drain(sched)
     fin = finals(outs)
@@ -78,10 +78,10 @@ def test_retraction_keeps_going_until_survivors_have_headroom() -> None:
     sched, runner, kv, (r1, r2, r3), hog = _three_running(steps=20)
     sched.step()
     # After r3 (7 slots back): 2 survivors need 40 > 7, so r2 goes too; one survivor needs 1 step only.
-    assert sched.waiting_queue == [r3, r2]
-    assert sched.running_batch.reqs == [r1]
+    assert sched.queues.waiting == [r3, r2]
+    assert sched.queues.running.reqs == [r1]
     assert sched.stats.num_retractions == 2
-    assert sched.new_token_ratio == 1.0  # raised to min(1, (2 + 20) / (20 + 1))
+    assert sched.builder.new_token_ratio == 1.0  # raised to min(1, (2 + 20) / (20 + 1))
     kv.allocator.free(hog)
     drain(sched)
     for r in (r1, r2, r3):
@@ -92,50 +92,50 @@ def test_new_token_ratio_decays_per_decode_step_to_the_floor() -> None:
     sched, runner, kv, (r1, r2, r3), hog = _three_running(steps=20, decay_steps=10)
     init, floor = 0.7, 0.7 * 0.14
     decay = (init - floor) / 10
-    assert (sched.init_new_token_ratio, sched.min_new_token_ratio) == (pytest.approx(init), pytest.approx(floor))
-    assert sched.new_token_ratio_decay == pytest.approx(decay)
-    assert sched.new_token_ratio == pytest.approx(init - decay)  # one decode step so far (r1's)
+    assert (sched.builder.init_new_token_ratio, sched.builder.min_new_token_ratio) == (pytest.approx(init), pytest.approx(floor))
+    assert sched.builder.new_token_ratio_decay == pytest.approx(decay)
+    assert sched.builder.new_token_ratio == pytest.approx(init - decay)  # one decode step so far (r1's)
     sched.step()  # the retraction raises it: to SGLang's estimate min(1, (2 + 20 * 1) / (20 + 1)) = 1
-    assert sched.stats.num_retractions == 2 and sched.running_batch.reqs == [r1]
-    assert sched.new_token_ratio == 1.0
+    assert sched.stats.num_retractions == 2 and sched.queues.running.reqs == [r1]
+    assert sched.builder.new_token_ratio == 1.0
     kv.allocator.free(hog)
     decodes = 0
     ratios = [1.0]
     while sched.has_work():
-        before, retractions = sched.new_token_ratio, sched.stats.num_retractions
+        before, retractions = sched.builder.new_token_ratio, sched.stats.num_retractions
         sched.step()
         assert sched.stats.num_retractions == retractions
         if sched.cur_batch is not None and sched.cur_batch.forward_mode is ForwardMode.DECODE:
             decodes += 1
-            assert sched.new_token_ratio == pytest.approx(max(before - decay, floor))
-            ratios.append(sched.new_token_ratio)
+            assert sched.builder.new_token_ratio == pytest.approx(max(before - decay, floor))
+            ratios.append(sched.builder.new_token_ratio)
         elif sched.cur_batch is None and not sched.has_work():
-            assert sched.new_token_ratio == init  # reset when the engine goes idle
+            assert sched.builder.new_token_ratio == init  # reset when the engine goes idle
         else:
-            assert sched.new_token_ratio == before
+            assert sched.builder.new_token_ratio == before
     # then decayed back, one step of (init - floor) / 10 per decode step: floor after 15 of them
     assert ratios[:4] == [1.0, pytest.approx(1.0 - decay), pytest.approx(1.0 - 2 * decay),
                           pytest.approx(1.0 - 3 * decay)]
     assert decodes > 15 and ratios[15] == pytest.approx(floor) and ratios[14] > floor + 1e-9
     drain(sched)
-    assert sched.new_token_ratio == init
+    assert sched.builder.new_token_ratio == init
 
 
 def test_retraction_raises_new_token_ratio_from_the_floor_to_the_estimate() -> None:
     sched, runner, kv, (r1, r2, r3), hog = _three_running(steps=1, decay_steps=1)
     floor = 0.7 * 0.14
-    assert sched.new_token_ratio == pytest.approx(floor)  # one decode step of (0.7 - floor) / 1
+    assert sched.builder.new_token_ratio == pytest.approx(floor)  # one decode step of (0.7 - floor) / 1
     sched.step()
-    assert sched.waiting_queue == [r3]
+    assert sched.queues.waiting == [r3]
     # SGLang's estimate: (decoded 2+1 + steps 1 * 2 survivors) / (max_new 20+20 + 1) > floor
-    assert sched.new_token_ratio == pytest.approx(5 / 41)
+    assert sched.builder.new_token_ratio == pytest.approx(5 / 41)
     kv.allocator.free(hog)
     sched.step()  # r3 comes back (prefill): no decode, no decay
     assert sched.cur_batch is not None and sched.cur_batch.forward_mode is ForwardMode.EXTEND
-    assert sched.new_token_ratio == pytest.approx(5 / 41)
+    assert sched.builder.new_token_ratio == pytest.approx(5 / 41)
     sched.step()  # a decode step: back to the floor
     assert sched.cur_batch is not None and sched.cur_batch.forward_mode is ForwardMode.DECODE
-    assert sched.new_token_ratio == pytest.approx(floor)
+    assert sched.builder.new_token_ratio == pytest.approx(floor)
     drain(sched)
     for r in (r1, r2, r3):
         assert r.output_ids == expected_tokens(r.origin_input_ids, 20)

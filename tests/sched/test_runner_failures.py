@@ -32,9 +32,8 @@ class FlakyRunner(EchoRunner):
 
 
 def flaky(fail_on: set[int], **kw: Any) -> tuple[SchedulerCore, FlakyRunner, Any]:
-    sched, _, kv = make_scheduler(**kw)
-    runner = FlakyRunner(kv.req_to_token_pool, fail_on)
-    sched.runner = runner
+    sched, runner, kv = make_scheduler(runner=lambda pool: FlakyRunner(pool, fail_on), **kw)
+    assert isinstance(runner, FlakyRunner)
     return sched, runner, kv
 
 
@@ -95,7 +94,7 @@ def test_runner_failure_mid_chunk() -> None:
     sched.step()
     outs = list(sched.step())
     _assert_internal_error(outs[0])
-    assert sched.chunked_req is None
+    assert sched.queues.chunked is None
     assert kv.tree_cache.evictable_size() == 8  # the first chunk was computed and cached
     b = submit(sched, "b", p, 4)
     outs = drain(sched)

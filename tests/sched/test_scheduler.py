@@ -312,7 +312,7 @@ def test_random_workloads_stay_exact(seed: int) -> None:
             assert got[r.rid] == exp[: len(got[r.rid])]
         else:
             assert got[r.rid] == exp, (seed, r.rid)
-    assert max(b.batch_size for b in runner.batches) <= sched.max_running_requests
+    assert max(b.batch_size for b in runner.batches) <= sched.queues.max_running_requests
 
 
 def test_batch_columns_follow_every_change_of_the_requests() -> None:

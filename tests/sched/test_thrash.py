@@ -20,17 +20,17 @@ def test_preemption_cap_stops_thrashing() -> None:
     outs = list(sched.step())
     for i in range(3):
         outs += sched.step()  # low is decoding
-        assert sched.running_batch.reqs == [low]
+        assert sched.queues.running.reqs == [low]
         high = submit(sched, f"high{i}", prompt(10 + i, 6), 2, priority=10)
         reqs.append(high)
         outs += sched.step()
         if i < 2:  # preempted: high runs, low waits
-            assert low in sched.waiting_queue and low.num_preemptions == i + 1
+            assert low in sched.queues.waiting and low.num_preemptions == i + 1
             while high.finished_reason is None:
                 outs += sched.step()
             outs += sched.step()  # low comes back (it keeps its place at the front)
         else:  # capped: low keeps running, high waits for it
-            assert sched.running_batch.reqs == [low] and sched.waiting_queue == [high]
+            assert sched.queues.running.reqs == [low] and sched.queues.waiting == [high]
     assert low.num_preemptions == 2 and sched.stats.num_preemptions == 2
     outs += drain(sched)
     assert low.finished_time is not None and reqs[-1].first_scheduled_time is not None
@@ -65,14 +65,14 @@ def test_min_recompute_victim_vs_sglang() -> None:
     sched, kv, (r1, r1b, r2), hog = _running_trio("min-recompute")
     assert [recompute_cost(r, kv) for r in (r1, r1b, r2)] == [3, 4, 30]
     sched.step()
-    assert sched.waiting_queue == [r1]  # the cheapest to recompute
+    assert sched.queues.waiting == [r1]  # the cheapest to recompute
     kv.allocator.free(hog)
     drain(sched)
     _exact(r1, r1b, r2)
 
     sched, kv, (r1, r1b, r2), hog = _running_trio("sglang")
     sched.step()
-    assert sched.waiting_queue == [r2]  # SGLang's: equal outputs, the longest prompt
+    assert sched.queues.waiting == [r2]  # SGLang's: equal outputs, the longest prompt
     kv.allocator.free(hog)
     drain(sched)
     _exact(r1, r1b, r2)
@@ -84,7 +84,7 @@ def test_retraction_cap_orders_capped_last() -> None:
     assert retract_order([r1, r1b, r2], kv, "min-recompute", 3)[-1] is r1b
     assert retract_order([r1, r1b, r2], kv, "min-recompute", 3)[0] is r1
     sched.step()
-    assert sched.waiting_queue == [r1b]
+    assert sched.queues.waiting == [r1b]
     kv.allocator.free(hog)
     drain(sched)
     _exact(r1, r1b, r2)
@@ -112,7 +112,7 @@ def _retracted_victim(cap: int, priorities: bool = False):  # type: ignore[no-un
         extra = [submit(sched, "h", prompt(23, 20), 20, priority=10), submit(sched, "lo", prompt(24, 3), 1, priority=1)]
     w = submit(sched, "w", prompt(25, 5), 2, priority=5)
     sched.step()  # no room for w; the decode retracts v
-    assert sched.stats.num_retractions == 1 and v.num_retractions == 1 and sched.running_batch.reqs == [a]
+    assert sched.stats.num_retractions == 1 and v.num_retractions == 1 and sched.queues.running.reqs == [a]
     n = submit(sched, "n", prompt(26, 4), 2, priority=5)
     kv.allocator.free(hog)
     return sched, kv, v, w, n, extra
@@ -121,7 +121,7 @@ def _retracted_victim(cap: int, priorities: bool = False):  # type: ignore[no-un
 def _admission_order(sched) -> list[str]:  # type: ignore[no-untyped-def]
     """Step until the queue is empty; the requests of each prefill batch in order."""
     order: list[str] = []
-    while sched.waiting_queue:
+    while sched.queues.waiting:
         sched.step()
         b = sched.cur_batch
         if b is not None and b.forward_mode is ForwardMode.EXTEND:
@@ -158,11 +158,11 @@ def test_preempted_request_returns_to_the_front_of_its_class(cap: int, front: bo
     sched.step()
     w = submit(sched, "w", prompt(32, 3), 2, priority=0)
     sched.step()  # same class: no preemption, w waits
-    assert sched.running_batch.reqs == [low] and sched.waiting_queue == [w]
+    assert sched.queues.running.reqs == [low] and sched.queues.waiting == [w]
     high = submit(sched, "high", prompt(33, 6), 2, priority=10)
     sched.step()
     assert low.num_preemptions == 1 and sched.stats.num_preemptions == 1
-    assert sched.waiting_queue == [w, low] and sched.cur_batch is not None and sched.cur_batch.reqs == [high]
+    assert sched.queues.waiting == [w, low] and sched.cur_batch is not None and sched.cur_batch.reqs == [high]
     n = submit(sched, "n", prompt(34, 2), 2, priority=0)
     order = _admission_order(sched)
     assert order == (["low", "n", "w"] if front else ["n", "w", "low"])

@@ -50,7 +50,7 @@ def test_running_batch_is_capped_for_the_tightest_tpot() -> None:
     most = 0
     while sched.has_work():
         sched.step()
-        most = max(most, len(sched.running_batch.reqs))
+        most = max(most, len(sched.queues.running.reqs))
     assert most == 3
     for r in reqs:
         assert r.output_ids == expected_tokens(r.origin_input_ids, 6)
@@ -59,7 +59,7 @@ def test_running_batch_is_capped_for_the_tightest_tpot() -> None:
     free = [_add(sched, f"f{i}", None) for i in range(6)]
     sched.step()
     sched.step()
-    assert len(sched.running_batch.reqs) == 6
+    assert len(sched.queues.running.reqs) == 6
     drain(sched)
     assert all(r.finished() for r in free)
 

@@ -11,17 +11,17 @@ import pytest
 from radixserve.config import ServerArgs
 from radixserve.sched.build import build_scheduler as factory
 from radixserve.sched.core import SchedulerCore
-from radixserve.sched.scheduler import Scheduler
-from radixserve.sched.unified_scheduler import UnifiedScheduler
+from radixserve.sched.scheduler import PrefillFirst
+from radixserve.sched.unified_scheduler import TokenBudget
 from tests.fakes import EchoRunner, drain, make_scheduler
 from tests.sched.policy_helpers import BatchLog, assert_exact, prompt, submit
 
 
-def test_factory_picks_the_class() -> None:
+def test_factory_picks_the_builder() -> None:
     s, _, kv = make_scheduler()
-    assert type(s) is Scheduler
+    assert type(s) is SchedulerCore and type(s.builder) is PrefillFirst
     u = factory(ServerArgs(scheduler="unified"), EchoRunner(), kv, context_len=512)
-    assert isinstance(u, UnifiedScheduler)
+    assert type(u.builder) is TokenBudget
 
 
 def test_three_long_prompts_chunked_under_the_token_budget() -> None:
@@ -91,7 +91,7 @@ def test_preemption_victim(policy: str, victim: str) -> None:
     outs += _run_until_preemption(sched, log)
     assert sched.stats.num_preemptions == 1
     assert [r.num_preemptions for r in (a, b, c)] == [r.rid == victim for r in (a, b, c)]
-    assert sched.waiting_queue[0].rid == victim and d in sched.waiting_queue
+    assert sched.queues.waiting[0].rid == victim and d in sched.queues.waiting
     assert sorted(log.rids(-1)) == sorted({"A", "B", "C"} - {victim})  # no admission this step
     assert log.admissions() == ["A", "B", "C"]
     outs += drain(sched)
@@ -112,7 +112,7 @@ def test_priority_orders_the_waiting_queue_vllm_style() -> None:
 def test_fcfs_ignores_priorities_and_aborts_and_timeouts_still_apply() -> None:
     now = [0.0]
     sched, _, _ = make_scheduler(scheduler="unified", max_num_seqs=1, queue_timeout=2.0)
-    sched.clock = lambda: now[0]
+    sched.clock.source = lambda: now[0]
     log = BatchLog(sched)
     submit(sched, "a", prompt(1, 6), max_new=6, priority=0)
     b = submit(sched, "b", prompt(2, 6), max_new=6, priority=-5)

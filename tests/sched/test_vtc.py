@@ -30,7 +30,7 @@ def _skewed(policy: str, weights: str | None) -> tuple[float, float]:
                                  tenant_weights=weights)
     a = [add(sched, f"a{i}", "a", 16, 8, i * 0.1) for i in range(600)]
     b = [add(sched, f"b{i}", "b", 32, 16, i * 1.0) for i in range(60)]
-    while any(r in sched.waiting_queue for r in b) and any(r in sched.waiting_queue for r in a):
+    while any(r in sched.queues.waiting for r in b) and any(r in sched.queues.waiting for r in a):
         sched.step()
     sa, sb = _served(a), _served(b)
     drain(sched)
@@ -56,12 +56,12 @@ def test_fcfs_follows_the_skew() -> None:
 
 def test_newly_backlogged_tenant_is_lifted() -> None:
     sched, _, _ = make_scheduler(schedule_policy="vtc")
-    policy = sched.policy
+    policy = sched.settings.policy
     assert isinstance(policy, VirtualTokenCounter)
     policy.counters.update({"a": 100.0, "b": 300.0, "c": 0.0})
     policy.backlogged = {"a", "b"}
     reqs = [add(sched, "ra", "a", 4, 1, 0.0), add(sched, "rb", "b", 4, 1, 0.0), add(sched, "rc", "c", 4, 1, 0.0)]
-    order = policy.order(sched.waiting_queue, sched.policy_context())
+    order = policy.order(sched.queues.waiting, sched.policy_context())
     assert policy.counters["c"] == 100.0  # lifted to the smallest backlogged counter: no banked credit
     assert [r.rid for r in order] == ["ra", "rc", "rb"]  # tie a/c: tenant name
     drain(sched)

@@ -100,7 +100,7 @@ def test_preemption_retraction_and_starvation_counters_by_class() -> None:
         pool_tokens=128, max_running_requests=2, enable_priority_scheduling=True,
         priority_scheduling_preemption_threshold=0, starvation_threshold=5.0, retract_decode_steps=1)
     now = [0.0]
-    sched.clock = lambda: now[0]
+    sched.clock.source = lambda: now[0]
     a = submit(sched, "a", prompt(41, 6), 30, priority=0)
     b = submit(sched, "b", prompt(42, 6), 30, priority=0)
     a.tenant = b.tenant = "t1"
@@ -110,7 +110,7 @@ def test_preemption_retraction_and_starvation_counters_by_class() -> None:
     c.tenant = "t2"
     now[0] = 10.0  # c waits 10 s > --starvation-threshold 5 s
     sched.step()  # c takes b's slot: b preempted, c first scheduled (starved)
-    assert b.num_preemptions == 1 and sched.running_batch.reqs == [a] and sched.cur_batch.reqs == [c]
+    assert b.num_preemptions == 1 and sched.queues.running.reqs == [a] and sched.cur_batch.reqs == [c]
     sched.step()
     kv.tree_cache.evict(kv.tree_cache.evictable_size())
     hog = kv.allocator.alloc(kv.available_size())

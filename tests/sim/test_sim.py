@@ -147,7 +147,7 @@ def test_kv_pressure_retracts_and_keeps_the_memory_invariant() -> None:
 
     def on_step(s: Any) -> None:
         seen["sched"] = s
-        seen["max_running"] = max(seen["max_running"], len(s.running_batch.reqs))
+        seen["max_running"] = max(seen["max_running"], len(s.queues.running.reqs))
 
     trace = run(args, generate(cfg), make_cost_model(), CTX, on_step=on_step, check_invariant=True)
     res = summarize(trace)

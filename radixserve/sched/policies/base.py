@@ -20,27 +20,28 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from radixserve.mem.radix_cache import RadixCache
+from radixserve.sched.priority import PrioritySettings
 from radixserve.sched.req import Req
+from radixserve.sched.schedule_batch import ScheduleBatch
 
 
 @dataclass
 class PolicyContext:
     prefix_tree: RadixCache | None  # read-only: a policy orders requests, it never locks or frees
     now: float
-    enable_priority: bool = False
-    low_priority_values_first: bool = False
-    default_priority: int = 0
+    prio: PrioritySettings = PrioritySettings()
     lpm_fallback_threshold: int = 128
     rng: random.Random | None = None
     in_batch_check_threshold: int = 32  # --in-batch-prefix-caching-check-threshold
     in_batch_deprioritize_threshold: int = 32  # --in-batch-prefix-caching-deprioritize-threshold
 
+    @property
+    def enable_priority(self) -> bool:
+        return self.prio.enabled
+
     def priority_key(self, req: Req) -> int:
-        """Smaller sorts first."""
-        if not self.enable_priority:
-            return 0
-        p = req.priority if req.priority is not None else self.default_priority
-        return p if self.low_priority_values_first else -p
+        """Smaller sorts first (``PrioritySettings.rank``)."""
+        return self.prio.rank(req)
 
 
 class SchedulePolicy:
@@ -49,6 +50,9 @@ class SchedulePolicy:
 
     def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
         raise NotImplementedError
+
+    def on_batch(self, batch: ScheduleBatch) -> None:
+        """Called after each forward step's results were processed (``vtc`` charges its counters)."""
 
 
 def _sorted(waiting: list[Req], ctx: PolicyContext, key: Callable[[Req], Any]) -> list[Req]:
