@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from radixserve.bench.router_bench import BENCH_SERVE_DEFAULTS
+from radixserve.bench.router_bench_common import BENCH_SERVE_DEFAULTS
 from radixserve.bench.router_bench_real import _serve_namespace
 from radixserve.bench.serving import RequestResult, ServingBenchmark
 from radixserve.cli import build_parser, main

@@ -14,9 +14,9 @@ import shlex
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from radixserve.bench.router_bench import (
+from radixserve.bench.router_bench_common import (
     BENCH_SERVE_DEFAULTS,
     _f,
     _machine,
@@ -25,9 +25,6 @@ from radixserve.bench.router_bench import (
     router_counts,
 )
 from radixserve.bench.subprocs import LAUNCH_STOP_S, Procs, free_ports, wait_healthy
-
-if TYPE_CHECKING:
-    pass
 
 
 def _serve_namespace(ns: argparse.Namespace, base_url: str) -> argparse.Namespace:

@@ -41,6 +41,11 @@ class AttentionBackend(ABC):
     # whether it implements ``window`` and ``softcap``
     windows_and_softcap = False
 
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this backend cannot run here (a kernel that does not build), or None."""
+        return None
+
     def __init__(
         self,
         num_heads: int,
@@ -105,9 +110,7 @@ def resolve_auto_backend(needs_windows_or_softcap: bool = False) -> str:
     the torch path for a model with sliding windows or soft-capped scores, which the kernel lacks)."""
     if needs_windows_or_softcap:
         return "torch_native"
-    from radixserve.model import paged_attention
-
-    err = paged_attention.extension_error()
+    err = _backend_class("cpu_paged").unavailable()
     if err is None:
         return "cpu_paged"
     logger.warning("attention backend auto: the cpu_paged kernel is unavailable (%s); using torch_native", err)
@@ -129,11 +132,15 @@ def create_attention_backend(
     ``window`` or ``softcap`` is asked for) ``torch_native``."""
     if name == "auto":
         name = resolve_auto_backend(bool(window or softcap))
+    return _backend_class(name)(num_heads, num_kv_heads, head_dim, scaling, window, softcap)
+
+
+def _backend_class(name: str) -> type[AttentionBackend]:
     if name not in _BACKENDS and name in _LAZY_BACKENDS:
         importlib.import_module(_LAZY_BACKENDS[name])
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {available_attention_backends()}")
-    return _BACKENDS[name](num_heads, num_kv_heads, head_dim, scaling, window, softcap)
+    return _BACKENDS[name]
 
 
 # ---------------------------------------------------------------------------------------------------

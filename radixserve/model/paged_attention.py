@@ -105,6 +105,10 @@ class CpuPagedAttention(TorchNativeAttention):
 
     windows_and_softcap = False  # the kernel has neither
 
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return extension_error()
+
     def _init_state(self) -> None:
         super()._init_state()
         extension()  # fail at construction, with the reason, not at the first decode step

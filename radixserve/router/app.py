@@ -28,7 +28,8 @@ from radixserve import dashboard
 from radixserve.auth import SERVER_ADMIN_PATHS, Access
 from radixserve.router.config import RouterArgs
 from radixserve.router.dashboard import router_state
-from radixserve.router.router import Router, error_response, routed_paths
+from radixserve.router.http_common import error_response
+from radixserve.router.router import Router, routed_paths
 
 logger = logging.getLogger("radixserve.router")
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router", Router)

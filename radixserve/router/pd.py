@@ -23,23 +23,51 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
-from radixserve.router.policy import NoTargetMeetsDeadline, RouteRequest, Target
+from radixserve.router.config import RouterArgs
+from radixserve.router.fleet import Fleet
+from radixserve.router.http_common import STREAMED, error_body, error_response, json_object
+from radixserve.router.metrics import RouterMetrics
+from radixserve.router.policy import NoTargetMeetsDeadline, RouteRequest, RouterPolicy, Target
 from radixserve.router.worker import Worker
 
-if TYPE_CHECKING:
-    from radixserve.router.router import Router
+
+class Router(Protocol):
+    """What a prefill/decode pair needs of the router (``router.Router``)."""
+
+    args: RouterArgs
+    fleet: Fleet
+    metrics: RouterMetrics
+    policies: dict[str | None, RouterPolicy]
+    needs_key: bool
+    rng: random.Random
+
+    @property
+    def workers(self) -> dict[str, Worker]: ...
+
+    @property
+    def session(self) -> aiohttp.ClientSession | None: ...
+
+    def route_request(self, path: str, body: dict[str, Any], headers: Any = None) -> RouteRequest: ...
+
+    def upstream_headers(self, request: web.Request) -> dict[str, str]: ...
+
+    def count_failure(self, worker: Worker, e: BaseException) -> None: ...
+
+    async def backoff(self, attempt: int) -> None: ...
+
+    async def send(self, request: web.Request, path: str, worker: Worker, target: Target, payload: bytes,
+                   headers: dict[str, str], last: bool) -> web.StreamResponse | str: ...
 
 
 async def proxy_pd(router: Router, request: web.Request, path: str, raw: bytes, t0: float) -> web.StreamResponse:
-    from radixserve.router.router import STREAMED, error_body, error_response, json_object
-
     body = json_object(raw)
     if isinstance(body, web.Response):
         return body
@@ -122,7 +150,6 @@ async def _prefill(router: Router, worker: Worker, target: Target, path: str, pa
                    headers: dict[str, str]) -> str | web.Response | None:
     """Run the prefill side to its end. None: done; a string: why to retry the pair; a response:
     the prefill worker refused the request itself (4xx), to pass on."""
-    from radixserve.router.router import error_response
 
     assert router.session is not None
     target.load += 1

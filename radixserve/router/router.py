@@ -32,7 +32,9 @@ from radixserve.config import parse_tenant_weights
 from radixserve.router.admission import NO_PRIORITY_RANK, Admission, TenantCounters
 from radixserve.router.config import RouterArgs
 from radixserve.router.fleet import Fleet
+from radixserve.router.http_common import STREAMED, error_body, error_response, json_object
 from radixserve.router.metrics import RouterMetrics
+from radixserve.router.pd import proxy_pd
 from radixserve.router.policy import (
     NoTargetMeetsDeadline,
     PolicyConfig,
@@ -48,31 +50,8 @@ logger = logging.getLogger("radixserve.router")
 # request headers not passed on to a worker (hop-by-hop, or set by the router itself)
 _DROP_REQ = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "authorization",
                        "x-api-key", "accept-encoding", "te", "upgrade", "proxy-authorization"})
-STREAMED = web.RequestKey("radixserve_streamed", bool)  # the client has been sent the response head
 DEFAULT_OUTPUT_TOKENS = 128  # a request's output estimate for --tenant-fairness when it gives none
 _KEEP_RESP = ("content-type", "retry-after", "x-request-id", "cache-control")
-
-
-def error_body(message: str, status: int, code: str, err_type: str | None = None) -> dict[str, Any]:
-    """An error in OpenAI's shape, as the workers write theirs."""
-    if err_type is None:
-        err_type = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": err_type, "param": None, "code": code}, "object": "error"}
-
-
-def error_response(message: str, status: int, code: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(error_body(message, status, code), status=status, headers=headers)
-
-
-def json_object(raw: bytes) -> dict[str, Any] | web.Response:
-    """The request body as a JSON object, or the 400 to answer."""
-    try:
-        parsed = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        return error_response(f"malformed JSON body: {e}", 400, "invalid_json")
-    if not isinstance(parsed, dict):
-        return error_response("the request body must be a JSON object", 400, "invalid_json")
-    return parsed
 
 
 class Router:
@@ -204,8 +183,6 @@ class Router:
         t0 = time.perf_counter()
         body: dict[str, Any] | None = None
         if self.args.pd_disaggregation:
-            from radixserve.router.pd import proxy_pd
-
             return await proxy_pd(self, request, path, raw, t0)
         if self.needs_key or self.args.dp_aware:
             parsed = json_object(raw)

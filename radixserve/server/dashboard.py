@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # (the HTTP process needs only RecentRequests: no scheduler i
     from radixserve.sched.core import SchedulerCore
     from radixserve.sched.io import OutRow
     from radixserve.sched.req import Req
-    from radixserve.server.tokenizer_manager import ReqState
+    from radixserve.server.req_state import ReqState
 
 RECENT_REQUESTS = 100  # finished requests whose TTFT / TPOT the page plots
 MAX_TENANT_ROWS = 20  # tenants listed by name per table; the rest are summed as "other"

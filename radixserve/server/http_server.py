@@ -54,11 +54,12 @@ from radixserve.server.protocol import (
     SchedulePolicyRequest,
     parse_body,
 )
+from radixserve.server.req_state import ReqState
 from radixserve.server.responses_api import ResponsesServing
 from radixserve.server.responses_protocol import ResponsesRequest
 from radixserve.server.sched_fields import sched_fields
 from radixserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest, add_tokenize_routes
-from radixserve.server.tokenizer_manager import ClientGone, ReqState, ServerDead, TokenizerManager
+from radixserve.server.tokenizer_manager import ClientGone, ServerDead, TokenizerManager
 
 logger = logging.getLogger(__name__)
 

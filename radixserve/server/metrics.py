@@ -16,7 +16,7 @@ from radixserve.sched.io import OutRow
 from radixserve.server.io_struct import SchedulerStats
 
 if TYPE_CHECKING:
-    from radixserve.server.tokenizer_manager import ReqState
+    from radixserve.server.req_state import ReqState
 
 PREFIX = "radixserve:"
 MAX_TENANT_LABELS = 100

@@ -45,8 +45,9 @@ from radixserve.server.protocol import (
     unsupported,
 )
 from radixserve.server.reasoning import FORMATS, ReasoningFormat, split_reasoning
+from radixserve.server.req_state import ReqState
 from radixserve.server.sched_fields import SchedFields, sched_fields
-from radixserve.server.tokenizer_manager import ClientGone, ReqState, TokenizerManager
+from radixserve.server.tokenizer_manager import ClientGone, TokenizerManager
 from radixserve.server.tool_calls import parse_tool_calls, tool_grammar, tools_system_prompt
 
 

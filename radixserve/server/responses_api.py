@@ -31,8 +31,9 @@ from radixserve.server.chat_run import ChatRun, ChoiceDeltas
 from radixserve.server.common import SSE_HEADERS, dead_error
 from radixserve.server.openai_api import OpenAIServing, _usage
 from radixserve.server.protocol import APIError, ChatCompletionRequest, parse_body, unsupported
+from radixserve.server.req_state import ReqState
 from radixserve.server.responses_protocol import STORE_SIZE, ResponsesRequest, chat_body
-from radixserve.server.tokenizer_manager import ClientGone, ReqState, ServerDead
+from radixserve.server.tokenizer_manager import ClientGone, ServerDead
 from radixserve.server.tool_calls import ToolCall
 
 

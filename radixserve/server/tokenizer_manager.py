@@ -17,7 +17,6 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -42,6 +41,7 @@ from radixserve.server.io_struct import (
 )
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.procs import IpcNames
+from radixserve.server.req_state import ReqState
 
 logger = logging.getLogger(__name__)
 
@@ -55,26 +55,6 @@ class ServerDead(Exception):
 
 class ClientGone(Exception):
     """The HTTP client disconnected."""
-
-
-@dataclass
-class ReqState:
-    rid: str
-    index: int  # choice index within its group
-    created: float
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    last: OutRow | None = None
-    first_token_time: float | None = None
-    finished: bool = False
-    priority: int | None = None  # per-class metrics
-    tenant: str | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.created
 
 
 class RequestGroup:
