@@ -10,6 +10,7 @@ from typing import Any
 
 import jinja2
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from radixserve.model.tokenizer import ChatTemplateError, Tokenizer
 from radixserve.sched.finish import FINISH_ABORT
@@ -91,6 +92,10 @@ def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, max_tokens: int | 
             param="max_tokens", code="context_length_exceeded",
         )
     return max_tokens
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.to_json(), status_code=e.status_code, headers=e.headers)
 
 
 def abort_error(fr: FINISH_ABORT) -> APIError:

@@ -98,9 +98,6 @@ class PrefixLengthCache:
         k = req.lpm_key
         return self._refresh(req, tree) if k == LPM_STALE else k
 
-    def same_tree(self, tree: RadixCache, group_t: int) -> bool:
-        return tree.root is self._root and group_t == self._group_t
-
     def _refresh(self, req: Req, tree: RadixCache) -> int:
         self.num_matched += 1
         node: TreeNode | None = None
