@@ -79,6 +79,24 @@ def create_app(router: Router) -> web.Application:
     access = Access(router.args.api_key, router.args.admin_api_key, router_admin_route)
     app = web.Application(middlewares=[_auth_middleware(access)], client_max_size=64 * 1024 * 1024)
     app[ROUTER_KEY] = router
+    _proxied_routes(app, router)
+    _admin_routes(app, router)
+    _fleet_routes(app, router)
+    _observability_routes(app, router)
+
+    async def on_startup(app: web.Application) -> None:
+        await router.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await router.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def _proxied_routes(app: web.Application, router: Router) -> None:
+    """Generation routed per request; what any worker can answer sent to one."""
 
     def routed(path: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request) -> web.StreamResponse:
@@ -103,6 +121,10 @@ def create_app(router: Router) -> web.Application:
 
     app.router.add_get("/v1/models/{model_id:.+}", one_model)
 
+
+def _admin_routes(app: web.Application, router: Router) -> None:
+    """Calls every worker gets: aborts, policy switches, cache flushes, loads."""
+
     def every_worker(path: str, all_must: bool) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         """An admin call that each worker gets. ``all_must``: success means every worker said so (a
         policy switch); else one is enough (an abort: the request lives on one worker)."""
@@ -119,11 +141,6 @@ def create_app(router: Router) -> web.Application:
     app.router.add_post("/abort_request", every_worker("/abort_request", all_must=False))
     app.router.add_post("/set_schedule_policy", every_worker("/set_schedule_policy", all_must=True))
 
-    async def health(request: web.Request) -> web.Response:
-        if router.fleet.serving():
-            return web.Response(status=200)
-        return error_response("No healthy worker is available.", 503, "no_healthy_worker")
-
     async def flush_cache(request: web.Request) -> web.Response:
         results = await router.fan_out("POST", "/flush_cache", admin=True)
         ok = all(status == 200 for status, _ in results.values())
@@ -137,6 +154,13 @@ def create_app(router: Router) -> web.Application:
         return web.json_response({"workers": [{"url": u, "load": b if s == 200 else None,
                                                "router_in_flight": info[u]["load"] if u in info else 0}
                                               for u, (s, b) in results.items()]})
+
+    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_get("/get_loads", get_loads)
+
+
+def _fleet_routes(app: web.Application, router: Router) -> None:
+    """The fleet at run time: list, add and remove workers (sgl-router's names too)."""
 
     async def list_workers(request: web.Request) -> web.Response:
         return web.json_response({"policy": router.policy.name, "workers": router.fleet.describe()})
@@ -157,6 +181,21 @@ def create_app(router: Router) -> web.Application:
         if not await router.fleet.remove_worker(url):
             return error_response(f"worker {url} is not in the fleet", 404, "worker_not_found")
         return web.json_response({"success": True, "url": url})
+
+    app.router.add_get("/workers", list_workers)
+    app.router.add_post("/workers", add_worker)
+    app.router.add_delete("/workers", remove_worker)
+    app.router.add_post("/add_worker", add_worker)  # sgl-router's names
+    app.router.add_post("/remove_worker", remove_worker)
+
+
+def _observability_routes(app: web.Application, router: Router) -> None:
+    """Health, Prometheus metrics and the live dashboard."""
+
+    async def health(request: web.Request) -> web.Response:
+        if router.fleet.serving():
+            return web.Response(status=200)
+        return error_response("No healthy worker is available.", 503, "no_healthy_worker")
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=router.metrics.render(), content_type="text/plain", charset="utf-8",
@@ -180,24 +219,7 @@ def create_app(router: Router) -> web.Application:
     app.router.add_get("/dashboard", dashboard_page)
     app.router.add_get("/dashboard/static/{name}", dashboard_asset)
     app.router.add_get("/dashboard/state", dashboard_state)
-    app.router.add_route("*", "/flush_cache", flush_cache)
-    app.router.add_get("/get_loads", get_loads)
-    app.router.add_get("/workers", list_workers)
-    app.router.add_post("/workers", add_worker)
-    app.router.add_delete("/workers", remove_worker)
-    app.router.add_post("/add_worker", add_worker)  # sgl-router's names
-    app.router.add_post("/remove_worker", remove_worker)
     app.router.add_get("/metrics", metrics)
-
-    async def on_startup(app: web.Application) -> None:
-        await router.start()
-
-    async def on_cleanup(app: web.Application) -> None:
-        await router.stop()
-
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    return app
 
 
 async def serve(args: RouterArgs, ready: Callable[[], None] | None = None) -> None:
