@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from radixserve.config import ServerArgs
 
@@ -122,7 +123,18 @@ def _simulate(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixserve", description="An SGLang-shaped LLM serving engine.")
     sub = p.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    s = sub.add_parser("serve", help="Serve a model over HTTP (OpenAI-compatible and SGLang-native APIs).")
+    ServerArgs.add_cli_args(s)
+    s.set_defaults(func=_serve)
+    bench = sub.add_parser("bench", help="Benchmarks.")
+    _bench_parsers(bench.add_subparsers(dest="bench_command", required=True))
+    _fleet_parsers(sub)
+    _simulate_parser(sub)
+    return p
 
+
+def _generate_parser(sub: Any) -> None:
     g = sub.add_parser("generate", help="Generate text for one prompt in-process.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("prompt", help="The prompt text.")
@@ -137,68 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     ServerArgs.add_cli_args(g)
     g.set_defaults(func=_generate)
 
-    s = sub.add_parser("serve", help="Serve a model over HTTP (OpenAI-compatible and SGLang-native APIs).")
-    ServerArgs.add_cli_args(s)
-    s.set_defaults(func=_serve)
 
-    b = sub.add_parser("bench", help="Benchmarks.")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
-    bo = bsub.add_parser("offline", help="Throughput of the in-process engine on a fixed workload.",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bo.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random",
-                    help="random: 128 prompts, 256 in / 128 out; shared-prefix: 8 groups x 16 prompts, "
-                         "512-token system prompt + 64-token question, 128 out; multi-turn: 16 conversations x 4 turns.")
-    bo.add_argument("--num-prompts", type=int, default=None,
-                    help="Override the workload's prompt count (per group for shared-prefix).")
-    bo.add_argument("--seed", type=int, default=0, help="Workload seed.")
-    bo.add_argument("--model-path", default=None, help="Model (default: the bundled SmolLM2).")
-    bo.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="Model dtype.")
-    bo.add_argument("--schedule-policy", default="fcfs", help="Waiting-queue policy.")
-    bo.add_argument("--attention-backend", default="auto", choices=["auto", "torch_native", "cpu_paged"],
-                    help="Attention implementation (see radixserve serve --help).")
-    bo.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
-                    help="Weight-only quantized linears for small decode steps (see radixserve serve --help; "
-                         "docs/model.md).")
-    bo.add_argument("--scheduler", default="sglang", choices=["sglang", "unified"], help="Scheduler.")
-    bo.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens.")
-    bo.add_argument("--max-running-requests", type=int, default=None,
-                    help="Most requests decoding at once (default: the engine's own limit).")
-    bo.add_argument("--compare-hf", action="store_true",
-                    help="Also run HF transformers generate (static batches) on the same prompts and print the ratio.")
-    bo.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size.")
-    bo.add_argument("--decode-batch", type=int, default=0,
-                    help="Also time the decode step at this batch size next to the model's matmuls alone.")
-    bo.add_argument("--compare-loops", type=int, default=0, metavar="ROUNDS",
-                    help="With --decode-batch: time the whole decode step under the overlap loop and the normal "
-                         "loop, alternated this many rounds each, and print the ratio.")
-    bo.add_argument("--compare-attention", type=int, default=0, metavar="ROUNDS",
-                    help="With --decode-batch: time the whole decode step with the torch_native and the cpu_paged "
-                         "attention backends, swapped into the one loaded model and alternated this many rounds "
-                         "each, and print the ratio.")
-    bo.add_argument("--compare-small-ops", type=int, default=0, metavar="ROUNDS",
-                    help="With --decode-batch: time the whole decode step with the torch small ops (the reference) "
-                    "and the fused C++ ones, swapped into the one loaded model, alternated ROUNDS times.")
-    bo.add_argument("--overlap-schedule", choices=("auto", "on", "off"), default="auto",
-                    help="The engine's event loop: on (overlap), off (normal) or auto (normal on this CPU engine; "
-                         "see radixserve serve --help).")
-    bo.add_argument("--output", default=None, help="Write the results as JSON here.")
-    bo.set_defaults(func=_bench_offline)
-    bc = bsub.add_parser("chunking", help="TPOT of decoding requests while long prompts are prefilled "
-                         "(chunked, --enable-mixed-chunk, --enable-dynamic-chunking).",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bc.add_argument("--model-path", default=None, help="Model (default: the bundled SmolLM2).")
-    bc.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="Model dtype.")
-    bc.add_argument("--num-short", type=int, default=8, help="Requests decoding when the long prompts arrive.")
-    bc.add_argument("--num-long", type=int, default=2, help="Long prompts arriving.")
-    bc.add_argument("--long-len", type=int, default=2048, help="Tokens of each long prompt.")
-    bc.add_argument("--chunked-prefill-size", type=int, default=512, help="The engine's chunk size.")
-    bc.add_argument("--dynamic-chunk-target-ms", type=float, default=150.0,
-                    help="The step-time target of --enable-dynamic-chunking.")
-    bc.add_argument("--configs", default="chunked,mixed,dynamic,mixed+dynamic",
-                    help="Comma-separated configurations: chunked (plain chunked prefill), mixed "
-                         "(--enable-mixed-chunk), dynamic (--enable-dynamic-chunking), mixed+dynamic.")
-    bc.add_argument("--rounds", type=int, default=2, help="Alternated rounds per configuration.")
-    bc.set_defaults(func=_bench_chunking)
+def _bench_parsers(bsub: Any) -> None:
+    _bench_offline_parser(bsub)
+    _bench_chunking_parser(bsub)
     bs = bsub.add_parser("serve", help="Load-test any OpenAI-compatible server (TTFT, TPOT, ITL, throughput).",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from radixserve.bench.serving import add_args as _bench_serve_args
@@ -246,6 +200,70 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_soak_args(bk)
     bk.set_defaults(func=_bench_soak)
 
+
+def _bench_offline_parser(bsub: Any) -> None:
+    bo = bsub.add_parser("offline", help="Throughput of the in-process engine on a fixed workload.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bo.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random",
+                    help="random: 128 prompts, 256 in / 128 out; shared-prefix: 8 groups x 16 prompts, "
+                         "512-token system prompt + 64-token question, 128 out; multi-turn: 16 conversations x 4 turns.")
+    bo.add_argument("--num-prompts", type=int, default=None,
+                    help="Override the workload's prompt count (per group for shared-prefix).")
+    bo.add_argument("--seed", type=int, default=0, help="Workload seed.")
+    bo.add_argument("--model-path", default=None, help="Model (default: the bundled SmolLM2).")
+    bo.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="Model dtype.")
+    bo.add_argument("--schedule-policy", default="fcfs", help="Waiting-queue policy.")
+    bo.add_argument("--attention-backend", default="auto", choices=["auto", "torch_native", "cpu_paged"],
+                    help="Attention implementation (see radixserve serve --help).")
+    bo.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
+                    help="Weight-only quantized linears for small decode steps (see radixserve serve --help; "
+                         "docs/model.md).")
+    bo.add_argument("--scheduler", default="sglang", choices=["sglang", "unified"], help="Scheduler.")
+    bo.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens.")
+    bo.add_argument("--max-running-requests", type=int, default=None,
+                    help="Most requests decoding at once (default: the engine's own limit).")
+    bo.add_argument("--compare-hf", action="store_true",
+                    help="Also run HF transformers generate (static batches) on the same prompts and print the ratio.")
+    bo.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size.")
+    bo.add_argument("--decode-batch", type=int, default=0,
+                    help="Also time the decode step at this batch size next to the model's matmuls alone.")
+    bo.add_argument("--compare-loops", type=int, default=0, metavar="ROUNDS",
+                    help="With --decode-batch: time the whole decode step under the overlap loop and the normal "
+                         "loop, alternated this many rounds each, and print the ratio.")
+    bo.add_argument("--compare-attention", type=int, default=0, metavar="ROUNDS",
+                    help="With --decode-batch: time the whole decode step with the torch_native and the cpu_paged "
+                         "attention backends, swapped into the one loaded model and alternated this many rounds "
+                         "each, and print the ratio.")
+    bo.add_argument("--compare-small-ops", type=int, default=0, metavar="ROUNDS",
+                    help="With --decode-batch: time the whole decode step with the torch small ops (the reference) "
+                    "and the fused C++ ones, swapped into the one loaded model, alternated ROUNDS times.")
+    bo.add_argument("--overlap-schedule", choices=("auto", "on", "off"), default="auto",
+                    help="The engine's event loop: on (overlap), off (normal) or auto (normal on this CPU engine; "
+                         "see radixserve serve --help).")
+    bo.add_argument("--output", default=None, help="Write the results as JSON here.")
+    bo.set_defaults(func=_bench_offline)
+
+
+def _bench_chunking_parser(bsub: Any) -> None:
+    bc = bsub.add_parser("chunking", help="TPOT of decoding requests while long prompts are prefilled "
+                         "(chunked, --enable-mixed-chunk, --enable-dynamic-chunking).",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bc.add_argument("--model-path", default=None, help="Model (default: the bundled SmolLM2).")
+    bc.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="Model dtype.")
+    bc.add_argument("--num-short", type=int, default=8, help="Requests decoding when the long prompts arrive.")
+    bc.add_argument("--num-long", type=int, default=2, help="Long prompts arriving.")
+    bc.add_argument("--long-len", type=int, default=2048, help="Tokens of each long prompt.")
+    bc.add_argument("--chunked-prefill-size", type=int, default=512, help="The engine's chunk size.")
+    bc.add_argument("--dynamic-chunk-target-ms", type=float, default=150.0,
+                    help="The step-time target of --enable-dynamic-chunking.")
+    bc.add_argument("--configs", default="chunked,mixed,dynamic,mixed+dynamic",
+                    help="Comma-separated configurations: chunked (plain chunked prefill), mixed "
+                         "(--enable-mixed-chunk), dynamic (--enable-dynamic-chunking), mixed+dynamic.")
+    bc.add_argument("--rounds", type=int, default=2, help="Alternated rounds per configuration.")
+    bc.set_defaults(func=_bench_chunking)
+
+
+def _fleet_parsers(sub: Any) -> None:
     from radixserve.router.config import RouterArgs
     from radixserve.router.launch import add_launch_args
 
@@ -269,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_args(la)
     la.set_defaults(func=_launch)
 
+
+def _simulate_parser(sub: Any) -> None:
     from radixserve.sim.options import EPILOG as _SIM_EPILOG
     from radixserve.sim.options import add_args as _sim_args
 
@@ -278,7 +298,6 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog=_SIM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _sim_args(sm)
     sm.set_defaults(func=_simulate)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
