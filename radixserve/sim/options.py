@@ -34,6 +34,17 @@ excluded. See docs/simulator.md (one engine) and docs/router.md (fleets).
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    _workload_args(p)
+    _cost_model_args(p)
+    _fleet_args(p)
+    _run_args(p)
+    taken = set(p._option_string_actions)
+    skip = tuple(f.name for f in dataclasses.fields(ServerArgs)
+                 if f.metadata.get("group") in _SKIP_GROUPS or "--" + f.name.replace("_", "-") in taken)
+    ServerArgs.add_cli_args(p, skip=skip)
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=int, default=1000, help="Requests to generate (ignored with --trace).")
     w.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn"], default="random",
@@ -77,6 +88,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, default=0, help="Seed of the workload and of the scheduler's rng.")
     w.add_argument("--context-length", type=int, default=4096, help="Model context (Llama-2: 4096); sizes ReqToTokenPool.")
 
+
+def _cost_model_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cost model")
     c.add_argument("--cost-model", choices=COST_MODELS, default="h100-llama2-7b",
                    help="h100-llama2-7b: measured Llama-2-7B operators on an H100 (bundled table) + analytic attention; "
@@ -89,6 +102,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--ms-per-token", type=float, default=0.1, help="linear model: ms per new (computed) token.")
     c.add_argument("--ms-per-context-token", type=float, default=0.0, help="linear model: ms per context token read.")
 
+
+def _fleet_args(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("fleet: the router's policies in front of several engines (docs/router.md)")
     f.add_argument("--num-workers", type=int, default=1,
                    help="Simulated workers (each --dp-size engines) behind the router. More than 1, or --router-policy, "
@@ -133,6 +148,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "conversation) as soon as its request finishes, with no think time. Default: open loop "
                         "at --request-rate.")
 
+
+def _run_args(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("run and output")
     r.add_argument("--compare", default=None, metavar="RUN,RUN,...",
                    help="Run several configurations on the same workload and print one table. RUN = a schedule policy "
@@ -158,7 +175,4 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Use a ReqToTokenPool without its table (only a model reads it): faster at 1,000+ running, "
                         "but the scheduler overhead then leaves out the per-request table writes.")
     # every engine option too; a ServerArgs field whose flag a simulator option already owns is left out
-    taken = set(p._option_string_actions)
-    skip = tuple(f.name for f in dataclasses.fields(ServerArgs)
-                 if f.metadata.get("group") in _SKIP_GROUPS or "--" + f.name.replace("_", "-") in taken)
-    ServerArgs.add_cli_args(p, skip=skip)
+
