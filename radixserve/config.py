@@ -254,27 +254,33 @@ class ServerArgs:
         "acknowledgement on a prefill worker) before it is aborted and its KV freed.", group="server")
 
     def __post_init__(self) -> None:
+        errors = (self._memory_errors() + self._disaggregation_errors() + self._server_errors()
+                  + self._parallelism_errors() + self._scheduler_errors() + self._policy_errors())
+        if errors:
+            raise ValueError("invalid server arguments: " + "; ".join(errors))
+
+    def _not_positive(self, name: str, allow_none: bool = True) -> list[str]:
+        """The error of an option that must be a positive integer (or None, if allowed), if any."""
+        v = getattr(self, name)
+        if (v is None and allow_none) or (isinstance(v, int) and v > 0):
+            return []
+        return [f"{name} must be a positive integer, got {v!r}"]
+
+    def _memory_errors(self) -> list[str]:
+        """Sizes, memory, chunking and the chat template."""
         errors: list[str] = []
         t = self.chat_template
         if t is not None and not os.path.isfile(t) and "{{" not in t and "{%" not in t:
             errors.append(f"chat_template {t!r} is neither a file nor a Jinja template")
-
-        def positive(name: str, allow_none: bool = True) -> None:
-            v = getattr(self, name)
-            if v is None and allow_none:
-                return
-            if not isinstance(v, int) or v <= 0:
-                errors.append(f"{name} must be a positive integer, got {v!r}")
-
         for name in ("context_length", "max_total_tokens", "max_running_requests", "max_queued_requests",
                      "prefill_max_requests", "num_threads", "quantization_max_batch"):
-            positive(name)
+            errors += self._not_positive(name)
         for name in ("page_size", "max_prefill_tokens", "new_token_ratio_decay_steps", "clip_max_new_tokens",
                      "max_request_body_bytes"):
-            positive(name, allow_none=False)
+            errors += self._not_positive(name, allow_none=False)
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size <= 0:
             errors.append("chunked_prefill_size must be positive or -1 (disabled)")
-        if self.chunked_prefill_size > 0 and self.chunked_prefill_size % self.page_size:
+        if self.chunked_prefill_size > 0 and self.page_size > 0 and self.chunked_prefill_size % self.page_size:
             errors.append("chunked_prefill_size must be a multiple of page_size")
         if not 0.0 < self.mem_fraction_static < 1.0:
             errors.append("mem_fraction_static must be in (0, 1)")
@@ -287,6 +293,11 @@ class ServerArgs:
             value = getattr(self, f.name)
             if choices and value not in choices and not (value is None and f.default is None):  # None: off
                 errors.append(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+        return errors
+
+    def _disaggregation_errors(self) -> list[str]:
+        """Prefill/decode disaggregation."""
+        errors: list[str] = []
         if self.disaggregation_mode != "null":
             if not 1 <= self.disaggregation_bootstrap_port <= 65535:
                 errors.append("disaggregation_bootstrap_port must be in [1, 65535]")
@@ -299,8 +310,13 @@ class ServerArgs:
                               "with --disable-radix-cache")
             if getattr(self, "tp_size", 1) != 1:
                 errors.append("--disaggregation-mode does not support --tp-size > 1 yet")
+        return errors
+
+    def _server_errors(self) -> list[str]:
+        """Ports, intervals, data parallelism and cache events."""
+        errors: list[str] = []
         for name in ("decode_log_interval", "stream_interval", "dp_size"):  # server section
-            positive(name, allow_none=False)
+            errors += self._not_positive(name, allow_none=False)
         if not 0 <= self.port <= 65535:
             errors.append(f"port must be in [0, 65535], got {self.port}")
         if self.cache_events_port is not None:
@@ -314,14 +330,17 @@ class ServerArgs:
             if self.disable_radix_cache:
                 errors.append("--cache-events-port reports the radix cache's changes; it cannot be used with "
                               "--disable-radix-cache")
-        errors += self._parallelism_errors()
-        # scheduling policies, priority, the unified scheduler
+        return errors
+
+    def _scheduler_errors(self) -> list[str]:
+        """Scheduling limits, priorities and the unified scheduler."""
+        errors: list[str] = []
         for name in ("lpm_fallback_threshold", "in_batch_prefix_caching_check_threshold",
                      "in_batch_prefix_caching_deprioritize_threshold", "long_prefill_token_threshold"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 errors.append(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs"):
-            positive(name, allow_none=False)
+            errors += self._not_positive(name, allow_none=False)
         if not isinstance(self.priority_scheduling_preemption_threshold, int):
             errors.append("priority_scheduling_preemption_threshold must be an integer")
         if self.default_priority_value is not None and not isinstance(self.default_priority_value, int):
@@ -337,7 +356,11 @@ class ServerArgs:
         if self.scheduler == "sglang" and self.scheduling_policy != "fcfs":
             errors.append("--scheduling-policy is the unified scheduler's (vLLM's); with --scheduler sglang "
                           "use --enable-priority-scheduling")
-        # aging, short-first, deadlines, tenant fairness, thrash-free preemption, plugins
+        return errors
+
+    def _policy_errors(self) -> list[str]:
+        """Policies, aging, short-first, deadlines, tenant fairness and preemption limits."""
+        errors: list[str] = []
         if self.schedule_policy not in SCHEDULE_POLICIES and not self.policy_plugin and ":" not in self.schedule_policy:
             errors.append(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, a --policy-plugin "
                           f"policy or module.path:ClassName; got {self.schedule_policy!r}")
@@ -362,8 +385,7 @@ class ServerArgs:
                 parse_tenant_weights(self.tenant_weights)
             except ValueError as e:
                 errors.append(str(e))
-        if errors:
-            raise ValueError("invalid server arguments: " + "; ".join(errors))
+        return errors
 
     def _parallelism_errors(self) -> list[str]:
         errors = []
