@@ -25,7 +25,8 @@ from radixserve.sim.options import (
     WEIGHT_BYTES,
 )
 from radixserve.sim.report import compare_table, plot, summary_text
-from radixserve.sim.simulator import SimTrace, args_for, run, summarize
+from radixserve.sim.simulator import SimTrace, args_for, run
+from radixserve.sim.summary import summarize
 from radixserve.sim.workload import RequestSpec, WorkloadConfig, generate, read_trace, write_trace
 
 

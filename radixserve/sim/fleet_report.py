@@ -13,7 +13,8 @@ from radixserve.config import ServerArgs
 from radixserve.router.policy import PolicyConfig, router_policy_names
 from radixserve.sim.fleet import FleetConfig, FleetRecord, FleetTrace, branch_counts
 from radixserve.sim.report import _f, class_table, fairness_line, table
-from radixserve.sim.simulator import SimTrace, summarize
+from radixserve.sim.simulator import SimTrace
+from radixserve.sim.summary import summarize
 
 _STAT_KEYS = ("forward_steps", "prefill_steps", "decode_steps", "prompt_tokens", "cached_tokens", "prefill_tokens",
               "generated_tokens", "num_retractions", "num_preemptions", "num_aborted", "num_finished")

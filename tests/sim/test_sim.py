@@ -19,7 +19,8 @@ from radixserve.sim.cost_model import (
     make_cost_model,
     shared_table_path,
 )
-from radixserve.sim.simulator import args_for, run, summarize
+from radixserve.sim.simulator import args_for, run
+from radixserve.sim.summary import summarize
 from radixserve.sim.workload import (
     RequestSpec,
     WorkloadConfig,

@@ -10,7 +10,8 @@ import pytest
 from radixserve.config import ServerArgs
 from radixserve.sim.cost_model import make_cost_model
 from radixserve.sim.metrics import goodput, jain_index, tenant_fairness, victim_counts
-from radixserve.sim.simulator import ReqRecord, run, summarize
+from radixserve.sim.simulator import ReqRecord, run
+from radixserve.sim.summary import summarize
 from radixserve.sim.workload import WorkloadConfig, generate
 
 CTX = 2048
