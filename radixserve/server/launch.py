@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -157,24 +157,75 @@ def shutdown_children(procs: dict[str, BaseProcess], timeout: float = 5.0) -> No
             p.join(1.0)
 
 
+class _Shutdown:
+    """How the HTTP process ends: a first SIGINT/SIGTERM stops uvicorn gracefully, a second at once;
+    a dead child process (``on_fatal``) stops it after a short delay, and exits hard if that hangs."""
+
+    def __init__(self, procs: dict[str, BaseProcess], loop: asyncio.AbstractEventLoop) -> None:
+        self.procs = procs
+        self.loop = loop
+        self.server: _Server | None = None
+        self.interrupted = False
+        self.exit_code = 0
+
+    def on_signal(self) -> None:
+        self.interrupted = True
+        if self.server is not None:
+            if self.server.should_exit:
+                self.server.force_exit = True
+            self.server.should_exit = True
+
+    def on_fatal(self, reason: str) -> None:
+        self.exit_code = 1
+        server = self.server
+
+        def stop() -> None:
+            if server is not None:
+                server.should_exit = True
+
+        self.loop.call_later(FATAL_EXIT_DELAY_S, stop)
+        timer = threading.Timer(FATAL_EXIT_DELAY_S + HARD_EXIT_S, _hard_exit, (self.procs,))
+        timer.daemon = True
+        timer.start()
+
+
 async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess]) -> int:
     loop = asyncio.get_running_loop()
-    server: _Server | None = None
-    interrupted = False
-    exit_code = 0
-
-    def on_signal() -> None:
-        nonlocal interrupted
-        interrupted = True
-        if server is not None:
-            if server.should_exit:
-                server.force_exit = True
-            server.should_exit = True
-
+    end = _Shutdown(procs, loop)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
-
+        loop.add_signal_handler(sig, end.on_signal)
     name, model_path = served_model_name(args)
+    tm = await _start_processes(args, ipc, procs, name, lambda: end.interrupted)
+
+    app = create_app(tm, model_path, pid_map(procs))
+    # NOTE: h11 always, not httptools when it happens to be installed: how an HTTP/2 preface is
+    # parsed (and so refused, see server/guard.py) must not depend on the environment
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.log_level == "debug", timeout_graceful_shutdown=3,
+                            timeout_keep_alive=5, http="h11")
+    server = end.server = _Server(config)
+    tm.on_fatal = end.on_fatal
+    tm.start()
+    info = tm.info
+    logger.info(
+        "serving %s on http://%s:%d (context %d, KV pool %d tokens, dtype %s)",
+        name, args.host, args.port, info["context_len"], info["max_total_num_tokens"], info.get("dtype"),
+    )
+    try:
+        await server.serve()
+    finally:
+        await tm.stop()
+    if end.exit_code:
+        logger.error("exiting: %s", tm.dead)
+    elif end.interrupted:
+        logger.info("shut down")
+    return end.exit_code
+
+
+async def _start_processes(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess], name: str,
+                           interrupted: Callable[[], bool]) -> TokenizerManager:
+    """Start the child processes, load the tokenizer meanwhile, and wait until every child is ready,
+    with a progress bar of the loading stages."""
     ctx = mp.get_context("spawn")
     tqdm.set_lock(threading.RLock())  # NOTE: tqdm's default lock is a multiprocessing semaphore
     stages = LOAD_STAGES if args.dp_size == 1 else LOAD_STAGES + 4 * (args.dp_size - 1) + 1
@@ -182,7 +233,6 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
     # every stage is written, even two that arrive within tqdm's default 0.1 s of each other
     bar = tqdm(total=stages, desc=f"Loading {name}", unit="stage", mininterval=0, miniters=1,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}] {postfix}")
-
     interactive = sys.stderr.isatty()
 
     def progress(stage: str) -> None:
@@ -192,7 +242,6 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
         elif interactive:  # the elapsed-time tick; in a log file it would only repeat the line
             bar.refresh()
 
-    tm: TokenizerManager | None = None
     try:
         # the children first: loading the model is the long pole, the tokenizer loads meanwhile
         tm = TokenizerManager(args, ipc, name)  # binds its socket before the children connect
@@ -206,48 +255,10 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
         )
         progress("tokenizer loaded")
         tm.tokenizer = tokenizer
-        await tm.wait_ready(procs, progress, lambda: interrupted)
+        await tm.wait_ready(procs, progress, interrupted)
     finally:
         bar.close()
-    assert tm is not None
-
-    app = create_app(tm, model_path, pid_map(procs))
-    # NOTE: h11 always, not httptools when it happens to be installed: how an HTTP/2 preface is
-    # parsed (and so refused, see server/guard.py) must not depend on the environment
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=args.log_level == "debug", timeout_graceful_shutdown=3,
-                            timeout_keep_alive=5, http="h11")
-    server = _Server(config)
-
-    def on_fatal(reason: str) -> None:
-        nonlocal exit_code
-        exit_code = 1
-
-        def stop() -> None:
-            assert server is not None
-            server.should_exit = True
-
-        loop.call_later(FATAL_EXIT_DELAY_S, stop)
-        timer = threading.Timer(FATAL_EXIT_DELAY_S + HARD_EXIT_S, _hard_exit, (procs,))
-        timer.daemon = True
-        timer.start()
-
-    tm.on_fatal = on_fatal
-    tm.start()
-    info = tm.info
-    logger.info(
-        "serving %s on http://%s:%d (context %d, KV pool %d tokens, dtype %s)",
-        name, args.host, args.port, info["context_len"], info["max_total_num_tokens"], info.get("dtype"),
-    )
-    try:
-        await server.serve()
-    finally:
-        await tm.stop()
-    if exit_code:
-        logger.error("exiting: %s", tm.dead)
-    elif interrupted:
-        logger.info("shut down")
-    return exit_code
+    return tm
 
 
 def _children(args: ServerArgs, ipc: IpcNames, parent: int) -> list[tuple[str, Any, tuple[Any, ...]]]:
