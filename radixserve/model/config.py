@@ -28,6 +28,7 @@ where full attention and the window agree.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,39 +147,12 @@ class ModelConfig:
             vocab = len(tokens) if tokens is not None else None
         if vocab is None:
             raise ValueError("GGUF metadata gives no vocab size")
-        rope_scaling: dict[str, Any] | None = None
-        stype = get("rope.scaling.type")
-        if stype in ("linear",) and get("rope.scaling.factor"):
-            rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-        if get("rope.scaling.original_context_length") and arch == "phi3":
-            # LongRoPE: the loader adds the per-dimension factors from the rope_factors_* tensors
-            rope_scaling = {
-                "rope_type": "longrope",
-                "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
-                "attention_factor": float(get("rope.scaling.attn_factor", 1.0)),
-            }
+        rope_scaling = _gguf_rope_scaling(arch, get)
         experts = int(get("expert_count", 0) or 0)
         window = get("attention.sliding_window")
         attn_scale = get("attention.scale")
         layers = int(get("block_count"))
-        gemma: dict[str, Any] = {}
-        if arch in ("gemma2", "gemma3"):
-            # as llama.cpp reads these files: norms already hold 1 + w, sqrt(hidden) on the
-            # embeddings, local layers every `pattern`, the 27B models' score scale from the hidden
-            # size, Gemma 3's local layers at RoPE base 10000 without scaling
-            pattern = get("attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6)
-            if isinstance(pattern, list):  # one flag per layer: true = sliding
-                sliding = tuple(i for i, flag in enumerate(pattern) if flag)
-            else:
-                sliding = tuple(i for i in range(layers) if i % int(pattern) < int(pattern) - 1)
-            big = layers == (46 if arch == "gemma2" else 62)
-            gemma = dict(
-                norm_layout="sandwich", hidden_act="gelu_tanh", embedding_multiplier=hidden**0.5,
-                attention_multiplier=float(attn_scale) if attn_scale else (hidden / heads if big else head_dim) ** -0.5,
-                attn_softcap=get("attn_logit_softcapping"), final_softcap=get("final_logit_softcapping"),
-                sliding_layers=sliding,
-                local_rope_theta=10000.0 if arch == "gemma3" else None, qk_norm=arch == "gemma3",
-            )
+        gemma = _gguf_gemma_fields(arch, get, layers, hidden, heads, head_dim) if arch in ("gemma2", "gemma3") else {}
         fields: dict[str, Any] = dict(
             arch=arch,
             num_layers=layers,
@@ -229,26 +203,7 @@ class ModelConfig:
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         head_dim = d.get("head_dim") or hidden // heads
-        # transformers >= 5 writes ``rope_parameters``; older files ``rope_theta`` + ``rope_scaling``
-        rope_params = dict(d.get("rope_parameters") or {})
-        theta = rope_params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
-        partial = float(rope_params.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0)
-        scaling = d.get("rope_scaling") or rope_params or None
-        if scaling is not None:
-            scaling = dict(scaling)
-            scaling.pop("rope_theta", None)
-            scaling.pop("partial_rotary_factor", None)
-            if "type" in scaling and "rope_type" not in scaling:
-                scaling["rope_type"] = scaling.pop("type")
-            if scaling.get("rope_type", "default") == "default":
-                scaling = None
-        if scaling is not None and scaling.get("rope_type") in ("longrope", "su"):
-            scaling["rope_type"] = "longrope"
-            orig = int(scaling.get("original_max_position_embeddings") or d["original_max_position_embeddings"])
-            scaling["original_max_position_embeddings"] = orig
-            if scaling.get("attention_factor") is None:  # as transformers derives it: from the model's own span
-                factor = float(scaling.get("factor") or d["max_position_embeddings"] / orig)
-                scaling["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        theta, partial, scaling = _hf_rope(d)
         num_layers = int(d["num_hidden_layers"])
         gemma: dict[str, Any] = {}
         if arch in ("gemma2", "gemma3"):
@@ -376,3 +331,63 @@ def _gemma_fields(
 
 def _opt_int(x: Any) -> int | None:
     return None if x is None else int(x)
+
+
+def _gguf_rope_scaling(arch: str, get: Callable[..., Any]) -> dict[str, Any] | None:
+    """RoPE scaling from llama.cpp's keys: linear, or Phi-3's LongRoPE (whose per-dimension factors
+    the loader adds from the ``rope_factors_*`` tensors)."""
+    if get("rope.scaling.original_context_length") and arch == "phi3":
+        return {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+            "attention_factor": float(get("rope.scaling.attn_factor", 1.0)),
+        }
+    if get("rope.scaling.type") == "linear" and get("rope.scaling.factor"):
+        return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    return None
+
+
+def _gguf_gemma_fields(arch: str, get: Callable[..., Any], layers: int, hidden: int, heads: int,
+                       head_dim: int) -> dict[str, Any]:
+    """Gemma 2 / 3 as llama.cpp reads their files: norms already hold 1 + w, sqrt(hidden) on the
+    embeddings, local layers every ``pattern``, the 27B models' score scale from the hidden size,
+    Gemma 3's local layers at RoPE base 10000 without scaling."""
+    attn_scale = get("attention.scale")
+    pattern = get("attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):  # one flag per layer: true = sliding
+        sliding = tuple(i for i, flag in enumerate(pattern) if flag)
+    else:
+        sliding = tuple(i for i in range(layers) if i % int(pattern) < int(pattern) - 1)
+    big = layers == (46 if arch == "gemma2" else 62)
+    return dict(
+        norm_layout="sandwich", hidden_act="gelu_tanh", embedding_multiplier=hidden**0.5,
+        attention_multiplier=float(attn_scale) if attn_scale else (hidden / heads if big else head_dim) ** -0.5,
+        attn_softcap=get("attn_logit_softcapping"), final_softcap=get("final_logit_softcapping"),
+        sliding_layers=sliding,
+        local_rope_theta=10000.0 if arch == "gemma3" else None, qk_norm=arch == "gemma3",
+    )
+
+
+def _hf_rope(d: dict[str, Any]) -> tuple[float, float, dict[str, Any] | None]:
+    """(rope theta, partial rotary factor, rope scaling or None) of a ``config.json``. transformers
+    >= 5 writes ``rope_parameters``; older files ``rope_theta`` + ``rope_scaling``."""
+    rope_params = dict(d.get("rope_parameters") or {})
+    theta = rope_params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+    partial = float(rope_params.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0)
+    scaling = d.get("rope_scaling") or rope_params or None
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling.pop("rope_theta", None)
+        scaling.pop("partial_rotary_factor", None)
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+    if scaling is not None and scaling.get("rope_type") in ("longrope", "su"):
+        scaling["rope_type"] = "longrope"
+        orig = int(scaling.get("original_max_position_embeddings") or d["original_max_position_embeddings"])
+        scaling["original_max_position_embeddings"] = orig
+        if scaling.get("attention_factor") is None:  # as transformers derives it: from the model's own span
+            factor = float(scaling.get("factor") or d["max_position_embeddings"] / orig)
+            scaling["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return float(theta), partial, scaling
