@@ -210,15 +210,7 @@ class ModelRunner:
             config, state, load_dtype, attention_backend, self.tp, self.context_len
         )
         del state
-        if self.quantization == "gguf":
-            from radixserve.model.gguf_loader import gguf_tensor_types
-
-            types = gguf_tensor_types(resolve_model_path(model_path)[1])
-            self.quantized_linears = self.model.quantize_like_file(types, quant_max_rows)
-        elif self.quantization != "none":
-            self.quantized_linears = self.model.quantize_linears(self.quantization, quant_max_rows, quant_kernel)
-        else:
-            self.quantized_linears = 0
+        self.quantized_linears = self._quantize(model_path, quant_max_rows, quant_kernel)
         if self.model.dtype != self.dtype:
             self.model.cast_(self.dtype)
         self.packed_linears = self.model.pack_linears(drop_plain_weights=True) if pack_weights else 0
@@ -230,18 +222,25 @@ class ModelRunner:
         self.kv_pool: KVPool | None = None
         self.req_to_token_pool: ReqToTokenPool | None = None
         self.load_seconds = time.perf_counter() - t0
-        logger.info(
-            "loaded %s (%s, %d layers) as %s in %.1fs, %d threads, %d linears packed, %d %s",
-            config.name or model_path,
-            config.arch,
-            config.num_layers,
-            self.dtype,
-            self.load_seconds,
-            self.num_threads,
-            self.packed_linears,
-            self.quantized_linears,
-            f"quantized ({quantization}, up to {quant_max_rows} rows)" if self.quantized_linears else "quantized",
-        )
+        self._log_loaded(config, quantization)
+
+    def _quantize(self, model_path: str | None, max_rows: int, kernel: str) -> int:
+        """The weight-only quantized copies ``--quantization`` asks for: how many linears got one."""
+        if self.quantization == "gguf":
+            from radixserve.model.gguf_loader import gguf_tensor_types
+
+            types = gguf_tensor_types(resolve_model_path(model_path)[1])
+            return self.model.quantize_like_file(types, max_rows)
+        if self.quantization != "none":
+            return self.model.quantize_linears(self.quantization, max_rows, kernel)
+        return 0
+
+    def _log_loaded(self, config: ModelConfig, quantization: str) -> None:
+        q = (f"quantized ({quantization}, up to {self.quant_max_rows} rows)" if self.quantized_linears
+             else "quantized")
+        logger.info("loaded %s (%s, %d layers) as %s in %.1fs, %d threads, %d linears packed, %d %s",
+                    config.name or self.model_path, config.arch, config.num_layers, self.dtype, self.load_seconds,
+                    self.num_threads, self.packed_linears, self.quantized_linears, q)
 
     # ------------------------------------------------------------------ sizes and pools
     @property
