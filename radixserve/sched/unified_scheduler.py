@@ -82,81 +82,70 @@ class TokenBudget:
         p.intake.abort_timed_out()
         q = self.queues
         running = q.running.reqs = [r for r in q.running.reqs if not r.finished()]
-        budget = self.max_num_batched_tokens
-        scheduled: list[Req] = []
-        num_new: dict[int, int] = {}  # id(req) -> tokens this step
-        slots: dict[int, int] = {}  # id(req) -> KV slots this step
-        needed = 0  # KV slots all of this step's scheduled requests take
-        preempted = False
+        plan = _Plan(self.max_num_batched_tokens)
+        if not self._schedule_running(plan, running) and q.waiting:  # 2. not in a step that preempted
+            self._schedule_waiting(plan, running)
+        return self._build(plan) if plan.reqs else None
 
-        # 1. running requests
+    def _schedule_running(self, plan: _Plan, running: list[Req]) -> bool:
+        """1. Running requests, in order, preempting from the end when KV runs out. Returns whether
+        anything was preempted."""
+        kv, preempted = self.kv, False
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and plan.budget > 0:
             req = running[i]
-            n = self._cap(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._cap(req.num_tokens - req.num_computed_tokens, plan.budget)
             if n <= 0:
                 i += 1
                 continue
-            s = self.kv.slots_for(req, n)
-            can_schedule = True
-            while needed + s > self.kv.reclaimable_size():
+            s = kv.slots_for(req, n)
+            while plan.needed + s > kv.reclaimable_size():
                 j = self._select_preempt_target(running)
                 victim = running.pop(j)
-                if id(victim) in num_new:  # scheduled earlier this step: give its share back
-                    scheduled.remove(victim)
-                    budget += num_new.pop(id(victim))
-                    needed -= slots.pop(id(victim))
+                plan.take_back(victim)  # if scheduled earlier this step
                 if j < i:
                     i -= 1
-                p.preemption.evict(victim)
-                q.waiting.insert(0, victim)
+                self.parts.preemption.evict(victim)
+                self.queues.waiting.insert(0, victim)
                 preempted = True
                 if victim is req:
-                    can_schedule = False
-                    break
-            if not can_schedule:
-                break
-            scheduled.append(req)
-            num_new[id(req)], slots[id(req)] = n, s
-            needed += s
-            budget -= n
+                    return True
+            plan.add(req, n, s)
             i += 1
+        return preempted
 
-        # 2. waiting requests (not in a step that preempted)
-        if not preempted and q.waiting:
-            self._order_waiting()
-            held = p.held_slots()  # ended, their slots free once the forward in flight is done
-            while q.waiting and budget > 0 and len(running) + held < self.max_num_seqs:
-                req = q.waiting[0]
-                self.kv.match(req)
-                n = self._cap(req.extend_input_len, budget)
-                self.kv.lock_match(req)  # the match must survive this step's evictions
-                s = self.kv.slots_for(req, n, held=len(req.prefix_indices))
-                if needed + s > self.kv.reclaimable_size():
-                    self.kv.unlock_match(req)
-                    break
-                q.waiting.pop(0)
-                p.admit(req)
-                running.append(req)
-                scheduled.append(req)
-                num_new[id(req)], slots[id(req)] = n, s
-                needed += s
-                budget -= n
+    def _schedule_waiting(self, plan: _Plan, running: list[Req]) -> None:
+        """2. Waiting requests while the budget, ``--max-num-seqs`` and the KV pool allow."""
+        p, kv, waiting = self.parts, self.kv, self.queues.waiting
+        self._order_waiting()
+        held = p.held_slots()  # ended, their slots free once the forward in flight is done
+        while waiting and plan.budget > 0 and len(running) + held < self.max_num_seqs:
+            req = waiting[0]
+            kv.match(req)
+            n = self._cap(req.extend_input_len, plan.budget)
+            kv.lock_match(req)  # the match must survive this step's evictions
+            s = kv.slots_for(req, n, held=len(req.prefix_indices))
+            if plan.needed + s > kv.reclaimable_size():
+                kv.unlock_match(req)
+                break
+            waiting.pop(0)
+            p.admit(req)
+            running.append(req)
+            plan.add(req, n, s)
 
-        if not scheduled:
-            return None
-        # 3. one forward for all of them
-        batch = ScheduleBatch(scheduled, ForwardMode.MIXED)
+    def _build(self, plan: _Plan) -> ScheduleBatch:
+        """3. One forward for all of them: DECODE when every request decodes one token."""
+        batch = ScheduleBatch(plan.reqs, ForwardMode.MIXED)
         all_decode = True
-        for req in scheduled:
-            n = num_new[id(req)]
+        for req in plan.reqs:
+            n = plan.tokens[id(req)]
             start = req.num_computed_tokens
             decode = n == 1 and start >= req.prompt_len and start + 1 == req.num_tokens
             all_decode = all_decode and decode
             if decode:
                 batch.num_decode += 1
             else:
-                p.stats.prefill_tokens += n
+                self.parts.stats.prefill_tokens += n
             req.extend_input_len = n
             req.is_chunked = start + n < req.num_tokens
             batch.prefix_lens.append(start)
@@ -165,3 +154,27 @@ class TokenBudget:
         if all_decode:
             batch.forward_mode = ForwardMode.DECODE
         return batch
+
+
+class _Plan:
+    """A step being planned: its requests, their tokens and KV slots, the budget left. Nothing is
+    allocated until ``_build``, so a request preempted while planning holds no KV of this step."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.reqs: list[Req] = []
+        self.tokens: dict[int, int] = {}  # id(req) -> tokens this step
+        self.slots: dict[int, int] = {}  # id(req) -> KV slots this step
+        self.needed = 0  # KV slots all of them take
+
+    def add(self, req: Req, n: int, slots: int) -> None:
+        self.reqs.append(req)
+        self.tokens[id(req)], self.slots[id(req)] = n, slots
+        self.needed += slots
+        self.budget -= n
+
+    def take_back(self, req: Req) -> None:
+        if id(req) in self.tokens:
+            self.reqs.remove(req)
+            self.budget += self.tokens.pop(id(req))
+            self.needed -= self.slots.pop(id(req))
