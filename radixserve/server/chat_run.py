@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixserve.sched.io import OutRow
+from radixserve.server.chat_protocol import ChatCompletionRequest
 from radixserve.server.common import Call
-from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.reasoning import ReasoningFormat, ReasoningSplitter
 from radixserve.server.tool_calls import StreamedAnswer, ToolCall
 

@@ -16,8 +16,9 @@ from radixserve.model.tokenizer import ChatTemplateError, Tokenizer
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import OutRow
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams, new_token_room
+from radixserve.server.chat_protocol import ChatMessage
 from radixserve.server.io_struct import GenerateReq
-from radixserve.server.protocol import APIError, ChatMessage
+from radixserve.server.protocol import APIError
 from radixserve.server.tokenizer_manager import (
     ClientGone,
     ReqState,

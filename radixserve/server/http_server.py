@@ -25,6 +25,7 @@ from starlette.types import ASGIApp
 
 from radixserve.auth import Access
 from radixserve.server.admin_api import add_admin_routes
+from radixserve.server.chat_protocol import ChatCompletionRequest
 from radixserve.server.common import (
     dead_error,
     error_response,
@@ -35,7 +36,6 @@ from radixserve.server.openai_api import OpenAIServing
 from radixserve.server.protocol import (
     AbortRequest,
     APIError,
-    ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     SchedulePolicyRequest,

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.sched.io import OutRow
+from radixserve.server.chat_protocol import ChatCompletionRequest
 from radixserve.server.chat_run import ChatRun, ChoiceDeltas
 from radixserve.server.common import (
     SSE_DONE,
@@ -37,13 +38,7 @@ from radixserve.server.common import (
 )
 from radixserve.server.io_struct import GenerateReq
 from radixserve.server.pd_fields import bootstrap_fields
-from radixserve.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_body,
-    unsupported,
-)
+from radixserve.server.protocol import APIError, CompletionRequest, parse_body, unsupported
 from radixserve.server.reasoning import FORMATS, ReasoningFormat, split_reasoning
 from radixserve.server.req_state import ReqState
 from radixserve.server.sched_fields import SchedFields, sched_fields

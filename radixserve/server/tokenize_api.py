@@ -15,15 +15,9 @@ from fastapi import FastAPI
 from pydantic import Field
 from starlette.requests import Request
 
+from radixserve.server.chat_protocol import ChatMessage, check_template_kwargs
 from radixserve.server.common import render_chat
-from radixserve.server.protocol import (
-    APIError,
-    ChatMessage,
-    _Body,
-    check_template_kwargs,
-    parse_body,
-    unsupported,
-)
+from radixserve.server.protocol import APIError, _Body, parse_body, unsupported
 from radixserve.server.tokenizer_manager import TokenizerManager
 
 

@@ -16,7 +16,8 @@ import openai
 import pytest
 
 from radixserve.bench.fuzz import FIELDS, mutate
-from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from radixserve.server.chat_protocol import ChatCompletionRequest
+from radixserve.server.protocol import CompletionRequest, GenerateRequest
 from radixserve.server.responses_protocol import ResponsesRequest
 from tests.server.helpers import API_KEY, REPO, ServerProcess, assert_memory_ok, started, wait_idle
 
