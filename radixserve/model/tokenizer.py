@@ -9,7 +9,7 @@ like transformers' one. A GGUF file holds one of two kinds:
   encodes by merging, again and again, the adjacent pair whose union is the piece of highest score,
   with characters outside the vocabulary as ``<0xXX>`` byte pieces. A BPE whose merges are ranked
   by the score of the piece they make does the same, so the merges are derived from the scores
-  (``_spm_merges``), spaces become ``▁``, and the text gets the leading ``▁`` where
+  (``gguf_tokenizer._spm_merges``), spaces become ``▁``, and the text gets the leading ``▁`` where
   ``tokenizer.ggml.add_space_prefix`` (default true) asks for it: before the text and after every
   special token, as llama.cpp writes it.
 
@@ -29,27 +29,16 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-# llama.cpp pre-tokenizer names -> how to split text before byte-level BPE.
-_DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+from radixserve.model.gguf_tokenizer import (
+    gpt2_backend,
+    opt_int,
+    piece_bytes,
+    spm_backend,
+    unicode_to_bytes,
 )
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLITS = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
+
 # Tokens that end a turn in common chat templates: a stop token when the template writes it.
 _END_OF_TURN_TOKENS = (
     "<|im_end|>",
@@ -63,29 +52,6 @@ _FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
     "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode char map."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, [chr(c) for c in cs], strict=True))
-
-
-@lru_cache(maxsize=1)
-def unicode_to_bytes() -> dict[str, int]:
-    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class ChatTemplateError(Exception):
@@ -180,55 +146,11 @@ class Tokenizer:
                 f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and SentencePiece "
                 "'llama' are); use a checkpoint directory with tokenizer.json instead"
             )
-        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-        token_types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-        alphabet = set(bytes_to_unicode().values())
-        byte_map = bytes_to_unicode()
-        # A token spelled outside the byte alphabet is respelled byte-wise (as transformers does).
-        spelled = [
-            t if set(t) <= alphabet else "".join(byte_map[b] for b in t.encode("utf-8")) for t in tokens
-        ]
-        vocab = {tok: i for i, tok in enumerate(spelled)}
-        backend = BackendTokenizer(
-            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
-        )
-        pre = str(meta.get("tokenizer.ggml.pre", "default"))
-        if pre in _DIGITS_FIRST:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False),
-                ]
-            )
-        elif pre in _SPLITS:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        else:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        backend.decoder = decoders.ByteLevel()
-        control = [
-            AddedToken(tok, normalized=False, special=True)
-            for tok, tt in zip(tokens, token_types, strict=True)
-            if tt == 3 and set(tok) <= alphabet
-        ]
-        if control:
-            backend.add_special_tokens(control)
-        user = [
-            AddedToken(tok, normalized=False, special=False)
-            for tok, tt in zip(spelled, token_types, strict=True)
-            if tt == 4
-        ]
-        if user:
-            backend.add_tokens(user)
+        backend = gpt2_backend(meta)
         return cls(
             backend,
-            bos_token_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
-            eos_token_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
+            bos_token_id=opt_int(meta.get("tokenizer.ggml.bos_token_id")),
+            eos_token_id=opt_int(meta.get("tokenizer.ggml.eos_token_id")),
             chat_template=meta.get("tokenizer.chat_template"),
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
             extra_stop_token_ids=[int(x) for x in [meta.get("tokenizer.ggml.eot_token_id")] if x is not None],
@@ -237,38 +159,12 @@ class Tokenizer:
 
     @classmethod
     def _from_gguf_spm(cls, meta: dict[str, Any]) -> Tokenizer:
-        from tokenizers import normalizers
-
-        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-        scores: list[float] = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
-        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        unk_id = _opt_int(meta.get("tokenizer.ggml.unknown_token_id"))
-        unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
-        backend = BackendTokenizer(
-            models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, types), unk_token=unk,
-                       fuse_unk=True, byte_fallback=True)
-        )
-        space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-        steps = [normalizers.Prepend("▁")] if space_prefix else []
-        backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
-        parts = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-        if space_prefix:
-            parts.append(decoders.Strip(" ", 1, 0))
-        backend.decoder = decoders.Sequence(parts)
-        control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types, strict=True)
-                   if k == _CONTROL]
-        user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types, strict=True)
-                if k == _USER_DEFINED]
-        if control:
-            backend.add_special_tokens(control)
-        if user:
-            backend.add_tokens(user)
+        backend, pieces, space_prefix = spm_backend(meta)
         eot = meta.get("tokenizer.ggml.eot_token_id")
         tok = cls(
             backend,
-            bos_token_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
-            eos_token_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
+            bos_token_id=opt_int(meta.get("tokenizer.ggml.bos_token_id")),
+            eos_token_id=opt_int(meta.get("tokenizer.ggml.eos_token_id")),
             chat_template=meta.get("tokenizer.chat_template"),
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
             extra_stop_token_ids=[int(eot)] if eot is not None else [],
@@ -276,7 +172,7 @@ class Tokenizer:
         )
         # decoding joins each piece's bytes, as llama.cpp and SentencePiece do: tokenizers'
         # ByteFallback turns every byte of an invalid UTF-8 run into U+FFFD, valid bytes among them too
-        tok._piece_bytes = [_piece_bytes(t) for t in tokens]
+        tok._piece_bytes = pieces
         tok._strip_space = space_prefix
         return tok
 
@@ -297,11 +193,11 @@ class Tokenizer:
 
         bos = token_id(tcfg.get("bos_token"))
         if bos is None:
-            bos = _opt_int(mcfg.get("bos_token_id"))
+            bos = opt_int(mcfg.get("bos_token_id"))
         eos = token_id(tcfg.get("eos_token"))
         if eos is None:
             cfg_eos = mcfg.get("eos_token_id")
-            eos = _opt_int(cfg_eos[0] if isinstance(cfg_eos, list) and cfg_eos else cfg_eos)
+            eos = opt_int(cfg_eos[0] if isinstance(cfg_eos, list) and cfg_eos else cfg_eos)
         template = tcfg.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -392,7 +288,7 @@ class Tokenizer:
         if self._piece_bytes is not None:
             return self._piece_bytes[token_id]
         if not self.byte_level:
-            return _piece_bytes(tok)
+            return piece_bytes(tok)
         table = unicode_to_bytes()
         try:
             return bytes(table[c] for c in tok)
@@ -427,42 +323,6 @@ class Tokenizer:
         return self.encode(
             self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False
         )
-
-
-def _opt_int(x: Any) -> int | None:
-    return None if x is None else int(x)
-
-
-# GGUF token types (llama.cpp's llama_token_type)
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
-
-
-def _piece_bytes(piece: str) -> bytes:
-    """The bytes a SentencePiece piece stands for: a byte piece's byte, else its text with ▁ for
-    the spaces."""
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        try:
-            return bytes([int(piece[3:5], 16)])
-        except ValueError:
-            pass
-    return piece.replace("▁", " ").encode("utf-8")
-
-
-def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """BPE merges equivalent to SentencePiece's score-ordered merging: every split of a normal
-    piece into two pieces of the vocabulary, the merges of higher-scoring pieces first."""
-    index = {t: i for i, t in enumerate(tokens) if types[i] in (_NORMAL, _USER_DEFINED)}
-    ranked: list[tuple[float, int, int, int, str, str]] = []
-    for i, piece in enumerate(tokens):
-        if types[i] != _NORMAL:
-            continue
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            li, ri = index.get(left), index.get(right)
-            if li is not None and ri is not None:
-                ranked.append((-scores[i], i, li, ri, left, right))
-    ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
 
 
 def _read_json(path: str) -> dict[str, Any]:

@@ -72,7 +72,7 @@ def _write_byte_tokenizer(directory: str) -> None:
     """Token id = byte value (no merges), plus the end-of-text token at 256."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from radixserve.model.tokenizer import bytes_to_unicode
+    from radixserve.model.gguf_tokenizer import bytes_to_unicode
 
     vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))

@@ -88,7 +88,7 @@ def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) 
 
     from radixserve.model.config import ModelConfig
     from radixserve.model.gguf_loader import permute_qk
-    from radixserve.model.tokenizer import bytes_to_unicode
+    from radixserve.model.gguf_tokenizer import bytes_to_unicode
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf = json.load(f)
