@@ -191,7 +191,7 @@ def compare_loops(engine: Engine, batch: int, rounds: int) -> dict[str, float]:
 def compare_attention(engine: Engine, batch: int, rounds: int, backends: tuple[str, ...]) -> dict[str, float]:
     """The whole decode step at ``batch`` with each attention backend, swapped into the one loaded
     model and alternated ``rounds`` times (the machine drifts); prints the medians and the ratio."""
-    from radixserve.model.attention import create_attention_backend
+    from radixserve.model.attention_backend import create_attention_backend
 
     model = engine.runner.model
     base = model.attn_backend

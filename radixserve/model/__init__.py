@@ -10,7 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from radixserve.model.attention import AttentionBackend, TorchNativeAttention, create_attention_backend
+    from radixserve.model.attention import TorchNativeAttention
+    from radixserve.model.attention_backend import AttentionBackend, create_attention_backend
     from radixserve.model.config import ModelConfig
     from radixserve.model.llama import LlamaForCausalLM
     from radixserve.model.loader import default_model_path, load_model
@@ -24,9 +25,9 @@ _LAZY = {
     "default_model_path": "radixserve.model.loader",
     "Tokenizer": "radixserve.model.tokenizer",
     "LlamaForCausalLM": "radixserve.model.llama",
-    "AttentionBackend": "radixserve.model.attention",
+    "AttentionBackend": "radixserve.model.attention_backend",
     "TorchNativeAttention": "radixserve.model.attention",
-    "create_attention_backend": "radixserve.model.attention",
+    "create_attention_backend": "radixserve.model.attention_backend",
     "Sampler": "radixserve.model.sampler",
     "ModelRunner": "radixserve.model.model_runner",
 }

@@ -14,7 +14,7 @@ from torch import nn
 
 from radixserve.mem.forward_batch import ForwardBatch
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
-from radixserve.model.attention import AttentionBackend
+from radixserve.model.attention_backend import AttentionBackend
 from radixserve.model.config import ModelConfig
 from radixserve.model.fused_ops import TorchOps
 from radixserve.model.linear import Linear, empty_param

@@ -27,7 +27,7 @@ from torch import nn
 
 from radixserve.mem.forward_batch import ForwardBatch
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
-from radixserve.model.attention import AttentionBackend, create_attention_backend
+from radixserve.model.attention_backend import AttentionBackend, create_attention_backend
 from radixserve.model.config import ModelConfig
 from radixserve.model.fused_ops import TorchOps, make_small_ops
 from radixserve.model.layers import MLP, Attention, RMSNorm, SparseMoE, rope_attention_factor, rope_inv_freq

@@ -28,11 +28,8 @@ from typing import Any
 
 import torch
 
-from radixserve.model.attention import (
-    TorchNativeAttention,
-    _DecodeGroup,
-    register_attention_backend,
-)
+from radixserve.model.attention import TorchNativeAttention, _DecodeGroup
+from radixserve.model.attention_backend import register_attention_backend
 from radixserve.model.cpp_build import build_dir, load_extension
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"

@@ -12,7 +12,8 @@ import torch
 import radixserve.model.paged_attention as paged
 from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
-from radixserve.model.attention import TorchNativeAttention, create_attention_backend
+from radixserve.model.attention import TorchNativeAttention
+from radixserve.model.attention_backend import create_attention_backend
 
 _ERR = paged.extension_error()
 needs_ext = pytest.mark.skipif(_ERR is not None, reason=f"cpu_paged extension could not be built: {_ERR}")
