@@ -15,7 +15,8 @@ from radixserve.config import ServerArgs
 from radixserve.router.policy import PolicyConfig
 from radixserve.sched.core import calm_garbage_collector
 from radixserve.sim.cost_model import H100Llama2CostModel, make_cost_model
-from radixserve.sim.fleet import FleetConfig, run_fleet
+from radixserve.sim.fleet import run_fleet
+from radixserve.sim.fleet_config import FleetConfig
 from radixserve.sim.fleet_report import fleet_item, fleet_table, fleet_text, summarize_fleet
 from radixserve.sim.options import (
     _SKIP_GROUPS,
