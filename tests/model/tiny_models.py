@@ -87,8 +87,6 @@ def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) 
     from safetensors.torch import load_file
 
     from radixserve.model.config import ModelConfig
-    from radixserve.model.gguf_loader import permute_qk
-    from radixserve.model.gguf_tokenizer import bytes_to_unicode
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf = json.load(f)
@@ -96,6 +94,31 @@ def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) 
     sd = load_file(os.path.join(hf_dir, "model.safetensors"))
     arch = c.arch
     w = gguf.GGUFWriter(path, arch)
+    _write_hparams(w, c)
+    _write_tokenizer(w, tokenizer)
+
+    def put(name: str, t: torch.Tensor) -> None:
+        if c.norm_weight_offset and name.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + w
+            t = t + c.norm_weight_offset
+        w.add_tensor(name, t.float().contiguous().numpy())
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    if "lm_head.weight" in sd and not c.tie_word_embeddings:
+        put("output.weight", sd["lm_head.weight"])
+    for i in range(c.num_layers):
+        _write_layer(put, sd, c, i)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _write_hparams(w: Any, c: Any) -> None:
+    import gguf
+
+    arch = c.arch
     w.add_block_count(c.num_layers)
     w.add_context_length(c.max_position)
     w.add_embedding_length(c.hidden_size)
@@ -135,6 +158,11 @@ def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) 
         w.add_float32(f"{arch}.rope.scaling.attn_factor", sc["attention_factor"])
         w.add_tensor("rope_factors_long.weight", np.array(sc["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(sc["short_factor"], dtype=np.float32))
+
+
+def _write_tokenizer(w: Any, tokenizer: dict[str, Any] | None) -> None:
+    from radixserve.model.gguf_tokenizer import bytes_to_unicode
+
     if tokenizer is None:
         byte_map = bytes_to_unicode()
         w.add_tokenizer_model("gpt2")
@@ -152,57 +180,48 @@ def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) 
             else:
                 w.add_string(key, value)
 
-    def put(name: str, t: torch.Tensor) -> None:
-        if c.norm_weight_offset and name.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + w
-            t = t + c.norm_weight_offset
-        w.add_tensor(name, t.float().contiguous().numpy())
 
-    put("token_embd.weight", sd["model.embed_tokens.weight"])
-    put("output_norm.weight", sd["model.norm.weight"])
-    if "lm_head.weight" in sd and not c.tie_word_embeddings:
-        put("output.weight", sd["lm_head.weight"])
-    for i in range(c.num_layers):
-        p, b = f"model.layers.{i}.", f"blk.{i}."
-        if c.norm_layout == "sandwich":
-            put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
-            put(b + "post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
-            put(b + "ffn_norm.weight", sd[p + "pre_feedforward_layernorm.weight"])
-            put(b + "post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
-        elif c.norm_layout == "post":
-            put(b + "post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
-            put(b + "post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
-        else:
-            put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
-            put(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-        put(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
-        if arch == "phi3":
-            put(b + "attn_qkv.weight", sd[p + "self_attn.qkv_proj.weight"])
-        else:
-            q, k = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
-            if arch in ("llama", "granite"):
-                q, k = permute_qk(q, c.num_heads), permute_qk(k, c.num_kv_heads)
-            put(b + "attn_q.weight", q)
-            put(b + "attn_k.weight", k)
-            put(b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"])
-        if c.qk_norm:
-            put(b + "attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
-            put(b + "attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
-        moe = "block_sparse_moe." if arch == "llama" and c.num_experts else "mlp."
-        if c.is_moe_layer(i):
-            names = {"w1": "gate", "w3": "up", "w2": "down"} if moe == "block_sparse_moe." else \
-                {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-            put(b + "ffn_gate_inp.weight", sd[p + moe + "gate.weight"])
-            for hf_name, g_name in names.items():
-                stacked = torch.stack([sd[p + f"{moe}experts.{e}.{hf_name}.weight"] for e in range(c.num_experts)])
-                put(b + f"ffn_{g_name}_exps.weight", stacked)
-        elif arch == "phi3":
-            put(b + "ffn_up.weight", sd[p + "mlp.gate_up_proj.weight"])
-            put(b + "ffn_down.weight", sd[p + "mlp.down_proj.weight"])
-        else:
-            for n in ("gate", "up", "down"):
-                put(b + f"ffn_{n}.weight", sd[p + f"mlp.{n}_proj.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+def _write_layer(put: Any, sd: dict[str, torch.Tensor], c: Any, i: int) -> None:
+    """Layer ``i``'s tensors under llama.cpp's names."""
+    from radixserve.model.gguf_loader import permute_qk
+
+    arch = c.arch
+    p, b = f"model.layers.{i}.", f"blk.{i}."
+    if c.norm_layout == "sandwich":
+        put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(b + "post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(b + "ffn_norm.weight", sd[p + "pre_feedforward_layernorm.weight"])
+        put(b + "post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
+    elif c.norm_layout == "post":
+        put(b + "post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(b + "post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
+    else:
+        put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+    put(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+    if arch == "phi3":
+        put(b + "attn_qkv.weight", sd[p + "self_attn.qkv_proj.weight"])
+    else:
+        q, k = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
+        if arch in ("llama", "granite"):
+            q, k = permute_qk(q, c.num_heads), permute_qk(k, c.num_kv_heads)
+        put(b + "attn_q.weight", q)
+        put(b + "attn_k.weight", k)
+        put(b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+    if c.qk_norm:
+        put(b + "attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
+        put(b + "attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
+    moe = "block_sparse_moe." if arch == "llama" and c.num_experts else "mlp."
+    if c.is_moe_layer(i):
+        names = {"w1": "gate", "w3": "up", "w2": "down"} if moe == "block_sparse_moe." else \
+            {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+        put(b + "ffn_gate_inp.weight", sd[p + moe + "gate.weight"])
+        for hf_name, g_name in names.items():
+            stacked = torch.stack([sd[p + f"{moe}experts.{e}.{hf_name}.weight"] for e in range(c.num_experts)])
+            put(b + f"ffn_{g_name}_exps.weight", stacked)
+    elif arch == "phi3":
+        put(b + "ffn_up.weight", sd[p + "mlp.gate_up_proj.weight"])
+        put(b + "ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+    else:
+        for n in ("gate", "up", "down"):
+            put(b + f"ffn_{n}.weight", sd[p + f"mlp.{n}_proj.weight"])
