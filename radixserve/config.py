@@ -81,7 +81,7 @@ class ServerArgs:
     # --- scheduling --------------------------------------------------------------------------
     schedule_policy: str = option(
         "fcfs", f"Order of the waiting queue: one of {', '.join(SCHEDULE_POLICIES)}, a policy registered by "
-        "--policy-plugin, or module.path:ClassName (docs/scheduling.md).")
+        "--policy-plugin, or module.path:ClassName (docs/qos.md).")
     max_running_requests: int | None = option(None, "Most requests in the running batch (default: from pool sizes).")
     max_queued_requests: int | None = option(None, "Most requests waiting; past it new requests are rejected (429).")
     max_prefill_tokens: int = option(16384, "Most new prompt tokens in one prefill batch (rem_input_tokens).")
@@ -154,7 +154,7 @@ class ServerArgs:
         0, "--scheduler unified: most prompt tokens of one request per step (0: no cap but the budget).")
 
     # --- aging, short-first, deadlines, tenant fairness, thrash-free preemption, plugins
-    # (docs/scheduling.md). The defaults leave every one of them off.
+    # (docs/qos.md). The defaults leave every one of them off.
     priority_aging_rate: float = option(
         0.0, "Priority units a waiting request gains per second of wait (any policy; 0: off).")
     priority_aging_horizon: float | None = option(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every figure of docs/benchmarks.md and the real-model table of docs/scheduling.md, in one go.
+# Every figure of docs/benchmarks.md (the real-model scheduling table included), in one go.
 #   bash scripts/run_benchmarks.sh [OUT_DIR]      (about 40 minutes on a quiet 2-core machine)
 # Run it with nothing else busy: the machine has two cores and torch uses both. Each command writes
 # one JSON file (its figures, the date, the command and the machine) into OUT_DIR, by default
@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
-OUT=${1:-bench/results/$(date +%F)-$(python -c 'from radixserve.bench.results import machine_tag; print(machine_tag())')}
+OUT=${1:-bench/results/$(date +%F)-$(python -c 'from radixserve.results import machine_tag; print(machine_tag())')}
 PORT=${PORT:-30123}
 mkdir -p "$OUT"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from radixserve.bench.results import machine, machine_tag, write_result
+from radixserve.results import machine, machine_tag, write_result
 
 
 def test_a_result_file_says_when_what_and_where(tmp_path: Path) -> None:

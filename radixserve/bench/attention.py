@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from radixserve.bench.results import write_result
 from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model.attention_backend import AttentionBackend, create_attention_backend
+from radixserve.results import write_result
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -27,9 +27,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.bench.results import write_result
 from radixserve.bench.subprocs import BenchError
 from radixserve.bench.target import Target, add_target_args
+from radixserve.results import write_result
 
 DEFAULT_SERVER_ARGS = ("--context-length 64 --max-total-tokens 4096 --max-running-requests 32 "
                        "--enable-metrics --decode-log-interval 200 --log-level warning")

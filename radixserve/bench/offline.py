@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from radixserve.bench.results import write_result
 from radixserve.bench.workloads import BenchRequest, make_workload
 from radixserve.engine import Engine
+from radixserve.results import write_result
 
 
 @dataclass

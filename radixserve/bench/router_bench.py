@@ -38,11 +38,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from radixserve.bench.results import write_result
 from radixserve.bench.router_bench_common import BENCH_SERVE_DEFAULTS, POLICIES, _policies
 from radixserve.bench.router_bench_real import print_real_report, run_real
 from radixserve.bench.router_bench_stubs import print_stub_report, run_stubs
 from radixserve.bench.subprocs import BenchError, Procs
+from radixserve.results import write_result
 
 # NOTE: aiohttp, tqdm and bench.serving are imported where they are used (here and in the modes'
 # modules): the CLI imports this module to build its parser, and every radixserve command would pay

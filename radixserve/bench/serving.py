@@ -31,8 +31,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from radixserve.bench.results import write_result
 from radixserve.bench.workloads import WORKLOADS, BenchRequest, make_workload
+from radixserve.results import write_result
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -34,9 +34,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.bench.results import write_result
 from radixserve.bench.subprocs import BenchError
 from radixserve.bench.target import Target, add_target_args, memory_problems
+from radixserve.results import write_result
 
 DESCRIPTION = ("Starts a server (or targets --base-url) and sends --warmup, then --num-requests requests at "
                "--concurrency: prompt and output lengths drawn from --seed, streamed or not, over /v1/completions, "

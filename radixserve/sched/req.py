@@ -83,7 +83,7 @@ class Req:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.sent_len = 0  # output tokens already streamed out
-        # scheduling extensions (docs/scheduling.md); plain attributes the server and the simulator set
+        # scheduling extensions (docs/qos.md); plain attributes the server and the simulator set
         self.tenant: str | None = None  # vtc fairness: the OpenAI `user` field or an x-tenant header
         self.deadline: float | None = None  # TTFT deadline, absolute, on the scheduler clock (edf)
         self.tpot_slo: float | None = None  # TPOT deadline, seconds per output token after the first

@@ -113,7 +113,7 @@ def _control_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
     @app.post("/set_schedule_policy")
     async def set_schedule_policy(request: Request) -> Response:
-        """Switch the scheduling policy and/or its parameters live (docs/scheduling.md)."""
+        """Switch the scheduling policy and/or its parameters live (docs/qos.md)."""
         raw = await request.body()
         params = parse_body(raw, SchedulePolicyRequest).model_dump(exclude_unset=True) if raw.strip() else None
         if not params:

@@ -274,7 +274,7 @@ class AbortRequest(_Body):
 
 
 class SchedulePolicyRequest(_Body):
-    """``/set_schedule_policy``: ``schedule_policy`` and/or the policy's parameters (docs/scheduling.md);
+    """``/set_schedule_policy``: ``schedule_policy`` and/or the policy's parameters (docs/qos.md);
     the scheduler validates the names and values."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": True})

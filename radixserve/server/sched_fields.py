@@ -1,4 +1,4 @@
-"""Per-request scheduling fields from HTTP requests (docs/scheduling.md).
+"""Per-request scheduling fields from HTTP requests (docs/qos.md).
 
 - tenant (vtc fairness): the ``x-tenant`` header, else the OpenAI ``user`` field (then its successor
   ``safety_identifier``) / native ``tenant``.

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from radixserve.config import ServerArgs
+from radixserve.results import write_result
 from radixserve.router.policy import PolicyConfig
 from radixserve.sched.core import calm_garbage_collector
 from radixserve.sim.cost_model import H100Llama2CostModel, make_cost_model
@@ -110,9 +110,7 @@ def main(ns: argparse.Namespace) -> int:
     if len(results) > 1:
         print(compare_table(results))
     if ns.output:
-        with open(ns.output, "w") as f:
-            json.dump({"argv": sys.argv[1:], "results": results}, f, indent=1,
-                      default=str)
+        write_result(ns.output, {"results": results})
     if ns.plot:
         plot(results, traces, ns.plot)
         print(f"[simulate] plot written to {ns.plot}", file=sys.stderr)
@@ -162,8 +160,7 @@ def fleet_main(ns: argparse.Namespace, runs: list[tuple[str, ServerArgs]], specs
     if len(results) > 1:
         print(fleet_table(results))
     if ns.output:
-        with open(ns.output, "w") as f:
-            json.dump({"argv": sys.argv[1:], "results": results}, f, indent=1, default=str)
+        write_result(ns.output, {"results": results})
     if ns.plot:
         plot(results, traces, ns.plot)
         print(f"[simulate] plot written to {ns.plot}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Benchmark results as data: every ``radixserve bench ... --output FILE`` writes its figures as JSON
+"""Benchmark results as data: every ``radixserve bench ... --output FILE`` (and ``radixserve simulate
+--output FILE``) writes its figures as JSON
 with the date, the command and the machine it ran on, so a figure can be compared only with figures
 from the same kind of machine. ``scripts/run_benchmarks.sh`` collects one run's files under
 ``bench/results/<date>-<machine>/``; docs/benchmarks.md keeps the one current summary table."""
@@ -67,4 +68,4 @@ def write_result(path: str, figures: dict[str, Any]) -> None:
            "command": ["radixserve", *sys.argv[1:]] if sys.argv[0].endswith("radixserve") else sys.argv,
            "commit": _commit(), "machine": machine(), **figures}
     with open(path, "w") as f:
-        json.dump(doc, f, indent=2)
+        json.dump(doc, f, indent=2, default=str)
