@@ -1,6 +1,7 @@
 """``ServerArgs``: every radixserve option, its default, its validation and its CLI flag.
 
-One frozen dataclass; the CLI is generated from its fields (flag = ``--`` + field name with ``-``),
+One frozen dataclass (the quality-of-service options come from ``qos_options.QoSOptions``); the
+CLI is generated from its fields (flag = ``--`` + field name with ``-``),
 so ``--help`` and ``Engine(**kwargs)`` can never drift apart. "auto" values stay "auto" here and
 are resolved by the component that owns them (e.g. the model runner picks the dtype).
 """
@@ -10,19 +11,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, field
-from typing import Any, get_type_hints
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.options import add_dataclass_cli_args, dataclass_from_cli_args, option
+from radixserve.qos_options import QoSOptions
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "sjf", "edf", "vtc")
 RADIX_EVICTION_POLICIES = ("lru", "lfu", "queue-aware")
 
 
-def option(default: Any, help: str, choices: tuple[str, ...] | None = None, group: str = "engine") -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "group": group})
-
-
 @dataclass(frozen=True)
-class ServerArgs:
+class ServerArgs(QoSOptions):
     # --- model -------------------------------------------------------------------------------
     model_path: str | None = option(
         None, "Local GGUF file or safetensors directory (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Granite, OLMo 2, Gemma 2/3). "
@@ -152,42 +152,6 @@ class ServerArgs:
     max_num_seqs: int = option(256, "--scheduler unified: most requests running at once.")
     long_prefill_token_threshold: int = option(
         0, "--scheduler unified: most prompt tokens of one request per step (0: no cap but the budget).")
-
-    # --- aging, short-first, deadlines, tenant fairness, thrash-free preemption, plugins
-    # (docs/qos.md). The defaults leave every one of them off.
-    priority_aging_rate: float = option(
-        0.0, "Priority units a waiting request gains per second of wait (any policy; 0: off).")
-    priority_aging_horizon: float | None = option(
-        None, "Seconds of wait after which a request goes ahead of the policy's order, oldest first.")
-    sjf_output_weight: float = option(
-        1.0, "sjf: job size = uncached prompt tokens + min(max_new_tokens, --clip-max-new-tokens) * this.")
-    deadline_admission: bool = option(
-        False, "Refuse (429, code deadline_unmeetable) a request whose TTFT deadline cannot be met given "
-        "the queue ahead of it in deadline order.")
-    deadline_prefill_tokens_per_s: float = option(
-        4000.0, "Initial prefill throughput estimate (tokens/s) for --deadline-admission; then an EMA of "
-        "measured prefill steps.")
-    tpot_headroom: float = option(
-        0.9, "TPOT deadlines: the running batch is capped so the modelled decode step stays under this fraction "
-        "of the tightest TPOT deadline among running requests (the rest is left to interleaved prefill steps); "
-        "with --deadline-admission a request whose TPOT cannot be met even alone is refused.")
-    tenant_weights: str | None = option(
-        None, "vtc: tenant weights, 'a=2,b=1' (unlisted tenants: 1).")
-    vtc_input_weight: float = option(1.0, "vtc: counter charge per input token (w_p).")
-    vtc_output_weight: float = option(2.0, "vtc: counter charge per output token (w_q).")
-    max_preemptions_per_request: int = option(
-        3, "A request is preempted or retracted at most this many times; then it is no victim (unless "
-        "retraction has no other choice). Returned victims go first in their class. 0 turns the guard off "
-        "(no cap; victims re-queued where the policy puts them, as SGLang does).")
-    retract_victim_policy: str = option(
-        "sglang", "Victim order of decode retraction: sglang (fewest outputs first) or min-recompute "
-        "(least tokens to recompute first; returned victims go first in their class).",
-        ("sglang", "min-recompute"))
-    policy_plugin: str | None = option(
-        None, "Python file(s), comma-separated, imported at start; their @register_policy classes become "
-        "--schedule-policy names.")
-    starvation_threshold: float = option(
-        30.0, "Seconds of queueing past which a request counts as starved (metric).")
 
     # --- server (HTTP process, TokenizerManager, scheduler/detokenizer processes) ----------------
     # Flag names follow SGLang's (--host, --port, --api-key, --enable-metrics, ...).
@@ -359,32 +323,14 @@ class ServerArgs:
         return errors
 
     def _policy_errors(self) -> list[str]:
-        """Policies, aging, short-first, deadlines, tenant fairness and preemption limits."""
+        """The schedule policy, dynamic chunking, and the quality-of-service options (qos_options.py)."""
         errors: list[str] = []
         if self.schedule_policy not in SCHEDULE_POLICIES and not self.policy_plugin and ":" not in self.schedule_policy:
             errors.append(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, a --policy-plugin "
                           f"policy or module.path:ClassName; got {self.schedule_policy!r}")
-        for name in ("priority_aging_rate", "sjf_output_weight", "vtc_input_weight", "vtc_output_weight"):
-            v = getattr(self, name)
-            if not isinstance(v, int | float) or v < 0:
-                errors.append(f"{name} must be a number >= 0, got {v!r}")
-        if self.priority_aging_horizon is not None and not self.priority_aging_horizon > 0:
-            errors.append(f"priority_aging_horizon must be > 0 seconds, got {self.priority_aging_horizon!r}")
-        if not self.deadline_prefill_tokens_per_s > 0:
-            errors.append("deadline_prefill_tokens_per_s must be > 0")
-        if not 0 < self.tpot_headroom <= 1:
-            errors.append("tpot_headroom must be in (0, 1]")
         if not self.dynamic_chunk_target_ms > 0:
             errors.append("dynamic_chunk_target_ms must be > 0")
-        if not isinstance(self.max_preemptions_per_request, int) or self.max_preemptions_per_request < 0:
-            errors.append("max_preemptions_per_request must be an integer >= 0")
-        if not self.starvation_threshold > 0:
-            errors.append("starvation_threshold must be > 0 seconds")
-        if self.tenant_weights is not None:
-            try:
-                parse_tenant_weights(self.tenant_weights)
-            except ValueError as e:
-                errors.append(str(e))
+        errors += self._qos_errors()
         return errors
 
     def _parallelism_errors(self) -> list[str]:
@@ -429,63 +375,3 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         return dataclass_from_cli_args(cls, ns)
-
-
-def add_dataclass_cli_args(cls: type, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per field of an options dataclass built with ``_opt``: ``--field-name``, its help,
-    choices and default; ``bool`` fields are switches, tuple fields take one or more values."""
-    hints = get_type_hints(cls)
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in dataclasses.fields(cls):
-        if f.name in skip or not f.init:
-            continue
-        gname = f.metadata.get("group", "engine")
-        group = groups.setdefault(gname, parser.add_argument_group(f"{gname} options"))
-        flag = "--" + f.name.replace("_", "-")
-        help_ = f.metadata.get("help", "")
-        hint = hints[f.name]
-        if hint is bool:
-            # a switch that is on by default needs its --no- form to be turned off at all
-            action = argparse.BooleanOptionalAction if f.default is True else "store_true"
-            group.add_argument(flag, action=action, default=None, help=help_)
-            continue
-        nargs = "+" if getattr(hint, "__origin__", None) is tuple else None
-        base = _base_type(hint.__args__[0] if nargs else hint)
-        default_txt = "" if f.default is None or f.default == () else f" (default: {f.default})"
-        group.add_argument(
-            flag, type=base, default=None, choices=f.metadata.get("choices"), help=help_ + default_txt,
-            metavar=None if f.metadata.get("choices") else f.name.upper(), nargs=nargs,
-        )
-
-
-def dataclass_from_cli_args(cls: Any, ns: argparse.Namespace) -> Any:
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        v = getattr(ns, f.name, None)
-        if v is not None and f.init:
-            kwargs[f.name] = tuple(v) if isinstance(v, list) else v
-    return cls(**kwargs)
-
-
-def parse_tenant_weights(spec: str | None) -> dict[str, float]:
-    """'a=2,b=1' -> {'a': 2.0, 'b': 1.0}; weights must be > 0."""
-    out: dict[str, float] = {}
-    for part in (spec or "").split(","):
-        if not part.strip():
-            continue
-        name, sep, w = part.partition("=")
-        try:
-            weight = float(w)
-        except ValueError:
-            weight = -1.0
-        if not sep or not name.strip() or not weight > 0:
-            raise ValueError(f"tenant_weights: expected 'tenant=weight' with weight > 0, got {part.strip()!r}")
-        out[name.strip()] = weight
-    return out
-
-
-def _base_type(hint: Any) -> type:
-    for t in (int, float, str):
-        if hint is t or t in getattr(hint, "__args__", ()):
-            return t
-    return str

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.config import add_dataclass_cli_args, dataclass_from_cli_args, option, parse_tenant_weights
+from radixserve.options import add_dataclass_cli_args, dataclass_from_cli_args, option, parse_tenant_weights
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "deadline_aware")
 

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from radixserve.config import parse_tenant_weights
+from radixserve.options import parse_tenant_weights
 from radixserve.router.admission import NO_PRIORITY_RANK, Admission, TenantCounters
 from radixserve.router.config import RouterArgs
 from radixserve.router.fleet import Fleet

@@ -40,8 +40,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.config import ServerArgs, parse_tenant_weights
+from radixserve.config import ServerArgs
 from radixserve.mem.cache_events import CacheEvent
+from radixserve.options import parse_tenant_weights
 from radixserve.router.admission import NO_PRIORITY_RANK, AdmissionQueue, TenantCounters
 from radixserve.router.policy import (
     NoTargetMeetsDeadline,

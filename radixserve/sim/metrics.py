@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.config import parse_tenant_weights
+from radixserve.options import parse_tenant_weights
 
 
 def jain_index(values: Sequence[float]) -> float | None:

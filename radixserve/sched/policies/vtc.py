@@ -23,7 +23,7 @@ import heapq
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-from radixserve.config import parse_tenant_weights
+from radixserve.options import parse_tenant_weights
 from radixserve.sched.policies.base import PolicyContext, SchedulePolicy
 from radixserve.sched.req import Req
 
