@@ -39,6 +39,7 @@ from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import OutRow
 from radixserve.sched.req import Req
+from radixserve.sched.request_checks import check_request
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,7 @@ class Engine:
         else:
             prios = [priority] * len(ids_list)
         now = self.scheduler.clock()
+        limits = self.scheduler.limits()
         reqs = []
         for ids, sp, prio in zip(ids_list, sps, prios, strict=True):
             try:
@@ -246,6 +248,8 @@ class Engine:
                       arrival_time=now, priority=prio, eos_token_ids=tuple(self.tokenizer.stop_token_ids))
             if params is None:
                 req.to_abort = err
+            else:
+                req.to_abort = check_request(req, limits)  # what the scheduler trusts (request_checks.py)
             reqs.append(req)
         return single, reqs
 
@@ -262,7 +266,7 @@ class Engine:
                 IncrementalDetokenizer(self._decoder(sp.skip_special_tokens), sp.stop), start=time.perf_counter()
             )
             pending.add(req.rid)
-            if req.to_abort is not None:  # invalid sampling params: finish through the normal path
+            if req.to_abort is not None:  # refused where it entered: finish through the normal path
                 sched.finish(req, req.to_abort)
             else:
                 sched.add_request(req)

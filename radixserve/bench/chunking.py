@@ -18,6 +18,7 @@ from tqdm import tqdm
 from radixserve.bench.workloads import random_workload
 from radixserve.engine import Engine
 from radixserve.sched.req import Req
+from radixserve.sched.request_checks import check_request
 from radixserve.sched.sampling_params import SamplingParams
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -40,6 +41,10 @@ def probe(engine: Engine, num_short: int, long_len: int, num_long: int, seed: in
                   stream=True) for i, r in enumerate(short)]
     longs = [Req(f"l{i}", r.input_ids, SamplingParams.from_dict({**greedy, "max_new_tokens": 4}), stream=True)
              for i, r in enumerate(long)]
+    for r in [*shorts, *longs]:  # what an engine's edge does: 10,000 new tokens clipped to the context
+        err = check_request(r, sched.limits())
+        if err is not None:
+            raise ValueError(err.message)
     for r in shorts:
         sched.add_request(r)
     last: dict[str, float] = {}

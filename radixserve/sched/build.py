@@ -59,8 +59,7 @@ def build_scheduler(
 ) -> SchedulerCore:
     """A ``SchedulerCore`` over the managers and the builder ``--scheduler`` names (sglang:
     ``PrefillFirst``, unified: ``TokenBudget``)."""
-    parts = build_parts(args, runner, kv, context_len=context_len, vocab_size=vocab_size,
-                        eos_token_ids=eos_token_ids, detokenize=detokenize, clock=clock,
-                        grammar_compiler=grammar_compiler)
+    parts = build_parts(args, runner, kv, context_len=context_len, eos_token_ids=eos_token_ids,
+                        detokenize=detokenize, clock=clock, grammar_compiler=grammar_compiler)
     builder: BatchBuilder = TokenBudget(parts) if args.scheduler == "unified" else PrefillFirst(parts)
-    return SchedulerCore(parts, builder, context_len=context_len, eos_token_ids=eos_token_ids)
+    return SchedulerCore(parts, builder, context_len=context_len, vocab_size=vocab_size, eos_token_ids=eos_token_ids)

@@ -21,6 +21,7 @@ from radixserve.sched.overlap import InFlight
 from radixserve.sched.parts import BatchBuilder, SchedParts
 from radixserve.sched.policies.base import PolicyContext
 from radixserve.sched.req import Req
+from radixserve.sched.request_checks import Limits
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
 
 logger = logging.getLogger(__name__)
@@ -31,11 +32,12 @@ Command = tuple[str, str]  # ("abort", rid)
 
 @final
 class SchedulerCore:
-    def __init__(self, parts: SchedParts, builder: BatchBuilder, *, context_len: int,
+    def __init__(self, parts: SchedParts, builder: BatchBuilder, *, context_len: int, vocab_size: int | None = None,
                  eos_token_ids: Sequence[int] = ()) -> None:
         self.parts = parts
         self.builder = builder
         self.context_len = context_len
+        self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.settings = parts.settings
         self.clock = parts.clock
@@ -51,6 +53,10 @@ class SchedulerCore:
         self.cur_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
         self._idle_checked = True
+
+    def limits(self) -> Limits:
+        """What a request must fit to run here, for the edge that checks it (``request_checks``)."""
+        return Limits(self.vocab_size, self.context_len, self.kv.total_tokens)
 
     def policy_context(self) -> PolicyContext:
         return self.parts.ordering.context(self.clock())

@@ -1,8 +1,10 @@
 """``Intake``: how requests enter the waiting queue and how they leave it before they run.
 
-- ``add``: validation (the prompt, token ids, sampling parameters, the context and the KV pool),
-  the priority checks, ``--deadline-admission`` (``DeadlineAdmission``), then the queue cap. A
-  request that cannot run is finished at once with an abort that says why.
+- ``add``: the checks of the scheduler's live state: a duplicate id, the priority checks under the
+  live settings, ``--deadline-admission`` (``DeadlineAdmission``), then the queue cap. A request
+  that cannot run is finished at once with an abort that says why. Whether a request can run on
+  this engine at all (its prompt, its output budget against the context and the KV pool) was
+  checked where it entered (``request_checks.py``).
 - ``--max-queued-requests``: a full queue refuses a newcomer (429), unless priority scheduling is
   on and the newcomer is strictly more important than the least important queued request (the
   latest queued among equals): that one is aborted (429) and the newcomer queued.
@@ -26,7 +28,6 @@ from radixserve.sched.grammar_queue import GrammarQueue
 from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.output import Outputs
 from radixserve.sched.req import Req
-from radixserve.sched.sampling_params import new_token_room
 from radixserve.sched.settings import SchedSettings
 from radixserve.sched.state import Queues
 
@@ -34,7 +35,7 @@ from radixserve.sched.state import Queues
 class Intake:
     def __init__(
         self, settings: SchedSettings, queues: Queues, kv: KVManager, outputs: Outputs, deadlines: DeadlineAdmission,
-        clock: Callable[[], float], *, context_len: int, vocab_size: int | None, eos_token_ids: Sequence[int],
+        clock: Callable[[], float], *, eos_token_ids: Sequence[int],
         grammars: GrammarQueue | None = None,
     ) -> None:
         self.settings = settings
@@ -43,8 +44,6 @@ class Intake:
         self.outputs = outputs
         self.deadlines = deadlines
         self.clock = clock
-        self.context_len = context_len
-        self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.flagged: dict[Req, None] = {}  # running requests ``abort`` flagged, in order
         self.grammars = grammars if grammars is not None else GrammarQueue(None, outputs.end)
@@ -73,28 +72,7 @@ class Intake:
     def validate(self, req: Req) -> FINISH_ABORT | None:
         if req.rid in self.queues.by_rid:
             return FINISH_ABORT(f"duplicate request id {req.rid!r}", param="rid")
-        if not req.origin_input_ids:
-            return FINISH_ABORT("the prompt is empty", param="prompt")
-        if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in req.origin_input_ids):
-            return FINISH_ABORT(f"input_ids must be in [0, {self.vocab_size})", param="input_ids")
-        if req.prompt_len >= self.context_len:
-            return FINISH_ABORT(
-                f"the prompt has {req.prompt_len} tokens; this model's context is {self.context_len}",
-                code="context_length_exceeded", param="prompt",
-            )
-        # NOTE: max_new_tokens is clipped to what the context has room for, as SGLang does.
-        sp = req.sampling_params
-        sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - req.prompt_len)
-        # NOTE: the PrefillAdder admits only when prompt + max_new_tokens < free KV (SGLang's ">="
-        # refusal); a request asking for the whole pool or more would wait forever, so refuse it.
-        need = req.prompt_len + sp.max_new_tokens
-        if sp.max_new_tokens > new_token_room(req.prompt_len, self.context_len, self.kv.total_tokens):
-            return FINISH_ABORT(
-                f"prompt {req.prompt_len} + max_new_tokens {sp.max_new_tokens} = {need} tokens must be "
-                f"below the KV pool size {self.kv.total_tokens}",
-                code="context_length_exceeded", param="max_tokens",
-            )
-        spec = sp.grammar
+        spec = req.sampling_params.grammar
         if spec is not None and self.settings.args.disaggregation_mode != "null":
             return FINISH_ABORT(f"{spec[0]}: structured output does not work with prefill/decode disaggregation "
                                 "(the decode side would need the prefill side's grammar state)",

@@ -86,8 +86,7 @@ class BatchBuilder(Protocol):
 
 
 def build_parts(
-    args: ServerArgs, runner: Runner, kv: KVManager, *, context_len: int, vocab_size: int | None = None,
-    eos_token_ids: Sequence[int] = (), detokenize: Callable[[list[int]], str] | None = None,
+    args: ServerArgs, runner: Runner, kv: KVManager, *, context_len: int, eos_token_ids: Sequence[int] = (), detokenize: Callable[[list[int]], str] | None = None,
     clock: Callable[[], float] | None = None, grammar_compiler: Compiler | None = None,
 ) -> SchedParts:
     """``grammar_compiler`` (``radixserve.grammar.GrammarCompiler``): builds the matchers of
@@ -101,8 +100,7 @@ def build_parts(
     outputs = Outputs(kv, stats, queues.by_rid, clk, context_len, detokenize, hold=forward.hold)
     deadlines = DeadlineAdmission(settings, queues, kv, stats, clk)
     grammars = GrammarQueue(grammar_compiler, outputs.end)
-    intake = Intake(settings, queues, kv, outputs, deadlines, clk, context_len=context_len,
-                    vocab_size=vocab_size, eos_token_ids=eos_token_ids, grammars=grammars)
+    intake = Intake(settings, queues, kv, outputs, deadlines, clk, eos_token_ids=eos_token_ids, grammars=grammars)
     victims = ReturnedVictims()
     ordering = Ordering(settings, kv, victims, random.Random(args.random_seed))
     preemption = Preemption(settings, queues, kv, stats, outputs, ordering, victims, clk)

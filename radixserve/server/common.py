@@ -15,7 +15,8 @@ from starlette.responses import JSONResponse
 from radixserve.model.tokenizer import ChatTemplateError, Tokenizer
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import OutRow
-from radixserve.sched.sampling_params import InvalidRequest, SamplingParams, new_token_room
+from radixserve.sched.request_checks import Limits, max_new_tokens, prompt_error
+from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
 from radixserve.server.chat_protocol import ChatMessage
 from radixserve.server.io_struct import GenerateReq
 from radixserve.server.protocol import APIError
@@ -59,40 +60,27 @@ def render_chat(
         raise APIError(f"chat template error: {e}", param="messages") from None
 
 
+def limits(tm: TokenizerManager) -> Limits:
+    """What the scheduler runs requests within, as it reported at start-up."""
+    return Limits(tm.info.get("vocab_size"), tm.context_len, int(tm.info.get("max_total_num_tokens", tm.context_len + 1)))
+
+
 def check_prompt(tm: TokenizerManager, ids: list[int], param: str) -> None:
-    if not ids:
-        raise APIError("the prompt is empty", param=param)
-    vocab = tm.info.get("vocab_size")
-    if vocab is not None and any((not isinstance(t, int)) or not 0 <= t < vocab for t in ids):
-        raise APIError(f"token ids must be integers in [0, {vocab})", param=param)
-    if len(ids) >= tm.context_len:
-        raise APIError(
-            f"This model's maximum context length is {tm.context_len} tokens; the prompt has {len(ids)}.",
-            param=param, code="context_length_exceeded",
-        )
+    """The prompt checks of ``sched.request_checks`` (the scheduler trusts them), as a 400."""
+    err = prompt_error(ids, limits(tm), param)
+    if err is not None:
+        raise abort_error(err)
 
 
-def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, max_tokens: int | None, prompt_param: str) -> int:
-    """OpenAI semantics: prompt + max_tokens must fit the context (400 otherwise); no max_tokens
-    means "as many as fit" in the context and in the KV pool."""
-    if max_tokens is None:
-        pool = int(tm.info.get("max_total_num_tokens", tm.context_len + 1))
-        room = new_token_room(prompt_len, tm.context_len, pool)
-        if room < 1:
-            raise APIError(
-                f"the prompt has {prompt_len} tokens, which leaves no room for a completion in this model's "
-                f"context ({tm.context_len} tokens) and KV pool ({pool} tokens). Please reduce the prompt.",
-                param=prompt_param, code="context_length_exceeded",
-            )
-        return room
-    if prompt_len + max_tokens > tm.context_len:
-        raise APIError(
-            f"This model's maximum context length is {tm.context_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
-            "Please reduce the prompt or max_tokens.",
-            param="max_tokens", code="context_length_exceeded",
-        )
-    return max_tokens
+def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, max_tokens: int | None, prompt_param: str,
+                       clip: bool = False, param: str = "max_tokens") -> int:
+    """The output budget (``sched.request_checks.max_new_tokens``): OpenAI's endpoints refuse a
+    prompt + max_tokens over the context, the native one clips it (``clip``); none means "as many as
+    fit"; either way it must fit the KV pool. Refusals are 400s."""
+    n = max_new_tokens(prompt_len, max_tokens, limits(tm), clip=clip, prompt_param=prompt_param, param=param)
+    if isinstance(n, FINISH_ABORT):
+        raise abort_error(n)
+    return n
 
 
 def error_response(e: APIError) -> JSONResponse:

@@ -21,6 +21,7 @@ from radixserve.server.common import (
     check_prompt,
     error_response,
     parse_sampling_params,
+    resolve_max_tokens,
     sse,
     stream_error,
 )
@@ -102,6 +103,8 @@ async def _native_generate(tm: TokenizerManager, request: Request, body: Generat
             sp.setdefault("logprobs", True)
             sp.setdefault("top_logprobs_num", body.top_logprobs_num)
         params = parse_sampling_params(sp, tm.info.get("vocab_size"), openai=False)
+        params.max_new_tokens = resolve_max_tokens(tm, len(ids), params.max_new_tokens, param, clip=True,
+                                                   param="max_new_tokens")
         reqs.append(GenerateReq(rid, ids, params, body.priority, *fields, stream=bool(body.stream),
                                 bootstrap=bootstrap_fields(body, tm.args.disaggregation_mode)))
     call = Call(tm, request, abort_is_error=False)

@@ -63,6 +63,7 @@ from radixserve.sim.simulator import (
     _record,
     build_sim_scheduler,
     make_req,
+    submit,
 )
 from radixserve.sim.workload import RequestSpec
 
@@ -264,7 +265,7 @@ class Fleet:
         clock.now = max(clock.now, t)  # an idle engine jumps to the arrival that woke it
         for req in eng.pending:
             eng.live[req.rid] = req
-            sched.add_request(req)
+            submit(sched, req)
         eng.pending = []
         fwd0, fwd_cpu0 = runner.wall, runner.cpu
         t0, c0 = time.perf_counter(), time.process_time()

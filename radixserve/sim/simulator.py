@@ -27,6 +27,7 @@ from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import BatchOut
 from radixserve.sched.req import Req
+from radixserve.sched.request_checks import check_request
 from radixserve.sched.sampling_params import SamplingParams
 from radixserve.sim.cost_model import CostModel
 from radixserve.sim.workload import EOS_TOKEN_ID, RequestSpec, stream_token
@@ -123,6 +124,16 @@ def make_req(spec: RequestSpec, stream: bool = False) -> Req:
     if spec.tpot_slo_ms is not None:
         req.tpot_slo = spec.tpot_slo_ms / 1e3
     return req
+
+
+def submit(sched: SchedulerCore, req: Req) -> None:
+    """Hand ``req`` to the scheduler as an engine's edge does: checked first (``request_checks``);
+    one that cannot run here is finished at once with the reason."""
+    err = check_request(req, sched.limits())
+    if err is None:
+        sched.add_request(req)
+    else:
+        sched.finish(req, err)
 
 
 @dataclass
@@ -226,7 +237,7 @@ def run(
             req = make_req(specs[i], stream)
             live[req.rid] = req
             runner.expect(specs[i])
-            sched.add_request(req)
+            submit(sched, req)
             i += 1
         outs = step()
         if sched.cur_batch is not None:

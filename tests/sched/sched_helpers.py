@@ -9,6 +9,7 @@ from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_LENGTH
 from radixserve.sched.io import OutRow
 from radixserve.sched.req import Req
+from radixserve.sched.request_checks import check_request
 from radixserve.sched.sampling_params import SamplingParams
 from tests.fakes import expected_tokens
 
@@ -16,8 +17,18 @@ from tests.fakes import expected_tokens
 def submit(sched: SchedulerCore, rid: str, prompt: list[int], max_new: int = 8, **sp: Any) -> Req:
     eos = sp.pop("eos", ())
     req = Req(rid, prompt, SamplingParams(max_new_tokens=max_new, **sp), eos_token_ids=eos)
-    sched.add_request(req)
+    enter(sched, req)
     return req
+
+
+def enter(sched: SchedulerCore, req: Req) -> None:
+    """What an engine's edge does (``Engine.generate``, the HTTP front end): check the request
+    (``request_checks``), then queue it, or finish it at once with the refusal."""
+    err = check_request(req, sched.limits())
+    if err is None:
+        sched.add_request(req)
+    else:
+        sched.finish(req, err)
 
 
 def tokens(outs: list[OutRow]) -> dict[str, list[int]]:

@@ -1,7 +1,7 @@
-"""``Scheduler`` requests that are refused, aborted or held back by limits, driven end to end by
-``EchoRunner``: invalid input (a 4xx-style abort that never blocks others), client aborts wherever
-the request is (waiting, running, just prefilled, chunked), and the running and queued caps. Every
-test that drains checks the KV invariant (drain does)."""
+"""Requests that are refused, aborted or held back by limits, driven end to end by ``EchoRunner``:
+invalid input (refused where it enters, ``request_checks``: a 4xx-style abort that never blocks
+others), client aborts wherever the request is (waiting, running, just prefilled, chunked), and the
+running and queued caps. Every test that drains checks the KV invariant (drain does)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
 from tests.fakes import drain, expected_tokens, make_scheduler
-from tests.sched.sched_helpers import assert_exact, finals, prompt, submit, tokens
+from tests.sched.sched_helpers import assert_exact, enter, finals, prompt, submit, tokens
 
 # --- invalid requests ------------------------------------------------------------------------
 
@@ -32,8 +32,8 @@ def test_bad_input_is_aborted_and_never_blocks_others(build: Any, param: str, co
     sched, runner, kv = make_scheduler(context_len=32)
     good = submit(sched, "good", prompt(15, 5), 6)
     bad = build()
-    sched.add_request(bad)
-    assert bad.finished() and bad.req_pool_idx is None
+    enter(sched, bad)  # refused where it enters; the scheduler never queues it
+    assert bad.finished() and bad.req_pool_idx is None and "bad" not in sched.queues.by_rid
     good2 = submit(sched, "good2", prompt(16, 4), 6)
     outs = drain(sched)
     fin = finals(outs)

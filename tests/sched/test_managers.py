@@ -11,6 +11,7 @@ from radixserve.sched.build import build_kv
 from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from radixserve.sched.parts import SchedParts, build_parts
 from radixserve.sched.req import Req
+from radixserve.sched.request_checks import Limits, check_request, max_new_tokens
 from radixserve.sched.sampling_params import SamplingParams
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
 from tests.fakes import EchoRunner, expected_tokens
@@ -21,7 +22,7 @@ def parts(pool_tokens: int = 128, max_reqs: int = 4, **kw: Any) -> tuple[SchedPa
     args = ServerArgs(**kw)
     kv = build_kv(args, pool_tokens, 64, max_reqs=max_reqs)
     now = [0.0]
-    p = build_parts(args, EchoRunner(kv.req_to_token_pool), kv, context_len=64, vocab_size=1000,
+    p = build_parts(args, EchoRunner(kv.req_to_token_pool), kv, context_len=64,
                     eos_token_ids=[0], clock=lambda: now[0])
     return p, now
 
@@ -58,25 +59,35 @@ def run(p: SchedParts, batch: ScheduleBatch) -> None:
 
 
 # --- Intake --------------------------------------------------------------------------------------
-def test_intake_refuses_what_cannot_run_and_queues_the_rest() -> None:
+def test_intake_queues_what_the_edge_checked_and_refuses_only_on_live_state() -> None:
+    """The prompt, the vocabulary, the context and the KV pool are the edge's checks
+    (``request_checks``): the intake trusts them and refuses only what its live state says."""
     p, _ = parts(pool_tokens=64)
     ok = req("ok")
     assert p.intake.add(ok) and p.queues.waiting == [ok] and p.queues.by_rid == {"ok": ok}
-    refused = {
-        "dup": req("ok"),  # a duplicate id: the original stays
-        "empty": Req("empty", [], SamplingParams(max_new_tokens=4)),
-        "vocab": Req("vocab", [5, 1000], SamplingParams(max_new_tokens=4)),
-        "context": req("context", n=64),
-        "pool": req("pool", n=40, max_new=24),  # 64 tokens: not below the 64-slot pool
-    }
-    for r in refused.values():
-        assert not p.intake.add(r)
-    rows = {o.rid: o for o in p.outputs.take()}
-    assert set(rows) == {"ok", "empty", "vocab", "context", "pool"}  # the duplicate's row carries rid "ok"
-    params = {rid: o.finished_reason.param for rid, o in rows.items() if isinstance(o.finished_reason, FINISH_ABORT)}
-    assert params == {"ok": "rid", "empty": "prompt", "vocab": "input_ids", "context": "prompt", "pool": "max_tokens"}
-    assert p.queues.waiting == [ok] and p.queues.by_rid == {"ok": ok}
     assert ok.eos_token_ids == frozenset({0})  # the model's stop tokens, where the request named none
+    assert not p.intake.add(req("ok"))  # a duplicate id: the original stays
+    (row,) = p.outputs.take()
+    assert isinstance(row.finished_reason, FINISH_ABORT) and row.finished_reason.param == "rid"
+    assert p.queues.waiting == [ok] and p.queues.by_rid == {"ok": ok}
+
+
+def test_the_edge_checks_refuse_what_cannot_run_here_and_clip_the_output_budget() -> None:
+    limits = Limits(vocab_size=1000, context_len=64, pool_tokens=64)
+    refused = {
+        "empty": (Req("empty", [], SamplingParams(max_new_tokens=4)), "prompt"),
+        "vocab": (Req("vocab", [5, 1000], SamplingParams(max_new_tokens=4)), "input_ids"),
+        "context": (req("context", n=64), "prompt"),
+        "pool": (req("pool", n=40, max_new=24), "max_tokens"),  # 40 + 24 = 64: not below the 64-slot pool
+    }
+    for r, param in refused.values():
+        err = check_request(r, limits)
+        assert isinstance(err, FINISH_ABORT) and err.param == param and err.status_code == 400
+    clipped = req("clipped", n=40, max_new=500)
+    assert check_request(clipped, Limits(1000, 50, 4096)) is None and clipped.max_new_tokens == 10
+    assert max_new_tokens(40, None, limits) == 23  # none asked: as many as fit
+    strict = max_new_tokens(40, 30, limits, clip=False, param="max_tokens")  # OpenAI's rule: refuse
+    assert isinstance(strict, FINISH_ABORT) and strict.code == "context_length_exceeded"
 
 
 def test_intake_queue_cap_gives_a_more_important_newcomer_the_least_important_place() -> None:
