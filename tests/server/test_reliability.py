@@ -53,17 +53,17 @@ def test_clamp_lengths_caps_only_in_range_values() -> None:
 
 
 def test_soak_short(shared_server: ServerProcess, tmp_path: Path) -> None:
-    """~200 requests: every fate ends as it should, the pools are back to idle sizes (checked by the
+    """120 requests: every fate ends as it should, the pools are back to idle sizes (checked by the
     command, and again here), RSS is read at each phase (its growth limit is for long runs)."""
     code, rep = _run(tmp_path / "soak.json", "bench", "soak", "--base-url", shared_server.url,
-                     "--num-requests", "180", "--warmup", "20", "--concurrency", "8", "--max-output-len", "3",
+                     "--num-requests", "110", "--warmup", "10", "--concurrency", "8", "--max-output-len", "3",
                      "--max-prompt-len", "96", "--abort-frac", "0.1", "--disconnect-frac", "0.1",
                      "--invalid-frac", "0.1", "--max-rss-growth", "1000", "--seed", "3")
     assert rep["ok"], rep["problems"]
     outcomes = rep["outcomes"]
     assert not any(k.endswith("failed") for k in outcomes), outcomes
-    assert sum(outcomes.values()) == 200
-    assert outcomes.get("normal: ok", 0) > 100 and outcomes.get("invalid: refused", 0) > 5
+    assert sum(outcomes.values()) == 120
+    assert outcomes.get("normal: ok", 0) > 60 and outcomes.get("invalid: refused", 0) > 5
     assert outcomes.get("abort: aborted", 0) > 5 and outcomes.get("disconnect: disconnected", 0) > 5
     assert all(rep["rss_mb"][k] and set(rep["rss_mb"][k]) >= {"http", "scheduler", "detokenizer"}
                for k in ("start", "after_warmup", "end"))
