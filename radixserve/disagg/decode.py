@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import zmq
@@ -40,13 +41,21 @@ class _Room:
 
 @dataclass
 class Arrived:
-    """A room whose KV is in the radix cache (pinned by ``hold``) or that failed (``error``)."""
+    """A room whose KV is in the radix cache (pinned by ``hold``) or that failed (``error`` says why,
+    ``failure`` what kind of failure it was)."""
 
     payload: Any
     first_token: int = -1
     logprob: float | None = None
     hold: Any = None
     error: str = ""
+    failure: RoomFailure | None = None
+
+
+class RoomFailure(Enum):
+    PREFILL_FAILED = "prefill_failed"  # the prefill worker reported an error for the room
+    BAD_TRANSFER = "bad_transfer"  # the KV that came does not fit the room
+    TIMED_OUT = "timed_out"  # no KV within --disaggregation-timeout-secs
 
 
 @dataclass
@@ -109,7 +118,8 @@ class DecodeRooms:
             if hdr.error:
                 self._drop(hdr.room)
                 self.stats.rooms_failed += 1
-                out.append(Arrived(r.payload, error=f"prefill worker failed: {hdr.error}"))
+                out.append(Arrived(r.payload, error=f"prefill worker failed: {hdr.error}",
+                                   failure=RoomFailure.PREFILL_FAILED))
                 continue
             try:
                 n = hdr.num_tokens
@@ -120,7 +130,7 @@ class DecodeRooms:
                 self._drop(hdr.room)
                 self.stats.rooms_failed += 1
                 self.rx.ack(r.bootstrap, hdr.room, False, str(e))
-                out.append(Arrived(r.payload, error=f"bad KV transfer: {e}"))
+                out.append(Arrived(r.payload, error=f"bad KV transfer: {e}", failure=RoomFailure.BAD_TRANSFER))
                 continue
             del self.rooms[hdr.room]
             self.rx.ack(r.bootstrap, hdr.room, True)
@@ -136,7 +146,8 @@ class DecodeRooms:
             self._drop(room)
             self.stats.rooms_timed_out += 1
             out.append(Arrived(r.payload, error=f"no KV from the prefill worker at {r.bootstrap} for "
-                                                f"bootstrap_room {room} within {self.timeout_s:g}s"))
+                                                f"bootstrap_room {room} within {self.timeout_s:g}s",
+                               failure=RoomFailure.TIMED_OUT))
         return out
 
     def _drop(self, room: int) -> None:

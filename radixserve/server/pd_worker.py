@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from radixserve.config import ServerArgs
-from radixserve.disagg.decode import DecodeRooms, NoKVRoom
+from radixserve.disagg.decode import DecodeRooms, NoKVRoom, RoomFailure
 from radixserve.disagg.prefill import PrefillRooms
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
@@ -91,8 +91,8 @@ class PDWorker:
         outs = BatchOut()
         for a in self.decode.poll():
             req: Req = a.payload
-            if a.error:
-                status = 504 if "within" in a.error else 502
+            if a.failure is not None:
+                status = 504 if a.failure is RoomFailure.TIMED_OUT else 502
                 outs.extend(_abort(req, a.error, status, "disaggregation_error"))
                 continue
             req.output_ids = [a.first_token]
