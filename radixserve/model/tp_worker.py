@@ -6,7 +6,7 @@ These ranks hold no scheduler and no requests: rank 0 decides every step and sen
 sample either; only their share of the collectives leaves them.
 
 ``spawn_tp_ranks`` starts them as processes of this machine (the in-process ``Engine``); the server
-starts them as its children (server/tp_worker_proc.py).
+starts them as its children (server/scheduler/tp_worker_proc.py).
 """
 
 from __future__ import annotations

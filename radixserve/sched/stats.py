@@ -1,6 +1,6 @@
 """The scheduler's counters: ``SchedStats`` (totals and logs of recent forwards) and
 ``ClassCounters`` (preemptions, retractions and starved requests by priority and tenant), exported
-by ``/metrics`` (``server/metrics.py``).
+by ``/metrics`` (``server/frontend/metrics.py``).
 
 A class is ``(priority, tenant)`` as labels: the priority the client sent (``""`` when it sent
 none, whatever default the scheduler then gave it, so the labels match the per-class histograms of

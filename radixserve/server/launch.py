@@ -34,9 +34,9 @@ from radixserve.config import ServerArgs
 from radixserve.model.loader import resolve_model_path
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.detokenizer_proc import run_detokenizer_process
-from radixserve.server.http_server import create_app, pid_map
+from radixserve.server.frontend.http_server import create_app, pid_map
+from radixserve.server.frontend.tokenizer_manager import TokenizerManager
 from radixserve.server.procs import IpcNames, setup_logging
-from radixserve.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,9 @@ def _tp_args(args: ServerArgs) -> ServerArgs:
 
 def _tp_ranks(args: ServerArgs, parent: int, ipc: IpcNames | None) -> list[tuple[str, Any, tuple[Any, ...]]]:
     """This node's tensor-parallel ranks but rank 0 (the scheduler process, on node 0)."""
-    from radixserve.server.tp_worker_proc import run_tp_worker_process  # torch: the children's, not ours
+    from radixserve.server.scheduler.tp_worker_proc import (
+        run_tp_worker_process,  # torch: the children's, not ours
+    )
 
     per_node = args.tp_ranks_per_node
     first = args.node_rank * per_node
@@ -199,7 +201,7 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
 
     app = create_app(tm, model_path, pid_map(procs))
     # NOTE: h11 always, not httptools when it happens to be installed: how an HTTP/2 preface is
-    # parsed (and so refused, see server/guard.py) must not depend on the environment
+    # parsed (and so refused, see server/frontend/guard.py) must not depend on the environment
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level == "debug", timeout_graceful_shutdown=3,
                             timeout_keep_alive=5, http="h11")
@@ -265,8 +267,8 @@ def _children(args: ServerArgs, ipc: IpcNames, parent: int) -> list[tuple[str, A
     """(name, entry point, its arguments) of every child process. With ``--dp-size N``: the
     controller and N scheduler ranks, each with its share of the CPU threads. The process modules
     are imported here: they import torch, which this (HTTP) process never needs."""
-    from radixserve.server.dp_controller import run_dp_controller_process
-    from radixserve.server.scheduler_proc import run_scheduler_process
+    from radixserve.server.scheduler.dp_controller import run_dp_controller_process
+    from radixserve.server.scheduler.scheduler_proc import run_scheduler_process
 
     detok = ("detokenizer", run_detokenizer_process, (args, ipc, parent))
     if args.dp_size == 1:

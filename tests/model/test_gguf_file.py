@@ -151,7 +151,7 @@ def test_a_missing_file_is_a_value_error(tmp_path: Path) -> None:
 def test_the_front_end_processes_never_import_torch() -> None:
     code = (
         "import sys\n"
-        "import radixserve.cli, radixserve.server.launch, radixserve.server.detokenizer_proc, radixserve.server.http_server\n"
+        "import radixserve.cli, radixserve.server.launch, radixserve.server.detokenizer_proc, radixserve.server.frontend.http_server\n"
         "from radixserve.model.tokenizer import Tokenizer\n"
         "from radixserve.model.loader import load_config\n"
         "Tokenizer.from_model_path(None); load_config(None)\n"

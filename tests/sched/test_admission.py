@@ -93,8 +93,8 @@ def test_the_http_default_max_tokens_is_one_the_scheduler_admits(context_len: in
     the pool holds, refused whenever the pool was not larger than the context)."""
     from types import SimpleNamespace
 
-    from radixserve.server.common import resolve_max_tokens
-    from radixserve.server.protocol import APIError
+    from radixserve.server.frontend.common import resolve_max_tokens
+    from radixserve.server.frontend.protocol import APIError
 
     tm: Any = SimpleNamespace(context_len=context_len, info={"max_total_num_tokens": pool_tokens})
     sched, runner, kv = make_scheduler(context_len=context_len, pool_tokens=pool_tokens)

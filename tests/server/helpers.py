@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 
 from radixserve.config import ServerArgs
-from radixserve.server.dashboard import RecentRequests, rank_snapshot
+from radixserve.server.frontend.recent_requests import RecentRequests
+from radixserve.server.scheduler.dashboard_state import rank_snapshot
 from tests.fakes import make_scheduler
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

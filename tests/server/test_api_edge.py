@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from radixserve.bench.fuzz import FIELDS, mutate
-from radixserve.server.chat_protocol import ChatCompletionRequest
-from radixserve.server.protocol import CompletionRequest, GenerateRequest
-from radixserve.server.responses_protocol import ResponsesRequest
+from radixserve.server.frontend.chat_protocol import ChatCompletionRequest
+from radixserve.server.frontend.protocol import CompletionRequest, GenerateRequest
+from radixserve.server.frontend.responses_protocol import ResponsesRequest
 from tests.server.helpers import API_KEY, REPO, ServerProcess, assert_memory_ok, started, wait_idle
 
 pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)

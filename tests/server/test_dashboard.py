@@ -143,7 +143,7 @@ def _serve_fake(api_key: str | None) -> Iterator[str]:
     """The real app over a fake scheduler (``fake_dashboard_tm``), served by uvicorn in a thread."""
     import uvicorn
 
-    from radixserve.server.http_server import create_app
+    from radixserve.server.frontend.http_server import create_app
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(fake_dashboard_tm(api_key), "fake-model", {}),

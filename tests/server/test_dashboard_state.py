@@ -11,8 +11,9 @@ import aiohttp
 import httpx
 import pytest
 
-from radixserve.server.dashboard import RecentRequests, percentiles, rank_snapshot
-from radixserve.server.http_server import create_app
+from radixserve.server.frontend.http_server import create_app
+from radixserve.server.frontend.recent_requests import RecentRequests, percentiles
+from radixserve.server.scheduler.dashboard_state import rank_snapshot
 from tests.fakes import drain, make_scheduler
 from tests.router.router_helpers import run
 from tests.sched.policy_helpers import submit

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from radixserve.server.dp_controller import DPBalancer
 from radixserve.server.io_struct import RankLoad
+from radixserve.server.scheduler.dp_controller import DPBalancer
 from tests.server.helpers import ServerProcess, assert_memory_ok, pid_alive, wait_idle
 
 pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from radixserve.server.reasoning import FORMATS, ReasoningSplitter, split_reasoning
+from radixserve.server.frontend.reasoning import FORMATS, ReasoningSplitter, split_reasoning
 from tests.server.helpers import ServerProcess
 
 QWEN3, R1 = FORMATS["qwen3"], FORMATS["deepseek-r1"]

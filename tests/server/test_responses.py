@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from radixserve.router.router import Router
-from radixserve.server.protocol import APIError
-from radixserve.server.responses_api import ResponseStore
-from radixserve.server.responses_protocol import ResponsesRequest, chat_body, input_messages
+from radixserve.server.frontend.protocol import APIError
+from radixserve.server.frontend.responses_api import ResponseStore
+from radixserve.server.frontend.responses_protocol import ResponsesRequest, chat_body, input_messages
 from tests.server.helpers import ServerProcess
 
 ADD = {"type": "function", "name": "add", "description": "Add two integers",

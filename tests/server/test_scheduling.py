@@ -91,8 +91,8 @@ def test_preemption_retraction_and_starvation_counters_by_class() -> None:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from radixserve.server.metrics import ServerMetrics
-    from radixserve.server.scheduler_proc import SchedulerServer
+    from radixserve.server.frontend.metrics import ServerMetrics
+    from radixserve.server.scheduler.scheduler_proc import SchedulerServer
     from tests.fakes import drain, make_scheduler
     from tests.sched.policy_helpers import prompt, submit
 

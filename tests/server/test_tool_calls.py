@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from radixserve.grammar import validate_grammar
-from radixserve.server.tool_calls import PARSERS, StreamedAnswer, parse_tool_calls, tool_grammar
+from radixserve.server.frontend.tool_calls import PARSERS, StreamedAnswer, parse_tool_calls, tool_grammar
 from tests.server.helpers import ServerProcess
 
 NAMES = {"get_weather", "add"}

@@ -31,7 +31,6 @@ from radixserve.sched.core import SchedulerCore, calm_garbage_collector
 from radixserve.sched.io import BatchOut
 from radixserve.sched.req import Req
 from radixserve.server.cache_events import CacheEventPublisher, bind_endpoint
-from radixserve.server.dashboard import rank_snapshot
 from radixserve.server.io_struct import (
     ENCODER,
     AbortReq,
@@ -45,8 +44,9 @@ from radixserve.server.io_struct import (
     ToScheduler,
     decoder,
 )
-from radixserve.server.pd_worker import PDWorker
 from radixserve.server.procs import IpcNames, child_init, parent_alive, pull_socket, push_socket
+from radixserve.server.scheduler.dashboard_state import rank_snapshot
+from radixserve.server.scheduler.pd_worker import PDWorker
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class SchedulerServer:
         self._tp_tokens = 0
         self._gen_throughput = 0.0
         self._stop = False
-        # --disaggregation-mode prefill|decode: the bootstrap / KV transfer side (server/pd_worker.py)
+        # --disaggregation-mode prefill|decode: the bootstrap / KV transfer side (server/scheduler/pd_worker.py)
         self.pd = PDWorker.create(args, scheduler, recv_sock.context, dp_rank)
 
     # --- event-loop callables ------------------------------------------------------------------

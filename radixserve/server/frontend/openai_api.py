@@ -23,9 +23,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.sched.io import OutRow
-from radixserve.server.chat_protocol import ChatCompletionRequest
-from radixserve.server.chat_run import ChatRun, ChoiceDeltas
-from radixserve.server.common import (
+from radixserve.server.frontend.chat_protocol import ChatCompletionRequest
+from radixserve.server.frontend.chat_run import ChatRun, ChoiceDeltas
+from radixserve.server.frontend.common import (
     SSE_DONE,
     SSE_HEADERS,
     Call,
@@ -36,14 +36,14 @@ from radixserve.server.common import (
     sse,
     stream_error,
 )
+from radixserve.server.frontend.pd_fields import bootstrap_fields
+from radixserve.server.frontend.protocol import APIError, CompletionRequest, parse_body, unsupported
+from radixserve.server.frontend.reasoning import FORMATS, ReasoningFormat, split_reasoning
+from radixserve.server.frontend.req_state import ReqState
+from radixserve.server.frontend.sched_fields import SchedFields, sched_fields
+from radixserve.server.frontend.tokenizer_manager import ClientGone, TokenizerManager
+from radixserve.server.frontend.tool_calls import parse_tool_calls, tool_grammar, tools_system_prompt
 from radixserve.server.io_struct import GenerateReq
-from radixserve.server.pd_fields import bootstrap_fields
-from radixserve.server.protocol import APIError, CompletionRequest, parse_body, unsupported
-from radixserve.server.reasoning import FORMATS, ReasoningFormat, split_reasoning
-from radixserve.server.req_state import ReqState
-from radixserve.server.sched_fields import SchedFields, sched_fields
-from radixserve.server.tokenizer_manager import ClientGone, TokenizerManager
-from radixserve.server.tool_calls import parse_tool_calls, tool_grammar, tools_system_prompt
 
 
 class OpenAIServing:

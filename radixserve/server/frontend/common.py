@@ -17,17 +17,17 @@ from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import OutRow
 from radixserve.sched.request_checks import Limits, max_new_tokens, prompt_error
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
-from radixserve.server.chat_protocol import ChatMessage
-from radixserve.server.io_struct import GenerateReq
-from radixserve.server.protocol import APIError
-from radixserve.server.tokenizer_manager import (
+from radixserve.server.frontend.chat_protocol import ChatMessage
+from radixserve.server.frontend.protocol import APIError
+from radixserve.server.frontend.tokenizer_manager import (
     ClientGone,
     ReqState,
     RequestGroup,
     ServerDead,
     TokenizerManager,
 )
-from radixserve.server.tool_calls import inline_tool_calls
+from radixserve.server.frontend.tool_calls import inline_tool_calls
+from radixserve.server.io_struct import GenerateReq
 
 # SamplingParams field -> the OpenAI parameter a client wrote
 _OPENAI_PARAM = {"max_new_tokens": "max_tokens", "top_logprobs_num": "top_logprobs", "json_schema": "response_format",

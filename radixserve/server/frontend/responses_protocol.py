@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field
 
-from radixserve.server.protocol import (
+from radixserve.server.frontend.protocol import (
     _OPENAI_EXTRA,
     INT64_MAX,
     INT64_MIN,

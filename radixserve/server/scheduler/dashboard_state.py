@@ -1,36 +1,20 @@
-"""What the live dashboard (``GET /dashboard``) shows, and where each figure comes from (the
-routes are in ``http_server.py``; the page in ``radixserve/dashboard/static``).
-
-``GET /dashboard/state`` answers everything the page draws in one call:
-
-- per data-parallel rank, ``rank_snapshot``: built by the scheduler process between two steps (the
-  ``dashboard`` control op, like ``get_load``), from counters the scheduler keeps anyway
-  (``SchedStats``, its ring of recent step compositions, the radix cache's eviction counters) and
-  one pass over the unfinished requests to group them by class. That pass costs O(requests) once
-  per poll (about once a second per open page), never per step;
-- ``requests``: TTFT and TPOT of the last ``RECENT_REQUESTS`` finished requests, kept by the HTTP
-  process as their last output passes through (``RecentRequests``), so the scheduler does nothing
-  for them.
-
-``/dashboard`` and its static files are public (they hold no data); ``/dashboard/state`` is behind
-``--api-key`` like every other endpoint, and the page sends the key it finds in its URL
-(docs/dashboard.md).
+"""What the live dashboard shows of one scheduler (data-parallel rank): ``rank_snapshot``, built by
+the scheduler process between two steps when asked (the ``dashboard`` control op, like
+``get_load``), from counters the scheduler keeps anyway (``SchedStats``, its ring of recent step
+compositions, the radix cache's eviction counters) and one pass over the unfinished requests to
+group them by class. That pass costs O(requests) once per poll (about once a second per open
+page), never per step. The HTTP side of the dashboard is ``frontend/recent_requests.py`` and the
+routes ``frontend/admin_api.py``; the page is in ``radixserve/dashboard/static`` (docs/dashboard.md).
 """
 
 from __future__ import annotations
 
-import math
-import time
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # (the HTTP process needs only RecentRequests: no scheduler imports there)
+if TYPE_CHECKING:
     from radixserve.sched.core import SchedulerCore
-    from radixserve.sched.io import OutRow
     from radixserve.sched.req import Req
-    from radixserve.server.req_state import ReqState
 
-RECENT_REQUESTS = 100  # finished requests whose TTFT / TPOT the page plots
 MAX_TENANT_ROWS = 20  # tenants listed by name per table; the rest are summed as "other"
 
 
@@ -99,41 +83,3 @@ def rank_snapshot(sched: SchedulerCore, dp_rank: int = 0) -> dict[str, Any]:
         # oldest first: [mode, requests, prefill tokens, decode tokens, seconds]
         "steps": [list(s) for s in st.recent_steps],
     }
-
-
-class RecentRequests:
-    """TTFT and TPOT of the last ``size`` finished requests (aborted ones are counted, not kept)."""
-
-    def __init__(self, size: int = RECENT_REQUESTS) -> None:
-        self.rows: deque[tuple[float, float, float | None, int, int]] = deque(maxlen=size)
-        self.aborted = 0
-
-    def add(self, st: ReqState, last: OutRow, now: float) -> None:
-        """``st`` finished with ``last`` at ``now`` (perf_counter, as ``st.created``)."""
-        if (last.finished_reason is not None and last.finished_reason.is_abort) or st.ttft is None:
-            self.aborted += 1
-            return
-        n = last.completion_tokens
-        tpot = (now - st.created - st.ttft) / (n - 1) if n > 1 else None
-        self.rows.append((time.time(), st.ttft, tpot, last.prompt_tokens, n))
-
-    def summary(self) -> dict[str, Any]:
-        rows = list(self.rows)
-        ttfts = [r[1] for r in rows]
-        tpots = [r[2] for r in rows if r[2] is not None]
-        return {"aborted": self.aborted, "count": len(rows),
-                "ttft": percentiles(ttfts), "tpot": percentiles(tpots),
-                # oldest first: [finished at (unix s), ttft s, tpot s or null, prompt tokens, output tokens]
-                "recent": [list(r) for r in rows]}
-
-
-def percentiles(xs: list[float]) -> dict[str, float | None]:
-    """p50 / p90 / p99 / max by the nearest rank (None when empty)."""
-    if not xs:
-        return {"p50": None, "p90": None, "p99": None, "max": None}
-    s = sorted(xs)
-
-    def rank(p: float) -> float:
-        return s[max(0, math.ceil(len(s) * p / 100) - 1)]
-
-    return {"p50": rank(50), "p90": rank(90), "p99": rank(99), "max": s[-1]}

@@ -16,7 +16,7 @@ from radixserve.sched.io import OutRow
 from radixserve.server.io_struct import SchedulerStats
 
 if TYPE_CHECKING:
-    from radixserve.server.req_state import ReqState
+    from radixserve.server.frontend.req_state import ReqState
 
 PREFIX = "radixserve:"
 MAX_TENANT_LABELS = 100

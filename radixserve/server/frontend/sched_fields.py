@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from radixserve.server.protocol import APIError
+from radixserve.server.frontend.protocol import APIError
 
 
 def _ms(value: Any, param: str) -> float | None:

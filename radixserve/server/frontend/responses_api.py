@@ -27,15 +27,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from radixserve.server.chat_protocol import ChatCompletionRequest
-from radixserve.server.chat_run import ChatRun, ChoiceDeltas
-from radixserve.server.common import SSE_HEADERS, dead_error
-from radixserve.server.openai_api import OpenAIServing, _usage
-from radixserve.server.protocol import APIError, parse_body, unsupported
-from radixserve.server.req_state import ReqState
-from radixserve.server.responses_protocol import STORE_SIZE, ResponsesRequest, chat_body
-from radixserve.server.tokenizer_manager import ClientGone, ServerDead
-from radixserve.server.tool_calls import ToolCall
+from radixserve.server.frontend.chat_protocol import ChatCompletionRequest
+from radixserve.server.frontend.chat_run import ChatRun, ChoiceDeltas
+from radixserve.server.frontend.common import SSE_HEADERS, dead_error
+from radixserve.server.frontend.openai_api import OpenAIServing, _usage
+from radixserve.server.frontend.protocol import APIError, parse_body, unsupported
+from radixserve.server.frontend.req_state import ReqState
+from radixserve.server.frontend.responses_protocol import STORE_SIZE, ResponsesRequest, chat_body
+from radixserve.server.frontend.tokenizer_manager import ClientGone, ServerDead
+from radixserve.server.frontend.tool_calls import ToolCall
 
 
 class ResponseStore:

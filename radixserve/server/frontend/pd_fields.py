@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixserve.server.frontend.protocol import APIError
 from radixserve.server.io_struct import Bootstrap
-from radixserve.server.protocol import APIError
 
 
 def bootstrap_fields(body: Any, mode: str) -> Bootstrap | None:

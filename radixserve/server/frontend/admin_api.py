@@ -1,6 +1,6 @@
 """The admin and observability routes: server and model info (SGLang's names and their short
 aliases), ``/flush_cache``, ``/abort_request``, ``/set_schedule_policy``, ``/get_load``,
-``/debug/memory``, ``/metrics`` and the live dashboard (``server/dashboard.py``, docs/dashboard.md).
+``/debug/memory``, ``/metrics`` and the live dashboard (``scheduler/dashboard_state.py``, ``recent_requests.py``, docs/dashboard.md).
 With ``--dp-size N`` every rank answers and the answers are merged."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from starlette.responses import JSONResponse, Response
 
 from radixserve import dashboard
 from radixserve.server.cache_events import advertised_endpoints
-from radixserve.server.common import error_response
-from radixserve.server.protocol import AbortRequest, APIError, SchedulePolicyRequest, parse_body
-from radixserve.server.tokenizer_manager import TokenizerManager
+from radixserve.server.frontend.common import error_response
+from radixserve.server.frontend.protocol import AbortRequest, APIError, SchedulePolicyRequest, parse_body
+from radixserve.server.frontend.tokenizer_manager import TokenizerManager
 
 
 def add_admin_routes(app: FastAPI, tm: TokenizerManager, model_path: str, pids: dict[str, int], version: str) -> None:
@@ -132,7 +132,7 @@ def _control_routes(app: FastAPI, tm: TokenizerManager) -> None:
 
 
 def _dashboard_routes(app: FastAPI, tm: TokenizerManager, model_path: str, version: str) -> None:
-    """The live dashboard's page, its assets and the state it polls (server/dashboard.py)."""
+    """The live dashboard's page, its assets and the state it polls (``recent_requests.py``, ``scheduler/dashboard_state.py``)."""
     started = time.time()
 
     @app.get("/dashboard")

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.sched.sampling_params import SamplingParams
-from radixserve.server.common import (
+from radixserve.server.frontend.common import (
     SSE_DONE,
     SSE_HEADERS,
     Call,
@@ -25,12 +25,12 @@ from radixserve.server.common import (
     sse,
     stream_error,
 )
+from radixserve.server.frontend.pd_fields import bootstrap_fields
+from radixserve.server.frontend.protocol import APIError, GenerateRequest, parse_body
+from radixserve.server.frontend.req_state import ReqState
+from radixserve.server.frontend.sched_fields import sched_fields
+from radixserve.server.frontend.tokenizer_manager import ClientGone, TokenizerManager
 from radixserve.server.io_struct import GenerateReq
-from radixserve.server.pd_fields import bootstrap_fields
-from radixserve.server.protocol import APIError, GenerateRequest, parse_body
-from radixserve.server.req_state import ReqState
-from radixserve.server.sched_fields import sched_fields
-from radixserve.server.tokenizer_manager import ClientGone, TokenizerManager
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 

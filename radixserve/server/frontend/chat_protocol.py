@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from radixserve.server.protocol import (
+from radixserve.server.frontend.protocol import (
     _CHAT_UNSUPPORTED,
     INT64_MAX,
     APIError,

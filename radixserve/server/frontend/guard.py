@@ -4,7 +4,7 @@
 - with ``--api-key``, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``
   (``/openapi.json`` included), or
   ``X-API-Key``, except the dashboard's page and static files, which hold no data: the page
-  sends the key with its ``/dashboard/state`` calls (server/dashboard.py); with
+  sends the key with its ``/dashboard/state`` calls (docs/dashboard.md); with
   ``--admin-api-key``, ``/flush_cache``, ``/abort_request`` and ``/set_schedule_policy`` want that
   key instead (radixserve/auth.py);
 - a request body over ``--max-request-body-bytes`` gets a 413: at once from its Content-Length,
@@ -19,7 +19,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.auth import Access
-from radixserve.server.protocol import APIError
+from radixserve.server.frontend.protocol import APIError
 
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
 

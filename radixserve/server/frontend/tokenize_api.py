@@ -15,10 +15,10 @@ from fastapi import FastAPI
 from pydantic import Field
 from starlette.requests import Request
 
-from radixserve.server.chat_protocol import ChatMessage, check_template_kwargs
-from radixserve.server.common import render_chat
-from radixserve.server.protocol import APIError, _Body, parse_body, unsupported
-from radixserve.server.tokenizer_manager import TokenizerManager
+from radixserve.server.frontend.chat_protocol import ChatMessage, check_template_kwargs
+from radixserve.server.frontend.common import render_chat
+from radixserve.server.frontend.protocol import APIError, _Body, parse_body, unsupported
+from radixserve.server.frontend.tokenizer_manager import TokenizerManager
 
 
 class TokenizeRequest(_Body):

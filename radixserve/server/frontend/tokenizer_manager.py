@@ -26,7 +26,9 @@ import zmq.asyncio
 from radixserve.config import ServerArgs
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.sched.io import BatchOut, OutRow
-from radixserve.server.dashboard import RecentRequests
+from radixserve.server.frontend.metrics import ServerMetrics
+from radixserve.server.frontend.recent_requests import RecentRequests
+from radixserve.server.frontend.req_state import ReqState
 from radixserve.server.io_struct import (
     ENCODER,
     AbortReq,
@@ -39,9 +41,7 @@ from radixserve.server.io_struct import (
     ToTokenizerManager,
     decoder,
 )
-from radixserve.server.metrics import ServerMetrics
 from radixserve.server.procs import IpcNames
-from radixserve.server.req_state import ReqState
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI endpoints, SGLang's native ones, admin and metrics.
 
-Plain ASGI in front of the app (HTTP/2 probes, API keys, the body limit): server/guard.py.
+Plain ASGI in front of the app (HTTP/2 probes, API keys, the body limit): server/frontend/guard.py.
 
 ``/openapi.json`` documents every route; the bodies the handlers parse themselves (``parse_body``,
 so that errors keep OpenAI's shape) get their pydantic models' schemas (``_BODIES``).
@@ -24,26 +24,26 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
 from radixserve.auth import Access
-from radixserve.server.admin_api import add_admin_routes
-from radixserve.server.chat_protocol import ChatCompletionRequest
-from radixserve.server.common import (
+from radixserve.server.frontend.admin_api import add_admin_routes
+from radixserve.server.frontend.chat_protocol import ChatCompletionRequest
+from radixserve.server.frontend.common import (
     dead_error,
     error_response,
 )
-from radixserve.server.guard import DEFAULT_MAX_BODY, Guard
-from radixserve.server.native_api import add_native_routes
-from radixserve.server.openai_api import OpenAIServing
-from radixserve.server.protocol import (
+from radixserve.server.frontend.guard import DEFAULT_MAX_BODY, Guard
+from radixserve.server.frontend.native_api import add_native_routes
+from radixserve.server.frontend.openai_api import OpenAIServing
+from radixserve.server.frontend.protocol import (
     AbortRequest,
     APIError,
     CompletionRequest,
     GenerateRequest,
     SchedulePolicyRequest,
 )
-from radixserve.server.responses_api import ResponsesServing
-from radixserve.server.responses_protocol import ResponsesRequest
-from radixserve.server.tokenize_api import DetokenizeRequest, TokenizeRequest, add_tokenize_routes
-from radixserve.server.tokenizer_manager import ServerDead, TokenizerManager
+from radixserve.server.frontend.responses_api import ResponsesServing
+from radixserve.server.frontend.responses_protocol import ResponsesRequest
+from radixserve.server.frontend.tokenize_api import DetokenizeRequest, TokenizeRequest, add_tokenize_routes
+from radixserve.server.frontend.tokenizer_manager import ServerDead, TokenizerManager
 
 logger = logging.getLogger(__name__)
 

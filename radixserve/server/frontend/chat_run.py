@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixserve.sched.io import OutRow
-from radixserve.server.chat_protocol import ChatCompletionRequest
-from radixserve.server.common import Call
-from radixserve.server.reasoning import ReasoningFormat, ReasoningSplitter
-from radixserve.server.tool_calls import StreamedAnswer, ToolCall
+from radixserve.server.frontend.chat_protocol import ChatCompletionRequest
+from radixserve.server.frontend.common import Call
+from radixserve.server.frontend.reasoning import ReasoningFormat, ReasoningSplitter
+from radixserve.server.frontend.tool_calls import StreamedAnswer, ToolCall
 
 
 @dataclass
