@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from radixserve.sched.finish import FINISH_ABORT
-from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import new_token_room
+
+if TYPE_CHECKING:  # (the HTTP process imports this module and must not load torch, which Req brings)
+    from radixserve.sched.req import Req
 
 
 @dataclass(frozen=True)
