@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32  # past a page boundary and the first decode steps, where a KV slip shows
-LENGTHS = [1, 5, 17, 40, 90, 150, 520, 1000]  # the first six for the policy sweep
+LENGTHS = [1, 5, 17, 40, 90, 150, 400, 700]  # the first six for the policy sweep
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
 
 TEXT = (
@@ -39,10 +39,15 @@ def runner() -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def prompts(runner: ModelRunner) -> list[list[int]]:
+def text_ids(runner: ModelRunner) -> list[int]:
     ids = runner.tokenizer.encode(TEXT * 40)
     assert len(ids) > 1100
-    return [ids[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def prompts(text_ids: list[int]) -> list[list[int]]:
+    return [text_ids[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
 
 
 def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
@@ -104,11 +109,11 @@ SHARED_TAILS = [(0, 1), (4, 17), (8, 90), (11, 200)]
 SHARED_TOKENS = 16  # what is tested is the cached prefix the first steps attend to
 
 
-def test_shared_prefix_hits_cache(hf_model: Any, runner: ModelRunner, prompts: list[list[int]]) -> None:
+def test_shared_prefix_hits_cache(hf_model: Any, runner: ModelRunner, text_ids: list[int]) -> None:
     """4 prompts (601 to 800 tokens) behind one 600-token prefix: the first pays for it, the other
     3 find it in the radix cache, and all 4 still generate exactly HF's tokens."""
-    base = prompts[-1][:600]
-    text = prompts[-1]
+    base = text_ids[:600]
+    text = text_ids
     group = [base + text[600 + 13 * i : 600 + 13 * i + n] for i, n in SHARED_TAILS]
     assert all(len(p) == 600 + n for p, (_, n) in zip(group, SHARED_TAILS, strict=True))
     ref = [hf_greedy(hf_model, p, SHARED_TOKENS) for p in group]
@@ -146,9 +151,9 @@ def test_mixed_chunk(runner: ModelRunner, prompts: list[list[int]], reference: l
 def test_retraction_under_tiny_pool(
     runner: ModelRunner, prompts: list[list[int]], reference: list[list[int]], loop: str,
 ) -> None:
-    # the pool holds the prompts up to 520 tokens (823 in all) with little reserved for decoding,
+    # the pool holds the prompts up to 400 tokens (703 in all) with little reserved for decoding,
     # so all are admitted and decoding runs out of KV (32 more tokens each) and must retract
-    eng = _engine(runner, max_total_tokens=880, init_new_token_ratio=0.05,
+    eng = _engine(runner, max_total_tokens=760, init_new_token_ratio=0.05,
                   overlap_schedule="off" if loop == "normal" else "on")
     _check(eng.generate(input_ids=prompts[:-1], sampling_params=GREEDY), reference[:-1])
     assert eng.scheduler.stats.num_retractions > 0
