@@ -89,7 +89,7 @@ class _Tracked:
 class Engine:
     def __init__(self, model_path: str | None = None, *, runner: ModelRunner | None = None, **kwargs: Any) -> None:
         """``runner``: reuse an already loaded model (tests, benchmarks); its pools are rebuilt."""
-        self.server_args = args = ServerArgs(model_path=model_path, **kwargs)
+        self.server_args = args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         if args.dp_size != 1:
             raise ValueError("dp_size: data parallelism runs in the server (radixserve serve --dp-size N); "
                              "the in-process Engine has one scheduler")

@@ -53,7 +53,7 @@ def make_scheduler(
     **kw: object,
 ) -> tuple[SchedulerCore, EchoRunner, KVManager]:
     """A scheduler over ``runner(request-slot pool)`` (an ``EchoRunner`` or a subclass)."""
-    args = ServerArgs(page_size=page_size, disable_radix_cache=not radix, **kw)  # type: ignore[arg-type]
+    args = ServerArgs.from_kwargs(page_size=page_size, disable_radix_cache=not radix, **kw)  # type: ignore[arg-type]
     # built as the engine and the simulator build theirs (sched/build.py), over a pool of max_reqs slots
     kv = build_kv(args, pool_tokens, context_len, max_reqs=max_reqs)
     model = runner(kv.req_to_token_pool)

@@ -176,8 +176,7 @@ def compare_loops(engine: Engine, batch: int, rounds: int) -> dict[str, float]:
     try:
         for _ in range(rounds):
             for loop in ("overlap", "normal"):
-                settings.args = base.replace(overlap_schedule="off" if loop == "normal" else "on",
-                                             disable_overlap_schedule=False)
+                settings.args = base.replace(overlap_schedule="off" if loop == "normal" else "on")
                 engine.flush_cache()
                 got[loop].append(decode_step_ms(engine, batch)[0])
     finally:

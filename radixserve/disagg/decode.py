@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from radixserve.disagg.kv_memory import KVMemory
-from radixserve.disagg.transfer import KVReceiver, scatter_layers
+from radixserve.disagg.transfer import TRANSFER_BACKENDS, scatter_layers
 from radixserve.mem.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,8 @@ class DecodeStats:
 
 class DecodeRooms:
     def __init__(self, ctx: zmq.Context, host: str, kv: KVMemory, pool: KVPool, headroom: int, timeout_s: float,
-                 clock: Any = time.monotonic) -> None:
-        self.rx = KVReceiver(ctx, host)
+                 clock: Any = time.monotonic, backend: str = "zmq") -> None:
+        self.rx = TRANSFER_BACKENDS[backend][1](ctx, host)
         self.kv = kv
         self.pool = pool
         self.headroom = headroom

@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from radixserve.disagg.kv_memory import KVMemory
-from radixserve.disagg.transfer import CONTROL_DEC, Ack, KVHeader, KVSender, Register, gather_layers
+from radixserve.disagg.transfer import CONTROL_DEC, TRANSFER_BACKENDS, Ack, KVHeader, Register, gather_layers
 from radixserve.mem.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -45,12 +45,12 @@ class PrefillStats:
 
 class PrefillRooms:
     def __init__(self, ctx: zmq.Context, endpoint: str, kv: KVMemory, pool: KVPool,
-                 timeout_s: float, clock: Any = time.monotonic) -> None:
+                 timeout_s: float, clock: Any = time.monotonic, backend: str = "zmq") -> None:
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(endpoint)
         self.endpoint = endpoint
-        self.sender = KVSender(ctx)
+        self.sender = TRANSFER_BACKENDS[backend][0](ctx)
         self.kv = kv
         self.pool = pool
         self.timeout_s = timeout_s

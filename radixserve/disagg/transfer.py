@@ -6,7 +6,8 @@
 
 Each K/V frame is one layer's rows for the transferred tokens, ``[n, kv_heads, head_dim]`` in the
 pool's dtype, sent zero-copy from the gathered tensor and written straight into the reserved slots
-on arrival. ``KVSender`` / ``KVReceiver`` are the seam where an RDMA backend would go.
+on arrival. ``KVSender`` / ``KVReceiver`` are the seam where an RDMA backend would go: a pair of
+classes with the same methods, named in ``TRANSFER_BACKENDS``.
 """
 
 from __future__ import annotations
@@ -144,3 +145,7 @@ class KVReceiver:
         for s in self.dealers.values():
             s.close(0)
         self.dealers.clear()
+
+
+# ``--disaggregation-transfer-backend``: the sender and receiver each backend name stands for
+TRANSFER_BACKENDS: dict[str, tuple[type[KVSender], type[KVReceiver]]] = {"zmq": (KVSender, KVReceiver)}

@@ -34,7 +34,7 @@ from radixserve.model.sampler import Sampler
 from radixserve.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from radixserve.config import ServerArgs
+    from radixserve.config.model import ModelOptions
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def limit_context(config: ModelConfig, context_length: int | None) -> int:
     return window
 
 
-def runner_from_args(args: ServerArgs, progress: bool = True, tp_group: TPGroup | None = None) -> ModelRunner:
+def runner_from_args(args: ModelOptions, progress: bool = True, tp_group: TPGroup | None = None) -> ModelRunner:
     """The ``ModelRunner`` a server's options describe (every place that builds one from them)."""
     return ModelRunner(
         args.model_path, dtype=args.dtype, attention_backend=args.attention_backend, seed=args.random_seed,

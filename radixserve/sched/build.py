@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from radixserve.config import ServerArgs
+from radixserve.config.scheduling import SchedulingOptions
 from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache, ChunkCache
 from radixserve.mem.cache_events import CacheEvent
@@ -25,14 +26,10 @@ from radixserve.sched.unified_scheduler import TokenBudget
 DEFAULT_MAX_RUNNING_REQUESTS = 256  # request slots without --max-running-requests (SGLang's CPU default)
 
 
-def request_slots(args: ServerArgs) -> int:
-    """Request slots in the pool: ``--max-running-requests``, else 256; under ``--scheduler
-    unified`` without it, at least ``--max-num-seqs`` (which would otherwise be capped silently)."""
-    if args.max_running_requests is not None:
-        return args.max_running_requests
-    if args.scheduler == "unified":
-        return max(DEFAULT_MAX_RUNNING_REQUESTS, args.max_num_seqs)
-    return DEFAULT_MAX_RUNNING_REQUESTS
+def request_slots(args: SchedulingOptions) -> int:
+    """Request slots in the pool: ``--max-running-requests`` (vLLM's ``--max-num-seqs``), else 256
+    (SGLang's default on CPU and vLLM's alike)."""
+    return args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
 
 
 def build_kv(

@@ -104,12 +104,11 @@ class SchedulerCore:
     # --- the overlap loop ---------------------------------------------------------------------------
     def overlap_enabled(self) -> bool:
         """``--overlap-schedule`` on or auto (the engine resolves auto before it builds the scheduler,
-        the simulator keeps it), not ``--disable-overlap-schedule``, and nothing that needs the
-        normal loop: tensor parallelism (its ranks replay the request table's writes, which must not
+        the simulator keeps it), and nothing that needs the normal loop: tensor parallelism (its ranks replay the request table's writes, which must not
         change while a forward ships them) and disaggregation (its transfers follow each step's
         results)."""
         a = self.settings.args
-        if a.disable_overlap_schedule or a.overlap_schedule == "off":
+        if a.overlap_schedule == "off":
             return False
         return a.tp_size == 1 and a.disaggregation_mode == "null"
 

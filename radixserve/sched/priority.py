@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from radixserve.config import ServerArgs
+    from radixserve.config.scheduling import SchedulingOptions
     from radixserve.sched.req import Req
 
 
@@ -33,7 +33,7 @@ class PrioritySettings:
     abort_when_disabled: bool = False
 
     @classmethod
-    def from_args(cls, args: ServerArgs) -> PrioritySettings:
+    def from_args(cls, args: SchedulingOptions) -> PrioritySettings:
         if args.scheduler == "unified":  # vLLM: smaller is more important, 0 by default
             low, enabled = True, args.scheduling_policy == "priority"
             default = 0 if args.default_priority_value is None else args.default_priority_value

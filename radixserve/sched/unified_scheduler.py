@@ -42,7 +42,7 @@ class TokenBudget:
         self.kv = parts.kv
         a = parts.settings.args
         self.max_num_batched_tokens = a.max_num_batched_tokens
-        self.max_num_seqs = min(a.max_num_seqs, parts.queues.max_running_requests)
+        self.max_num_seqs = parts.queues.max_running_requests
         self.long_prefill_token_threshold = a.long_prefill_token_threshold
         self.preempt_by_priority = a.scheduling_policy == "priority"
 

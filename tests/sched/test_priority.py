@@ -222,7 +222,7 @@ def test_max_running_and_prefill_max_requests() -> None:
 
 
 def test_config_validation() -> None:
-    for bad in ({"queue_timeout": 0}, {"lpm_fallback_threshold": -1}, {"max_num_seqs": 0},
+    for bad in ({"queue_timeout": 0}, {"lpm_fallback_threshold": -1}, {"max_running_requests": 0},
                 {"scheduler": "unified", "schedule_policy": "lpm"},
                 {"scheduler": "unified", "enable_priority_scheduling": True},
                 {"scheduling_policy": "priority"}, {"scheduler": "vllm"}):

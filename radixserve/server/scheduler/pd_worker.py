@@ -53,10 +53,11 @@ class PDWorker:
         self.decode: DecodeRooms | None = None
         if self.mode == "prefill":
             endpoint = f"tcp://{args.host}:{args.disaggregation_bootstrap_port + dp_rank}"
-            self.prefill = PrefillRooms(ctx, endpoint, kv, pool, timeout)
+            self.prefill = PrefillRooms(ctx, endpoint, kv, pool, timeout, backend=args.disaggregation_transfer_backend)
             logger.info("prefill worker: bootstrap server on %s", endpoint)
         else:
-            self.decode = DecodeRooms(ctx, args.host, kv, pool, args.num_reserved_decode_tokens, timeout)
+            self.decode = DecodeRooms(ctx, args.host, kv, pool, args.num_reserved_decode_tokens, timeout,
+                                      backend=args.disaggregation_transfer_backend)
             logger.info("decode worker: receiving KV on %s", self.decode.rx.endpoint)
         self.poller = zmq.Poller()
         for s in (self.prefill or self.decode).sockets:  # type: ignore[union-attr]

@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 
 from radixserve.config import ServerArgs
+from radixserve.config.serving import ServingOptions
 from radixserve.engine import build_scheduler
 from radixserve.sched.core import SchedulerCore, calm_garbage_collector
 from radixserve.sched.io import BatchOut
@@ -119,7 +120,7 @@ def tp_broken(runner: Any) -> bool:
     return tp is not None and tp.broken is not None
 
 
-def open_cache_events(ctx: zmq.Context, args: ServerArgs, dp_rank: int) -> CacheEventPublisher | None:
+def open_cache_events(ctx: zmq.Context, args: ServingOptions, dp_rank: int) -> CacheEventPublisher | None:
     """Bind this rank's cache events socket, for the radix cache to be built with (None when off;
     ServerArgs refuses the port with --disable-radix-cache)."""
     if args.cache_events_port is None:

@@ -1,5 +1,5 @@
-"""The quality-of-service options of ``ServerArgs`` (its base class): aging, short-first, deadlines,
-tenant fairness, thrash-free preemption, policy plugins (docs/qos.md), and their checks."""
+"""The quality-of-service area of ``ServerArgs``: aging, short-first, deadlines, tenant fairness,
+thrash-free preemption, policy plugins (docs/qos.md), and their checks."""
 
 from __future__ import annotations
 

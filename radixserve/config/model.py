@@ -1,0 +1,62 @@
+"""The model area of ``ServerArgs``: which model, how its weights run, how its chat is parsed."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from radixserve.options import not_positive, option
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    model_path: str | None = option(
+        None, "Local GGUF file or safetensors directory (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, Granite, OLMo 2, Gemma 2/3). "
+        "Default: the bundled SmolLM2-135M-Instruct GGUF.", group="model"
+    )
+    served_model_name: str | None = option(None, "Model name reported by the API (default: derived from the path).", group="model")
+    reasoning_parser: str | None = option(
+        None, "Answer a reasoning model's thinking as reasoning_content, apart from content, in chat "
+        "completions: qwen3 (the output opens <think> itself) or deepseek-r1 (the prompt opened it).",
+        ("qwen3", "deepseek-r1"), group="model")
+    tool_call_parser: str | None = option(
+        None, "The format the model writes tool calls in, parsed out of chat answers (tool_choice auto): "
+        "hermes (Qwen 2.5/3, Hermes), llama3, mistral, pythonic (Llama 3.2/4). tool_choice required or a "
+        "named function works without it (hermes format).",
+        ("hermes", "llama3", "mistral", "pythonic"), group="model")
+    chat_template: str | None = option(
+        None, "Chat template to use instead of the model's own: a Jinja file, or the template text itself "
+        "(anything with {{ or {%%).", group="model")
+    dtype: str = option("auto", "Weights/activations/KV dtype; auto picks the measured-fastest on this device.", ("auto", "float32", "bfloat16"), group="model")
+    context_length: int | None = option(None, "Maximum context length (prompt + output); default: the model's (a sliding-window model's window).", group="model")
+    attention_backend: str = option(
+        "auto", "Attention implementation. torch_native: gather each request's KV from the pool, then SDPA. "
+        "cpu_paged: decode rows by a C++ kernel that reads the KV in place, 1.4x faster decode steps at batch 64 "
+        "(compiled by scripts/setup.sh, or on first use; needs g++ and ninja: if it cannot be built, choosing it "
+        "fails at start with the reason); it also brings the fused C++ small ops (RMSNorm + residual, RoPE, "
+        "SiLU x up; torch_native keeps the torch ones, the reference). auto: cpu_paged when its kernel builds "
+        "here, else torch_native (and torch_native for layers with sliding windows or soft-capped scores: Gemma).",
+        ("auto", "torch_native", "cpu_paged"), group="model")
+    quantization: str = option(
+        "auto", "Weight-only quantized copies of the linear weights, read by decode steps of at most "
+        "--quantization-max-batch rows (larger steps keep the float weights). gguf: the GGUF file's own "
+        "Q4_1 / Q8_0 blocks, bit for bit (needs AVX512-VNNI; about 2x faster at batch 1 than bfloat16). "
+        "int4 (groups of 32 with a scale and a minimum, Q4_1's layout) and int8 (blocks of 32, Q8_0's; one "
+        "scale per row where ATen's kernel runs): quantize any model. auto: gguf for a GGUF model in "
+        "bfloat16 where the kernel runs, else none (float32 stays the exact reference). Tolerance and "
+        "figures in docs/model.md.", ("auto", "none", "gguf", "int8", "int4"), group="model")
+    quantization_max_batch: int | None = option(
+        None, "Most rows (tokens) of a forward that uses the quantized weights; above it the float weights run "
+        "(faster there). Default: 5 when the float weights are bfloat16, 8 when float32 (where each was "
+        "measured to stop paying: docs/benchmarks.md).", group="model")
+    random_seed: int = option(0, "Seed of the global sampler generator.", group="model")
+    num_threads: int | None = option(None, "torch intra-op threads (default: torch's choice).", group="model")
+
+    def _model_errors(self) -> list[str]:
+        errors: list[str] = []
+        t = self.chat_template
+        if t is not None and not os.path.isfile(t) and "{{" not in t and "{%" not in t:
+            errors.append(f"chat_template {t!r} is neither a file nor a Jinja template")
+        for name in ("context_length", "num_threads", "quantization_max_batch"):
+            errors += not_positive(self, name)
+        return errors
