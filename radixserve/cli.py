@@ -80,6 +80,12 @@ def _bench_attention(ns: argparse.Namespace) -> int:
     return main(ns)
 
 
+def _bench_radix(ns: argparse.Namespace) -> int:
+    from radixserve.bench.radix import main
+
+    return main(ns)
+
+
 def _bench_fuzz(ns: argparse.Namespace) -> int:
     from radixserve.bench.fuzz import main
 
@@ -176,6 +182,16 @@ def _bench_parsers(bsub: Any) -> None:
 
     _bench_attention_args(ba)
     ba.set_defaults(func=_bench_attention)
+    brx = bsub.add_parser("radix", help="The prefix cache alone: insert, match and evict over a 1M-token chat "
+                          "trace, with the real slot allocator and with a counting stand-in.",
+                          description="Builds a RadixCache from a chat-like trace (shared system prompts, "
+                          "conversations, private tails) until it holds the pool, matches every request, evicts "
+                          "half; each phase timed with the real allocator and with one that only counts, "
+                          "alternated.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from radixserve.bench.radix import add_args as _bench_radix_args
+
+    _bench_radix_args(brx)
+    brx.set_defaults(func=_bench_radix)
 
     bf = bsub.add_parser("fuzz", help="Fuzz a server: schemathesis over /openapi.json and a mutation fuzzer of "
                          "valid bodies; zero 5xx and a healthy server after (docs/reliability.md).",

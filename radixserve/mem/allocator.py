@@ -10,11 +10,20 @@ page-aligned prefixes.
            |  never   |   free pages are kept in a stack, smallest id on top   |
 
 Exact accounting: every slot is either free here, held by a request, or held by the cache.
+
+Freeing is bulk: a large free (an eviction's slots, one int64 ``array`` from the radix cache, read
+in place) checks and marks its pages with array operations and is kept as one block until the free
+stack runs dry; only a small free (a request's last few slots) takes the per-slot loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+SMALL_FREE = 64  # slots; fewer are freed one by one (an array's set-up costs more than the loop)
 
 
 class OutOfKVSlots(RuntimeError):
@@ -33,20 +42,32 @@ class TokenToKVPoolAllocator:
     def clear(self) -> None:
         # Descending, so pop() from the end hands out the smallest page id first (deterministic).
         self._free_pages: list[int] = list(range(self.num_pages, 0, -1))
-        self._released: list[int] = []
+        self._released: list[int] = []  # freed one by one since the stack was last refilled
+        self._released_blocks: list[np.ndarray] = []  # freed in bulk since then, one block per call
+        self._n_released = 0  # pages in both
         self._is_free = bytearray(b"\x01") * (self.num_pages + 1)
         self._is_free[0] = 0
+        self._is_free_view = np.frombuffer(self._is_free, dtype=np.uint8)  # the same bytes, for bulk frees
 
     def available_size(self) -> int:
-        return (len(self._free_pages) + len(self._released)) * self.page_size
+        return (len(self._free_pages) + self._n_released) * self.page_size
+
+    def _refill(self) -> None:
+        """Move every released page onto the free stack, kept sorted so the smallest id goes first."""
+        free = self._free_pages
+        free.extend(self._released)
+        for block in self._released_blocks:
+            free.extend(block.tolist())
+        self._released = []
+        self._released_blocks = []
+        self._n_released = 0
+        free.sort(reverse=True)
 
     def _take_pages(self, n: int) -> list[int]:
         if n > len(self._free_pages):
-            if n > len(self._free_pages) + len(self._released):
+            if n > len(self._free_pages) + self._n_released:
                 raise OutOfKVSlots(f"need {n} pages, {self.available_size() // self.page_size} free")
-            self._free_pages.extend(self._released)
-            self._released = []
-            self._free_pages.sort(reverse=True)
+            self._refill()
         pages = self._free_pages[len(self._free_pages) - n :]
         del self._free_pages[len(self._free_pages) - n :]
         pages.reverse()
@@ -62,13 +83,11 @@ class TokenToKVPoolAllocator:
         out: list[int] = []
         while len(out) < n:
             if not free:
-                if not self._released:
+                if not self._n_released:
                     evict(self.page_size)
-                    if not self._released:
+                    if not self._n_released:
                         raise OutOfKVSlots(f"need {n - len(out)} pages, 0 free")
-                free.extend(self._released)
-                self._released = []
-                free.sort(reverse=True)
+                self._refill()
             k = min(n - len(out), len(free))
             chunk = free[len(free) - k :]
             del free[len(free) - k :]
@@ -115,16 +134,44 @@ class TokenToKVPoolAllocator:
             out.extend(slots[:rest])
         return out
 
-    def free(self, slots: list[int]) -> None:
+    def free(self, slots: Sequence[int] | array[int]) -> None:
         """Return the pages that ``slots`` lie in. The caller frees whole pages only."""
-        if not slots:
+        n = len(slots)
+        if not n:
+            return
+        if n >= SMALL_FREE:
+            self._free_bulk(np.frombuffer(slots, dtype=np.int64) if isinstance(slots, array)
+                            else np.fromiter(slots, dtype=np.int64, count=n))
             return
         ps = self.page_size
         pages = list(set(map(ps.__rfloordiv__, slots))) if ps > 1 else slots  # (C passes over the slots)
+        is_free = self._is_free
         for p in pages:
             if p <= 0 or p > self.num_pages:
                 raise RuntimeError(f"slot of page {p} is not in this pool")
-            if self._is_free[p]:
+            if is_free[p]:
                 raise RuntimeError(f"page {p} freed twice")
-            self._is_free[p] = 1
+            is_free[p] = 1
         self._released.extend(pages)
+        self._n_released += len(pages)
+
+    def _free_bulk(self, slots: np.ndarray) -> None:
+        """``free`` with array operations: the same checks, the same pages released. A page's slots
+        lie next to each other in any request's or node's slot list, so its repeats are dropped by
+        comparing neighbours (no sort). (A page given twice in one call, apart, is not caught here
+        but by the memory invariant's count.)"""
+        if self.page_size == 1:
+            pages = slots
+        else:
+            pages = slots // self.page_size
+            pages = pages[np.concatenate(([True], pages[1:] != pages[:-1]))]
+        lo, hi = int(pages.min()), int(pages.max())
+        if lo <= 0 or hi > self.num_pages:
+            raise RuntimeError(f"slot of page {lo if lo <= 0 else hi} is not in this pool")
+        flags = self._is_free_view
+        taken = flags[pages]
+        if taken.any():
+            raise RuntimeError(f"page {int(pages[int(taken.argmax())])} freed twice")
+        flags[pages] = 1
+        self._released_blocks.append(pages if pages is not slots else pages.copy())
+        self._n_released += len(pages)

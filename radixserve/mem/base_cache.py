@@ -24,6 +24,7 @@ Contract:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,7 +48,7 @@ class RadixKey:
 
 @dataclass
 class MatchResult:
-    device_indices: list[int]  # KV slots of the matched prefix
+    device_indices: array[int]  # KV slots of the matched prefix (int64)
     last_node: TreeNode | None  # node whose path ends where the match ends (the root; None without a tree)
 
 
@@ -148,7 +149,7 @@ class ChunkCache(BasePrefixCache):
         pass
 
     def match_prefix(self, key: RadixKey) -> MatchResult:
-        return MatchResult([], None)  # no tree: no node to pin
+        return MatchResult(array("q"), None)  # no tree: no node to pin
 
     def insert(self, key: RadixKey, value: list[int]) -> int:
         return 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -109,7 +110,7 @@ class ReqToTokenPool:
             raise RuntimeError(f"request slot {idx} freed twice")
         self._free.append(idx)
 
-    def write(self, idx: int, start: int, slots: list[int]) -> None:
+    def write(self, idx: int, start: int, slots: Sequence[int]) -> None:
         if slots:
             self.req_to_token[idx, start : start + len(slots)] = int64_tensor(slots)
 
@@ -137,7 +138,7 @@ class JournaledReqToTokenPool(ReqToTokenPool):
         super().__init__(size, max_context_len, device)
         self.journal: list[int] = []
 
-    def write(self, idx: int, start: int, slots: list[int]) -> None:
+    def write(self, idx: int, start: int, slots: Sequence[int]) -> None:
         super().write(idx, start, slots)
         if slots:
             self.journal += (idx, start, len(slots))

@@ -1,6 +1,7 @@
 """``RadixCache``: a radix tree of token ids whose nodes own the KV slots of their tokens.
 
-A node's ``key`` is a run of token ids and its ``value`` the KV slots holding them; the path from
+A node's ``key`` is a run of token ids and its ``value`` the KV slots holding them (an int64
+``array``, so an eviction hands the allocator its slots as one block); the path from
 the root to a node spells a cached prefix. Children are keyed by their first token (first page
 when ``page_size > 1``); children of the root also carry the ``extra_key`` namespace, so two
 namespaces never share a node. With pages, keys are cut to whole pages: a partial page is never
@@ -27,6 +28,7 @@ what it evicted as ``cache_events`` records (a new path on ``insert``, each evic
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -151,7 +153,7 @@ class RadixCache(BasePrefixCache):
         node = self._root
         now = self._tick()
         node.last_access_time = now
-        indices: list[int] = []
+        indices: array[int] = array("q")  # the nodes' slot blocks copied end to end, no int objects made
         pos = 0
         while pos < len(ids):
             child = node.children.get(self.child_key(node, ids[pos : pos + self.page_size], key.extra_key))
@@ -203,7 +205,7 @@ class RadixCache(BasePrefixCache):
             child = node.children.get(ck)
             if child is None:
                 leaf = TreeNode(node, key.extra_key)
-                leaf.key, leaf.value = list(ids[pos:]), list(value[pos : len(ids)])
+                leaf.key, leaf.value = list(ids[pos:]), array("q", value[pos : len(ids)])
                 leaf.last_access_time = now
                 node.children[ck] = leaf
                 node.gen += 1
@@ -290,16 +292,16 @@ class RadixCache(BasePrefixCache):
     def evict(self, num_tokens: int) -> int:
         if num_tokens <= 0 or not self._leaves:
             return 0
-        freed = 0
+        slots = array("q")  # every evicted node's slots, freed in one call
         for node in self._heap.pop_order():  # a parent left childless is pushed by _delete_leaf
-            self.allocator.free(node.value)
-            freed += len(node.value)
+            slots.extend(node.value)
             self._delete_leaf(node)
             self.evicted_nodes += 1
-            if freed >= num_tokens:
+            if len(slots) >= num_tokens:
                 break
-        self.evicted_tokens += freed
-        return freed
+        self.allocator.free(slots)
+        self.evicted_tokens += len(slots)
+        return len(slots)
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent

@@ -4,6 +4,7 @@ the key comparison the tree's walks share. ``radix_cache`` builds and changes tr
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 END = object()  # watch key of a match that covered its whole key: only an eviction can change it
@@ -21,7 +22,7 @@ class TreeNode:
         self.children: dict[Any, TreeNode] = {}
         self.parent = parent
         self.key: list[int] = []
-        self.value: list[int] = []
+        self.value: array[int] = array("q")  # the KV slots, as one block the allocator frees in bulk
         self.lock_ref = 0
         self.last_access_time = 0
         self.hit_count = 0

@@ -214,7 +214,7 @@ class KVManager:
         """A request ends (or is retracted): its computed KV goes to the cache, the rest is freed."""
         if req.req_pool_idx is None:  # matched while waiting but never admitted: holds no lock
             req.last_node = None
-            req.prefix_indices = []
+            req.prefix_indices = ()
             return
         self.tree_cache.cache_finished_req(req)
 

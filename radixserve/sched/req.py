@@ -15,6 +15,7 @@ same thing: a gap between ``num_computed_tokens`` and ``num_tokens`` that the ne
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -59,7 +60,7 @@ class Req:
         self.last_node: TreeNode | None = None  # where its cached prefix ends in the radix tree
 
         # this round's plan (set by KVManager.match / the adder)
-        self.prefix_indices: list[int] = []
+        self.prefix_indices: Sequence[int] = ()  # the matched prefix's slots (an int64 array once matched)
         self.extend_input_len = 0
         self.is_chunked = False
 
@@ -150,7 +151,7 @@ class Req:
 
     def reset_for_retract(self) -> None:
         """Back to a waiting request; its outputs so far stay and are recomputed as prompt."""
-        self.prefix_indices = []
+        self.prefix_indices = ()
         self.extend_input_len = 0
         self.is_chunked = False
         self.prefix_match_cache = None  # its key grew: lpm must match it afresh

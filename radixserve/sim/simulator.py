@@ -54,7 +54,7 @@ class NoWriteReqToTokenPool(ReqToTokenPool):
         super().__init__(size, 1)
         self.max_context_len = max_context_len
 
-    def write(self, idx: int, start: int, slots: list[int]) -> None:
+    def write(self, idx: int, start: int, slots: Sequence[int]) -> None:
         return None
 
     def write_many(self, rows: list[int], cols: list[int], slots: list[int]) -> None:

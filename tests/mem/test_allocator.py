@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
 
-from radixserve.mem.allocator import OutOfKVSlots, TokenToKVPoolAllocator
+from radixserve.mem.allocator import SMALL_FREE, OutOfKVSlots, TokenToKVPoolAllocator
 
 
 def free_slots(a: TokenToKVPoolAllocator) -> set[int]:
@@ -224,3 +225,37 @@ def test_random_alloc_free_never_hands_a_slot_out_twice(page_size: int, seed: in
     for slots in owners.values():
         a.free(slots)
     assert a.available_size() == num_pages * page_size
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("as_array", [False, True])
+def test_a_bulk_free_does_what_slot_by_slot_frees_do(page_size: int, as_array: bool) -> None:
+    """Frees of at least ``SMALL_FREE`` slots take the array path: the same pages come back, in the
+    same order of reuse, as when the same slots are freed a few at a time."""
+    rng = random.Random(page_size)
+    bulk, small = TokenToKVPoolAllocator(4096, page_size), TokenToKVPoolAllocator(4096, page_size)
+    held_bulk, held_small = bulk.alloc(4096), small.alloc(4096)
+    assert held_bulk == held_small
+    pages = list(range(1, 4096 // page_size + 1))
+    rng.shuffle(pages)
+    give = [p * page_size + o for p in pages[:300] for o in range(page_size)]
+    bulk.free(array("q", give) if as_array else give)
+    for i in range(0, len(give), 4 * page_size):
+        small.free(give[i:i + 4 * page_size])
+    assert bulk.available_size() == small.available_size() == 300 * page_size
+    assert free_slots(bulk) == free_slots(small) == set(give)
+    assert bulk.alloc(64 * page_size) == small.alloc(64 * page_size)  # smallest ids first, both
+    assert free_slots(bulk) == free_slots(small)
+
+
+def test_a_bulk_free_refuses_what_a_small_one_refuses() -> None:
+    a = TokenToKVPoolAllocator(1024, 1)
+    held = a.alloc(512)
+    a.free(array("q", held[:SMALL_FREE]))
+    with pytest.raises(RuntimeError, match="freed twice"):
+        a.free(array("q", held[: 2 * SMALL_FREE]))  # the first half is free already
+    with pytest.raises(RuntimeError, match="not in this pool"):
+        a.free(array("q", [*held[SMALL_FREE: 2 * SMALL_FREE], 5000]))
+    with pytest.raises(RuntimeError, match="not in this pool"):
+        a.free([0] * SMALL_FREE)  # the padding page
+    assert a.available_size() == 1024 - 512 + SMALL_FREE  # a refused free changes nothing

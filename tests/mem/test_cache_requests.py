@@ -67,7 +67,7 @@ def test_cache_finished_req_four_regions() -> None:
     cache.cache_finished_req(req)
     # [0,2) protected: kept; [2,4) duplicates of 12,13: freed; [4,8) new to the tree; [8,9) partial page: freed
     assert alloc.freed == [[4, 5], [10]]
-    assert cache.match_prefix(RadixKey(req.token_ids)).device_indices == [2, 3, 12, 13, 6, 7, 8, 9]
+    assert cache.match_prefix(RadixKey(req.token_ids)).device_indices.tolist() == [2, 3, 12, 13, 6, 7, 8, 9]
     assert sorted(cache.all_values()) == [2, 3, 6, 7, 8, 9, 12, 13]
     assert sizes(cache) == (8, 0)
     assert (req.req_pool_idx, req.kv_indices, req.cache_protected_len, req.last_node) == (None, [], 0, None)
@@ -86,7 +86,7 @@ def test_cache_finished_req_with_no_prefix_page1() -> None:
     cache.cache_finished_req(req)
     assert alloc.freed == []  # everything went to the tree
     assert sizes(cache) == (3, 0)
-    assert cache.match_prefix(RadixKey([5, 6, 7])).device_indices == [1, 2, 3]
+    assert cache.match_prefix(RadixKey([5, 6, 7])).device_indices.tolist() == [1, 2, 3]
     check_accounting(cache, alloc)
 
 
@@ -127,7 +127,7 @@ def test_cache_unfinished_req_swaps_in_the_tree_slots_and_moves_the_lock() -> No
     cache.cache_finished_req(req)
     assert alloc.freed == [[1, 2]]
     assert sizes(cache) == (6, 0)
-    assert cache.match_prefix(RadixKey([1, 2, 3, 4, 5, 6])).device_indices == [5, 6, 3, 4, 7, 8]
+    assert cache.match_prefix(RadixKey([1, 2, 3, 4, 5, 6])).device_indices.tolist() == [5, 6, 3, 4, 7, 8]
     check_accounting(cache, alloc)
 
 
@@ -158,7 +158,7 @@ def test_reset_empties_the_tree() -> None:
     cache.reset()
     assert sizes(cache) == (0, 0)
     assert cache.root.children == {}
-    assert cache.match_prefix(RadixKey([1, 2, 3])).device_indices == []
+    assert cache.match_prefix(RadixKey([1, 2, 3])).device_indices.tolist() == []
     assert cache.evict(10) == 0
     cache.check_integrity()
 
@@ -170,7 +170,7 @@ def test_chunk_cache_shares_nothing() -> None:
     slots = alloc.alloc(3)
     assert cache.insert(RadixKey([1, 2, 3]), slots) == 0
     m = cache.match_prefix(RadixKey([1, 2, 3]))
-    assert m.device_indices == [] and m.last_node is cache.root
+    assert m.device_indices.tolist() == [] and m.last_node is cache.root
     assert cache.inc_lock_ref(cache.root) == 0 and cache.dec_lock_ref(cache.root) == 0
     assert (cache.evictable_size(), cache.protected_size(), cache.total_size()) == (0, 0, 0)
     assert cache.evict(100) == 0

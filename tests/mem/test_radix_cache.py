@@ -21,9 +21,9 @@ from tests.mem.radix_helpers import (
 def test_match_on_empty_tree() -> None:
     cache, alloc = make()
     m = cache.match_prefix(RadixKey([1, 2, 3]))
-    assert m.device_indices == []
+    assert m.device_indices.tolist() == []
     assert m.last_node is cache.root
-    assert cache.match_prefix(RadixKey([])).device_indices == []
+    assert cache.match_prefix(RadixKey([])).device_indices.tolist() == []
     assert sizes(cache) == (0, 0)
     assert cache.root.children == {}
     cache.check_integrity()
@@ -44,8 +44,8 @@ def test_insert_returns_length_already_present() -> None:
     assert cache.insert(RadixKey([]), []) == 0
     cache.check_integrity()
     # The tree keeps the first inserter's slots.
-    assert cache.match_prefix(RadixKey([1, 2, 3, 6, 7])).device_indices == [11, 12, 13, 54]
-    assert cache.match_prefix(RadixKey([1, 2, 4, 5])).device_indices == [11, 12, 33, 34]
+    assert cache.match_prefix(RadixKey([1, 2, 3, 6, 7])).device_indices.tolist() == [11, 12, 13, 54]
+    assert cache.match_prefix(RadixKey([1, 2, 4, 5])).device_indices.tolist() == [11, 12, 33, 34]
     assert sorted(cache.all_values()) == [11, 12, 13, 33, 34, 54, 61]
     with pytest.raises(ValueError):
         cache.insert(RadixKey([7, 8, 9]), [1, 2])
@@ -57,12 +57,12 @@ def test_match_splits_node_without_changing_sizes() -> None:
     assert slots == [1, 2, 3, 4, 5]
     (only,) = cache.root.children.values()
     m = cache.match_prefix(RadixKey([1, 2, 3, 9]))
-    assert m.device_indices == [1, 2, 3]
+    assert m.device_indices.tolist() == [1, 2, 3]
     upper = m.last_node
-    assert upper.key == [1, 2, 3] and upper.value == [1, 2, 3]
+    assert upper.key == [1, 2, 3] and list(upper.value) == [1, 2, 3]
     assert upper.parent is cache.root
     assert list(upper.children.values()) == [only]
-    assert only.key == [4, 5] and only.value == [4, 5] and only.parent is upper
+    assert only.key == [4, 5] and list(only.value) == [4, 5] and only.parent is upper
     assert sizes(cache) == (5, 0)
     assert cache.total_size() == 5
     cache.check_integrity()
@@ -70,10 +70,10 @@ def test_match_splits_node_without_changing_sizes() -> None:
     assert cache.match_prefix(RadixKey([1, 2, 3])).last_node is upper
     # A longer key than the tree matches it all.
     m = cache.match_prefix(RadixKey([1, 2, 3, 4, 5, 6, 7]))
-    assert m.device_indices == [1, 2, 3, 4, 5] and m.last_node is only
+    assert m.device_indices.tolist() == [1, 2, 3, 4, 5] and m.last_node is only
     # A match that diverges inside a node splits it again.
     m = cache.match_prefix(RadixKey([1, 7]))
-    assert m.device_indices == [1]
+    assert m.device_indices.tolist() == [1]
     assert m.last_node.key == [1] and m.last_node.parent is cache.root
     assert sizes(cache) == (5, 0)
     assert m.last_node.lock_ref == 0  # match never locks
@@ -152,7 +152,7 @@ def test_lru_eviction_order_follows_access_order() -> None:
     assert alloc.freed == [[3, 4, 5]]
     assert sizes(cache) == (3, 0)
     assert cache.evict(2) == 3  # c (1 slot) is not enough, then a
-    assert alloc.freed == [[3, 4, 5], [6], [1, 2]]
+    assert alloc.freed == [[3, 4, 5], [6, 1, 2]]  # one free per evict call, leaves in order
     assert sizes(cache) == (0, 0)
     assert cache.evict(5) == 0
     assert cache.evict(0) == 0
@@ -166,13 +166,13 @@ def test_eviction_walks_up_a_parent_after_its_last_child() -> None:
     put(cache, alloc, [1, 2, 4])
     put(cache, alloc, [9, 9])
     # put() allocates 3 fresh slots for [1,2,4] (4,5,6) and frees the duplicated two (4,5).
-    assert cache.match_prefix(RadixKey([1, 2, 4])).device_indices == [1, 2, 6]
-    assert cache.match_prefix(RadixKey([9, 9])).device_indices == [7, 8]
+    assert cache.match_prefix(RadixKey([1, 2, 4])).device_indices.tolist() == [1, 2, 6]
+    assert cache.match_prefix(RadixKey([9, 9])).device_indices.tolist() == [7, 8]
     cache.match_prefix(RadixKey([1, 2, 3]))  # [3] and its parent [1,2] are the most recent
     alloc.freed.clear()
     assert cache.evict(100) == 6
     # [4] (oldest), [9,9], then [3], whose parent [1,2] then becomes a leaf and goes last.
-    assert alloc.freed == [[6], [7, 8], [3], [1, 2]]
+    assert alloc.freed == [[6, 7, 8, 3, 1, 2]]  # one free per evict call, leaves in order
     assert cache.root.children == {}
     check_accounting(cache, alloc)
 
@@ -191,7 +191,7 @@ def test_lfu_eviction_order() -> None:
     cache.match_prefix(RadixKey([4]))  # hits: 1->3, 2->2, 3->1, 4->1 (4 more recent than 3)
     alloc.freed.clear()
     assert cache.evict(4) == 4
-    assert alloc.freed == [[3], [4], [2], [1]]
+    assert alloc.freed == [[3, 4, 2, 1]]  # one free per evict call, leaves in order
     # The same accesses under LRU give recency order instead.
     lru, lalloc = make(policy="lru")
     for t in (1, 2, 3, 4):
@@ -200,7 +200,7 @@ def test_lfu_eviction_order() -> None:
         lru.match_prefix(RadixKey([t]))
     lalloc.freed.clear()
     lru.evict(4)
-    assert lalloc.freed == [[1], [3], [2], [4]]
+    assert lalloc.freed == [[1, 3, 2, 4]]
 
 
 def test_unknown_eviction_policy() -> None:
@@ -219,14 +219,14 @@ def test_locked_nodes_are_never_evicted() -> None:
     assert cache.evict(1000) == 2  # only [3] and [8]
     assert sorted(s for f in alloc.freed for s in f) == [3, 8]
     assert sizes(cache) == (0, 4)
-    assert cache.match_prefix(RadixKey([1, 2, 5, 6])).device_indices == [1, 2, 6, 7]
+    assert cache.match_prefix(RadixKey([1, 2, 5, 6])).device_indices.tolist() == [1, 2, 6, 7]
     check_accounting(cache, alloc)
     assert cache.evict(1000) == 0
     # Unlocking makes the whole path evictable again, leaf first.
     assert cache.dec_lock_ref(locked) == 4
     alloc.freed.clear()
     assert cache.evict(1000) == 4
-    assert alloc.freed == [[6, 7], [1, 2]]
+    assert alloc.freed == [[6, 7, 1, 2]]  # one free per evict call, leaves in order
     check_accounting(cache, alloc)
 
 
@@ -279,12 +279,12 @@ def test_page_aligned_keys_and_matches() -> None:
     assert slots == list(range(4, 14))  # pages 1, 2, 3 (page 3 partly used, freed by put)
     assert sizes(cache) == (8, 0)
     assert sorted(cache.all_values()) == list(range(4, 12))
-    assert cache.match_prefix(RadixKey(toks)).device_indices == list(range(4, 12))
-    assert cache.match_prefix(RadixKey(toks[:7])).device_indices == list(range(4, 8))
-    assert cache.match_prefix(RadixKey(toks[:3])).device_indices == []  # less than a page
+    assert cache.match_prefix(RadixKey(toks)).device_indices.tolist() == list(range(4, 12))
+    assert cache.match_prefix(RadixKey(toks[:7])).device_indices.tolist() == list(range(4, 8))
+    assert cache.match_prefix(RadixKey(toks[:3])).device_indices.tolist() == []  # less than a page
     # A match diverging inside the second page ends on the page boundary: splits at 4.
     m = cache.match_prefix(RadixKey(toks[:6] + [0, 0, 0, 0]))
-    assert m.device_indices == [4, 5, 6, 7]
+    assert m.device_indices.tolist() == [4, 5, 6, 7]
     assert m.last_node.key == toks[:4]
     assert sizes(cache) == (8, 0)
     cache.check_integrity()
@@ -299,7 +299,7 @@ def test_page_aligned_keys_and_matches() -> None:
     assert cache.insert(RadixKey(toks[:6] + [1, 1, 1]), new) == 4
     alloc.free(new[:4])
     assert sizes(cache) == (20, 0)  # one more page: tokens 4..7 of the key (the 9th is cut)
-    assert cache.match_prefix(RadixKey(toks[:6] + [1, 1, 1])).device_indices == [4, 5, 6, 7, 28, 29, 30, 31]
+    assert cache.match_prefix(RadixKey(toks[:6] + [1, 1, 1])).device_indices.tolist() == [4, 5, 6, 7, 28, 29, 30, 31]
     for node in [cache.root]:
         stack = [node]
         while stack:
@@ -323,13 +323,13 @@ def test_extra_key_namespaces_never_share_nodes() -> None:
     assert (a, b, c) == ([1, 2, 3], [4, 5, 6], [7, 8, 9])
     assert sizes(cache) == (9, 0)
     assert len(cache.root.children) == 3
-    assert cache.match_prefix(RadixKey([1, 2, 3])).device_indices == [1, 2, 3]
-    assert cache.match_prefix(RadixKey([1, 2, 3], "lora-a")).device_indices == [4, 5, 6]
-    assert cache.match_prefix(RadixKey([1, 2, 3], "lora-b")).device_indices == [7, 8]
-    assert cache.match_prefix(RadixKey([1, 2, 3], "other")).device_indices == []
+    assert cache.match_prefix(RadixKey([1, 2, 3])).device_indices.tolist() == [1, 2, 3]
+    assert cache.match_prefix(RadixKey([1, 2, 3], "lora-a")).device_indices.tolist() == [4, 5, 6]
+    assert cache.match_prefix(RadixKey([1, 2, 3], "lora-b")).device_indices.tolist() == [7, 8]
+    assert cache.match_prefix(RadixKey([1, 2, 3], "other")).device_indices.tolist() == []
     # A split inside one namespace leaves the others alone.
     assert put(cache, alloc, [1, 2, 9], extra_key="lora-a") == [10, 11, 12]  # 10, 11 freed as dups
-    assert cache.match_prefix(RadixKey([1, 2, 9], "lora-a")).device_indices == [4, 5, 12]
+    assert cache.match_prefix(RadixKey([1, 2, 9], "lora-a")).device_indices.tolist() == [4, 5, 12]
     assert cache.match_prefix(RadixKey([1, 2, 3])).last_node.key == [1, 2, 3]
     n = cache.match_prefix(RadixKey([1, 2], "lora-a")).last_node
     assert n.extra_key == "lora-a" and n.key == [1, 2] and len(n.children) == 2
