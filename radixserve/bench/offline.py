@@ -80,7 +80,10 @@ def run_hf(engine: Engine, reqs: list[BenchRequest], workload: str, batch_size: 
     runner = engine.runner
     cfg = LlamaConfig(**runner.model_config.to_hf_dict())
     dtype = runner.dtype
-    model = LlamaForCausalLM(cfg)
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every weight is loaded below: a random init first is seconds wasted
+        model = LlamaForCausalLM(cfg)
     model = model.to(dtype)  # type: ignore[arg-type]
     model.load_state_dict(load_model(runner.model_path, dtype, progress=False)[1], strict=False)
     model.tie_weights()

@@ -24,8 +24,6 @@ from radixserve.mem.tree_node import TreeNode
 from radixserve.sched.finish import FINISH_ABORT, FinishReason
 from radixserve.sched.sampling_params import SamplingParams
 
-LPM_STALE = 1 << 200  # Req.lpm_key of a request lpm must match (again); above every real key
-
 
 class Req:
     def __init__(
@@ -72,10 +70,9 @@ class Req:
         self.num_preemptions = 0
         # scheduling policies
         self.queue_entry_time: float | None = None  # when queued (scheduler clock); --queue-timeout
-        self.prefix_match_cache: Any = None  # lpm's incremental match state (sched.policies.prefix_match)
-        self.lpm_key = LPM_STALE  # lpm's sort key (sched.policies.prefix_match); LPM_STALE: match again
-        self.lpm_group: Any = None  # lpm's in-batch check group (its first T tokens), set with lpm_key
-        self.lpm_order: Any = None  # lpm's total order key while in its kept queue (sched.lpm_order)
+        # what the schedule policy keeps per request (lpm: ``policies.prefix_match.LPMState``); its
+        # ``reset()`` is called when the request's key grows (retraction)
+        self.policy_state: Any = None
         self.admitted_before = False
         self.first_scheduled_time: float | None = None
         self.queue_time = 0.0  # arrival -> first scheduled (set with first_scheduled_time)
@@ -154,10 +151,8 @@ class Req:
         self.prefix_indices = ()
         self.extend_input_len = 0
         self.is_chunked = False
-        self.prefix_match_cache = None  # its key grew: lpm must match it afresh
-        self.lpm_key = LPM_STALE
-        self.lpm_group = None
-        self.lpm_order = None
+        if self.policy_state is not None:  # its key grew: what the policy knew of it is stale
+            self.policy_state.reset()
 
     def __repr__(self) -> str:
         return (f"Req(rid={self.rid!r}, prompt={self.prompt_len}, out={len(self.output_ids)}, "

@@ -145,8 +145,8 @@ class PrefillFirst:
 
         q.remove_waiting(can_run[1:] if can_run[0] is chunked else can_run)  # the ones from the queue
         batch = ScheduleBatch(can_run, ForwardMode.EXTEND)
+        self.settings.policy.on_admitted(can_run)
         for req in can_run:
-            req.prefix_match_cache = None  # lpm's match state is for waiting requests (and cycles back to req)
             if req.req_pool_idx is None:
                 self.parts.admit(req)
             batch.prefix_lens.append(req.num_computed_tokens)

@@ -75,7 +75,7 @@ def test_incremental_order_equals_full_stable_sort(page_size: int, t: int) -> No
         out = inc.order(ours, tree, check, t)
         want = _fresh_order(ref, tree, check, t)
         assert out == want, rnd
-        fulls += inc._out is not None and all(r.lpm_order[1] == 0 for r in inc._out)
+        fulls += inc._out is not None and all(r.policy_state.order[1] == 0 for r in inc._out)
         # the scheduler: admit a head, sometimes abort one from the middle, retract one, add some
         k = rng.randrange(0, 4)
         ours, ref = out[k:], want[k:]
@@ -107,3 +107,31 @@ def test_split_then_insert_lengthens_a_waiting_match() -> None:
     vals = alloc.alloc(6)
     alloc.free(vals[: tree.insert(RadixKey([1, 2, 3, 9, 9, 8]), vals)])  # split after [1, 2, 3]
     assert cache.prefix_lens([req], tree) == [5]
+
+
+def test_lpm_keeps_its_state_in_the_slot_it_owns() -> None:
+    """lpm's per-request state is an ``LPMState`` in ``Req.policy_state``: made when lpm first
+    orders the request, reset (not replaced) when the request is retracted, its match dropped
+    when the request is admitted; the scheduler's ``Req`` knows none of its fields."""
+    from radixserve.sched.policies.base import PolicyContext
+    from radixserve.sched.policies.lpm import LongestPrefixMatch
+    from radixserve.sched.policies.prefix_match import LPM_STALE, LPMState
+
+    assert not any(name.startswith("lpm") or "match_cache" in name for name in vars(Req("x", [1], SamplingParams())))
+    alloc = TokenToKVPoolAllocator(256, 1)
+    tree = RadixCache(ReqToTokenPool(1, 8), alloc)
+    vals = alloc.alloc(6)
+    tree.insert(RadixKey([1, 2, 3, 4, 5, 6]), vals)
+    reqs = [Req(f"r{i}", ids, SamplingParams(max_new_tokens=4), arrival_time=float(i))
+            for i, ids in enumerate([[9, 9, 9], [1, 2, 3, 7], [1, 2, 3, 4, 5, 8]])]
+    assert all(r.policy_state is None for r in reqs)
+    lpm = LongestPrefixMatch()
+    order = lpm.order(list(reqs), PolicyContext(prefix_tree=tree, now=0.0, lpm_fallback_threshold=0))
+    assert [r.rid for r in order] == ["r2", "r1", "r0"]  # longest cached prefix first
+    states = [r.policy_state for r in reqs]
+    assert all(isinstance(s, LPMState) and s.match is not None and s.order is not None for s in states)
+    lpm.on_admitted([reqs[2]])
+    assert reqs[2].policy_state.match is None and reqs[1].policy_state.match is not None
+    reqs[1].reset_for_retract()
+    assert reqs[1].policy_state is states[1]
+    assert (states[1].key, states[1].order, states[1].match, states[1].group) == (LPM_STALE, None, None, None)

@@ -1,6 +1,9 @@
 """``shared_server``: one real server, started once per session and shared by every test that can
 share it. Its teardown is itself a check: Ctrl-C (SIGINT to the whole process group, as a terminal
 sends it) must stop the HTTP, scheduler and detokenizer processes and exit 0.
+
+``keyed_server``: a second one with ``--api-key`` and a 4 KiB body limit, for the tests of keys,
+body limits and child deaths; started on first use and again after a test ended it.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.server.helpers import ServerProcess, pid_alive
+from tests.server.helpers import API_KEY, ServerProcess, pid_alive
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +32,26 @@ def shared_server() -> Iterator[ServerProcess]:
     finally:
         srv.kill()
         os.unlink(srv.log.name)
+
+
+@pytest.fixture(scope="session")
+def _keyed() -> Iterator[dict[str, ServerProcess]]:
+    held: dict[str, ServerProcess] = {}
+    try:
+        yield held
+    finally:
+        if "srv" in held:
+            held["srv"].kill()
+            os.unlink(held["srv"].log.name)
+
+
+@pytest.fixture
+def keyed_server(_keyed: dict[str, ServerProcess]) -> ServerProcess:
+    srv = _keyed.get("srv")
+    if srv is None or srv.proc.poll() is not None:  # not started yet, or a test ended it
+        if srv is not None:
+            srv.kill()
+            os.unlink(srv.log.name)
+        srv = _keyed["srv"] = ServerProcess("--max-request-body-bytes", "4096", api_key=API_KEY)
+        srv.wait_ready()
+    return srv

@@ -19,7 +19,7 @@ from radixserve.bench.fuzz import FIELDS, mutate
 from radixserve.server.frontend.chat_protocol import ChatCompletionRequest
 from radixserve.server.frontend.protocol import CompletionRequest, GenerateRequest
 from radixserve.server.frontend.responses_protocol import ResponsesRequest
-from tests.server.helpers import API_KEY, REPO, ServerProcess, assert_memory_ok, started, wait_idle
+from tests.server.helpers import REPO, ServerProcess, assert_memory_ok, wait_idle
 
 pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
 
@@ -37,12 +37,6 @@ VALID: dict[str, dict[str, Any]] = {
 def c(shared_server: ServerProcess) -> Iterator[httpx.Client]:
     with shared_server.client() as client:
         yield client
-
-
-@pytest.fixture(scope="module")
-def guarded() -> Iterator[ServerProcess]:
-    """A server with --api-key and a small body limit."""
-    yield from started(ServerProcess("--max-request-body-bytes", "4096", api_key=API_KEY))
 
 
 def _error(r: httpx.Response, status: int = 400) -> dict[str, Any]:
@@ -170,8 +164,8 @@ def test_mutation_fuzz_never_5xx(c: httpx.Client) -> None:
 
 
 # --- body size limit -----------------------------------------------------------------------------------
-def test_body_limit_content_length_and_chunked(guarded: ServerProcess) -> None:
-    with guarded.client() as c:
+def test_body_limit_content_length_and_chunked(keyed_server: ServerProcess) -> None:
+    with keyed_server.client() as c:
         small = {"prompt": "Hi", "max_tokens": 1}
         assert c.post("/v1/completions", json=small).status_code == 200
         big = {"prompt": "x" * 5000, "max_tokens": 1}
@@ -222,10 +216,10 @@ def test_openapi_documents_every_route_with_request_schemas(c: httpx.Client, sha
     assert schemas["ErrorResponse"]["properties"]["error"]
 
 
-def test_openapi_needs_the_api_key(guarded: ServerProcess) -> None:
-    r = httpx.get(f"{guarded.url}/openapi.json")
+def test_openapi_needs_the_api_key(keyed_server: ServerProcess) -> None:
+    r = httpx.get(f"{keyed_server.url}/openapi.json")
     assert _error(r, 401)["code"] == "invalid_api_key"
-    r = httpx.get(f"{guarded.url}/openapi.json", headers=guarded.headers)
+    r = httpx.get(f"{keyed_server.url}/openapi.json", headers=keyed_server.headers)
     assert r.status_code == 200 and "/v1/chat/completions" in r.json()["paths"]
 
 

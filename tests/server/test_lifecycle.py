@@ -29,11 +29,6 @@ def server() -> Iterator[ServerProcess]:
                                      "--admin-api-key", ADMIN_KEY, api_key=API_KEY))
 
 
-@pytest.fixture
-def fresh_server() -> Iterator[ServerProcess]:
-    yield from started(ServerProcess(api_key=API_KEY))
-
-
 def test_api_key(server: ServerProcess) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200  # /health is open
     for path in ("/get_load", "/v1/models", "/get_server_info", "/metrics"):
@@ -181,8 +176,8 @@ def _check_child_death(server: ServerProcess, victim: str) -> None:
     assert not pid_alive(other_pid), f"the {other} outlived the server"
 
 
-def test_detokenizer_death_fails_health_and_exits_nonzero(fresh_server: ServerProcess) -> None:
-    _check_child_death(fresh_server, "detokenizer")
+def test_detokenizer_death_fails_health_and_exits_nonzero(keyed_server: ServerProcess) -> None:
+    _check_child_death(keyed_server, "detokenizer")  # (the fixture starts another for whoever comes next)
 
 
 def test_scheduler_death_fails_health_and_exits_nonzero(server: ServerProcess) -> None:

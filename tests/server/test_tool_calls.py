@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -119,20 +120,25 @@ def _check_calls(calls: list[dict[str, Any]], names: set[str]) -> None:
 
 @pytest.mark.slow
 def test_forced_calls_follow_their_schemas(c: httpx.Client) -> None:
-    for seed in range(2):  # sampled, not only greedy: the grammar holds whatever is drawn
-        out = _chat(c, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
-                    parallel_tool_calls=False)["choices"][0]
+    named = {"type": "function", "function": {"name": "add"}}
+    asks = [  # sent together (one batch): two sampled, not only greedy (the grammar holds whatever
+        # is drawn), one with parallel calls, one naming its function
+        {"tool_choice": "required", "temperature": 1.0, "seed": 0, "parallel_tool_calls": False},
+        {"tool_choice": "required", "temperature": 1.0, "seed": 1, "parallel_tool_calls": False},
+        {"tool_choice": "required", "max_tokens": 80},
+        {"tool_choice": named, "parallel_tool_calls": False},
+    ]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        outs = [f.result()["choices"][0] for f in [pool.submit(_chat, c, tools=TOOLS, **a) for a in asks]]
+    for out in outs[:2]:
         assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None
         _check_calls(out["message"]["tool_calls"], set(SCHEMAS))
     # parallel calls: this model rarely stops calling, so the answer may be cut by max_tokens; its
     # complete calls are answered, and the finish reason says it was cut
-    out = _chat(c, tools=TOOLS, tool_choice="required", max_tokens=80)["choices"][0]
-    _check_calls(out["message"]["tool_calls"], set(SCHEMAS))
-    assert out["finish_reason"] in ("tool_calls", "length")
-    named = {"type": "function", "function": {"name": "add"}}
-    out = _chat(c, tools=TOOLS, tool_choice=named, parallel_tool_calls=False)["choices"][0]
-    assert len(out["message"]["tool_calls"]) == 1
-    _check_calls(out["message"]["tool_calls"], {"add"})
+    _check_calls(outs[2]["message"]["tool_calls"], set(SCHEMAS))
+    assert outs[2]["finish_reason"] in ("tool_calls", "length")
+    assert len(outs[3]["message"]["tool_calls"]) == 1
+    _check_calls(outs[3]["message"]["tool_calls"], {"add"})
     # streamed: the same call (greedy), whole in one delta, then the finish reason
     want = _chat(c, tools=TOOLS, tool_choice=named, parallel_tool_calls=False)["choices"][0]["message"]["tool_calls"]
     deltas, finish = [], None

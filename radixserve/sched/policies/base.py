@@ -51,6 +51,10 @@ class SchedulePolicy:
     def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
         raise NotImplementedError
 
+    def on_admitted(self, reqs: list[Req]) -> None:
+        """Called when ``reqs`` leave the waiting queue for a prefill batch (``lpm`` stops watching
+        their matches)."""
+
     def on_batch(self, batch: ScheduleBatch) -> None:
         """Called after each forward step's results were processed (``vtc`` charges its counters)."""
 

@@ -25,6 +25,11 @@ class LongestPrefixMatch(SchedulePolicy):
         self.matches = PrefixLengthCache()
         self.incremental = IncrementalLPM(self.matches)
 
+    def on_admitted(self, reqs: list[Req]) -> None:
+        for r in reqs:  # out of the queue: stop watching where its match stopped (it points back to r)
+            if r.policy_state is not None:
+                r.policy_state.match = None
+
     def order(self, waiting: list[Req], ctx: PolicyContext) -> list[Req]:
         tree = ctx.prefix_tree
         if tree is None or (

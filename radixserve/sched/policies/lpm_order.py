@@ -5,8 +5,8 @@ prefix, arrival, in-batch pushes to the back). Stability makes the order depend 
 equal keys, the queue's previous order decides, and the queue is the last order minus the
 admitted head plus newcomers at the end. Re-sorting 10k requests in Python costs milliseconds per
 round even when only a handful of keys changed, so this class keeps the sorted list and, per
-round, only removes and re-inserts what changed. Each request carries a total sort key
-``Req.lpm_order`` that reproduces the stable sort exactly:
+round, only removes and re-inserts what changed. Each request carries a total sort key (its
+``LPMState.order``) that reproduces the stable sort exactly:
 
     F = (key, d, d * round, F_before)
 
@@ -35,11 +35,19 @@ from operator import attrgetter
 from typing import Any
 
 from radixserve.mem.radix_cache import RadixCache
-from radixserve.sched.policies.prefix_match import _BACK, _SHIFT, PrefixLengthCache, lpm_sort_keys
-from radixserve.sched.req import LPM_STALE, Req
+from radixserve.sched.policies.prefix_match import (
+    _BACK,
+    _SHIFT,
+    LPM_STALE,
+    PrefixLengthCache,
+    ensure_states,
+    lpm_sort_keys,
+)
+from radixserve.sched.req import Req
 
 _INF = float("inf")
-_get_order = attrgetter("lpm_order")
+_get_order = attrgetter("policy_state.order")
+_get_state = attrgetter("policy_state")
 
 
 class IncrementalLPM:
@@ -50,7 +58,7 @@ class IncrementalLPM:
     def reset(self) -> None:
         """Forget the kept order: the next round sorts in full."""
         for r in getattr(self, "_out", None) or ():
-            r.lpm_order = None
+            r.policy_state.order = None
         self._out: list[Req] | None = None
         self._params: tuple[Any, ...] = ()
         self._round = 0
@@ -76,11 +84,11 @@ class IncrementalLPM:
 
     def _match_prev(self, waiting: list[Req], prev: list[Req]) -> int | None:
         """Where the newcomers start in ``waiting`` if it is ``prev`` minus a head plus newcomers
-        (requests never ordered, ``lpm_order`` None); None otherwise."""
+        (requests never ordered: no order yet, or no ``LPMState`` at all); None otherwise."""
         j = len(prev)
         if waiting and prev:
             w0 = waiting[0]
-            if w0.lpm_order is not None:
+            if w0.policy_state is not None and w0.policy_state.order is not None:
                 try:
                     j = prev.index(w0)
                 except ValueError:
@@ -88,7 +96,8 @@ class IncrementalLPM:
         m = len(prev) - j
         if waiting[:m] != prev[j:]:  # identity compares, in C
             return None
-        if any(r.lpm_order is not None for r in waiting[m:]):
+        ensure_states(waiting[m:])
+        if any(r.policy_state.order is not None for r in waiting[m:]):
             return None
         for r in prev[:j]:  # admitted (or otherwise taken from the head)
             self._leave(r)
@@ -96,9 +105,9 @@ class IncrementalLPM:
         return m
 
     def _leave(self, r: Req) -> None:
-        r.lpm_order = None
+        r.policy_state.order = None
         if self._groups:
-            g = r.lpm_group
+            g = r.policy_state.group
             members = self._groups.get(g)
             if members is not None:
                 members.discard(r)
@@ -107,32 +116,32 @@ class IncrementalLPM:
     # --- full sort ------------------------------------------------------------------------------
     def _full(self, waiting: list[Req], tree: RadixCache, check: int, t: int) -> list[Req]:
         if self._out is not None:
-            for r in self._out:
-                r.lpm_order = None
+            for s in map(_get_state, self._out):
+                s.order = None
         keys = lpm_sort_keys(waiting, tree, self.matches, check, t)
         idx = sorted(range(len(waiting)), key=keys.__getitem__)
         out = list(map(waiting.__getitem__, idx))
+        states = list(map(_get_state, out))
         groups: dict[Any, set[Req]] = {}
         kept: dict[Any, Req | None] = {}
         self._groups, self._kept, self._touched = groups, kept, set()
-        ordered = enumerate(zip(out, map(keys.__getitem__, idx), strict=True))
         if t <= 0:
-            for pos, (r, k) in ordered:
-                r.lpm_order = (k, 0, 0, pos)
+            for pos, (s, k) in enumerate(zip(states, map(keys.__getitem__, idx), strict=True)):
+                s.order = (k, 0, 0, pos)
             return out
         # one pass in queue order: the first candidate met in a group is the one
-        # ``_first_candidate`` would pick (the smallest lpm_order, i.e. the smallest position)
+        # ``_first_candidate`` would pick (the smallest order, i.e. the smallest position)
         floor = -check * (1 << _SHIFT)
-        for pos, (r, k) in ordered:
-            r.lpm_order = (k, 0, 0, pos)
-            g = r.lpm_group
+        for pos, (r, s, k) in enumerate(zip(out, states, map(keys.__getitem__, idx), strict=True)):
+            s.order = (k, 0, 0, pos)
+            g = s.group
             members = groups.get(g)
             if members is None:
                 groups[g] = {r}
-                kept[g] = r if r.lpm_key >= floor else None
+                kept[g] = r if s.key >= floor else None
             else:
                 members.add(r)
-                if kept[g] is None and r.lpm_key >= floor:
+                if kept[g] is None and s.key >= floor:
                     kept[g] = r
         return out
 
@@ -144,7 +153,7 @@ class IncrementalLPM:
         floor = -check * (1 << _SHIFT)
         changed: dict[int, Req] = {}  # old members whose base key may have changed
         for r in matches.dirty:
-            if r.lpm_order is not None and r.lpm_key == LPM_STALE:
+            if r.policy_state.order is not None and r.policy_state.key == LPM_STALE:
                 matches.refresh(r, tree)
                 changed[id(r)] = r
         matches.dirty.clear()
@@ -159,10 +168,10 @@ class IncrementalLPM:
         if t > 0:
             touched, self._touched = self._touched, set()
             for r in changed.values():
-                touched.add(r.lpm_group)
+                touched.add(r.policy_state.group)
             for r in tail:
-                self._groups.setdefault(r.lpm_group, set()).add(r)
-                touched.add(r.lpm_group)
+                self._groups.setdefault(r.policy_state.group, set()).add(r)
+                touched.add(r.policy_state.group)
             for g in touched:
                 members = self._groups.get(g)
                 if not members:
@@ -172,21 +181,21 @@ class IncrementalLPM:
                 old_kept = self._kept.get(g)
                 kept = self._kept[g] = _first_candidate(members, floor, pre)
                 for k_req in (old_kept, kept):
-                    if k_req is not None and k_req.lpm_order is not None:
+                    if k_req is not None and k_req.policy_state.order is not None:
                         changed[id(k_req)] = k_req
                 for r in members:
-                    if id(r) in changed or r.lpm_order is None:
-                        k = r.lpm_key
+                    if id(r) in changed or r.policy_state.order is None:
+                        k = r.policy_state.key
                         new_eff[id(r)] = k + _BACK if (k >= floor and r is not kept) else k
         else:
             for r in changed.values():
-                new_eff[id(r)] = r.lpm_key
+                new_eff[id(r)] = r.policy_state.key
             for r in tail:
-                new_eff[id(r)] = r.lpm_key
+                new_eff[id(r)] = r.policy_state.key
         # re-insert the old members whose effective key moved
         moved: list[Req] = []
         for r in changed.values():
-            f = r.lpm_order
+            f = r.policy_state.order
             eff = new_eff.get(id(r), f[0])
             if eff == f[0]:
                 continue
@@ -194,10 +203,10 @@ class IncrementalLPM:
             assert out[i] is r
             del out[i]
             d = -1 if f[0] < eff else 1
-            r.lpm_order = (eff, d, d * rnd, f)
+            r.policy_state.order = (eff, d, d * rnd, f)
             moved.append(r)
         for r in tail:
-            r.lpm_order = (new_eff[id(r)], 1, rnd, pre[id(r)])
+            r.policy_state.order = (new_eff[id(r)], 1, rnd, pre[id(r)])
             moved.append(r)
         for r in moved:
             insort(out, r, key=_get_order)
@@ -206,14 +215,14 @@ class IncrementalLPM:
 
 def _first_candidate(members: set[Req], floor: int, pre: dict[int, Any]) -> Req | None:
     """The group's request that comes first in this round's queue among those the in-batch check
-    looks at (cached prefix short enough: key >= floor). A member's place is its ``lpm_order``
+    looks at (cached prefix short enough: key >= floor). A member's place is its order
     from the last round; newcomers' places are in ``pre`` (after everyone else)."""
     best: Req | None = None
     best_f: Any = None
     for r in members:
-        if r.lpm_key < floor:
+        if r.policy_state.key < floor:
             continue
-        f = pre.get(id(r)) or r.lpm_order
+        f = pre.get(id(r)) or r.policy_state.order
         if best is None or f < best_f:
             best, best_f = r, f
     return best

@@ -2,14 +2,15 @@
 
 ``PrefixLengthCache``: the cached-prefix length of every waiting request, kept up to date
 incrementally. SGLang re-matches every waiting request against the tree at every step, which is
-why it falls back to FCFS past 128 waiting requests. Here each request's sort key lives on the
-request (``Req.lpm_key``) and is recomputed only when the tree changed where its match stopped:
+why it falls back to FCFS past 128 waiting requests. Here each request's sort key is kept with the
+request (its ``LPMState``, the ``Req.policy_state`` slot the policy owns) and is recomputed only when
+the tree changed where its match stopped:
 
 - the read-only match (``RadixCache.peek_prefix``) stops at node N, before the child slot K of
   the request's next token; the request registers a watcher there (``RadixCache.watch``);
 - the tree calls the watcher when a child is added at K, the child at K is split or evicted, N
   itself is evicted, or the tree is reset: only then can the match length change (a split
-  elsewhere on the path changes no length). The watcher clears ``lpm_key``;
+  elsewhere on the path changes no length). The watcher clears the key;
 - the next ordering re-matches only the requests whose key is cleared, from N (or N's nearest
   live ancestor when N went), not from the root.
 
@@ -33,16 +34,46 @@ from typing import Any
 from radixserve.mem.radix_cache import RadixCache
 from radixserve.mem.radix_walks import live_ancestor, weighted_dfs
 from radixserve.mem.tree_node import END, TreeNode
-from radixserve.sched.req import LPM_STALE, Req
+from radixserve.sched.req import Req
 
+LPM_STALE = 1 << 200  # the key of a request lpm must match (again); above every real key
 _SHIFT = 64  # sort key = -length * 2**64 + arrival in microseconds (clamped to [0, 2**64))
 _BACK = 1 << 100  # added to the key of a request pushed to the back: after every other one
-_get_key = attrgetter("lpm_key")
-_get_group = attrgetter("lpm_group")
+_get_key = attrgetter("policy_state.key")
+_get_group = attrgetter("policy_state.group")
+_get_state = attrgetter("policy_state")
+
+
+class LPMState:
+    """What lpm keeps on a waiting request (``Req.policy_state``): its sort key, its in-batch
+    check group, its place in the kept order (``lpm_order.py``) and where its match stopped."""
+
+    __slots__ = ("key", "group", "order", "match")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.key = LPM_STALE
+        self.group: Any = None
+        self.order: Any = None
+        self.match: _Match | None = None
+
+
+def ensure_states(reqs: Sequence[Req]) -> None:
+    """Give each request that has none an ``LPMState`` (C-level scans; Python for the newcomers)."""
+    states = list(map(_get_state, reqs))
+    i = -1
+    while True:
+        try:
+            i = states.index(None, i + 1)
+        except ValueError:
+            return
+        reqs[i].policy_state = LPMState()
 
 
 class _Match:
-    """Where a waiting request's match stopped (``Req.prefix_match_cache``); the watcher token."""
+    """Where a waiting request's match stopped (``LPMState.match``); the watcher token."""
 
     __slots__ = ("req", "root", "node", "pos", "length", "key", "sink")
 
@@ -53,8 +84,8 @@ class _Match:
 
     def invalidate(self) -> None:
         req = self.req
-        if req.prefix_match_cache is self:  # else the request was re-matched, reset or admitted since
-            req.lpm_key = LPM_STALE
+        if req.policy_state.match is self:  # else the request was re-matched, reset or admitted since
+            req.policy_state.key = LPM_STALE
             self.sink.append(req)
 
 
@@ -67,19 +98,24 @@ class PrefixLengthCache:
 
     def __init__(self) -> None:
         self._root: Any = None
-        self._group_t = 0  # the in-batch check threshold the requests' lpm_group was made for
+        self._group_t = 0  # the in-batch check threshold the requests' groups were made for
         self.dirty: list[Req] = []  # requests whose key a watcher cleared (for lpm_order)
         self.num_matched = 0  # read-only matches run so far (a counter for benchmarks)
 
     def sort_keys(self, reqs: Sequence[Req], tree: RadixCache, group_t: int | None = None) -> list[int]:
-        """The keys; with ``group_t``, each request's ``lpm_group`` for that threshold is set too."""
+        """The keys; with ``group_t``, each request's group for that threshold is set too."""
+        try:
+            keys = list(map(_get_key, reqs))
+        except AttributeError:  # some have no LPMState yet
+            ensure_states(reqs)
+            keys = list(map(_get_key, reqs))
         if tree.root is not self._root or (group_t is not None and group_t != self._group_t):
             self._root = tree.root  # another tree (a reset one fires its watchers itself)
             self._group_t = self._group_t if group_t is None else group_t
             for r in reqs:
-                r.lpm_key = LPM_STALE
+                r.policy_state.key = LPM_STALE
+            keys = [LPM_STALE] * len(reqs)
         self.dirty.clear()  # every cleared key among reqs is recomputed here
-        keys = list(map(_get_key, reqs))
         if LPM_STALE in keys:  # int compares: fast
             i = keys.index(LPM_STALE)
             while True:
@@ -95,14 +131,15 @@ class PrefixLengthCache:
 
     def refresh(self, req: Req, tree: RadixCache) -> int:
         """``req``'s key (and group), matched again if it was cleared."""
-        k = req.lpm_key
+        ensure_states((req,))
+        k = req.policy_state.key
         return self._refresh(req, tree) if k == LPM_STALE else k
 
     def _refresh(self, req: Req, tree: RadixCache) -> int:
         self.num_matched += 1
         node: TreeNode | None = None
         pos = 0
-        c = req.prefix_match_cache
+        c = req.policy_state.match
         if c is not None and c.root is tree.root:
             node, pos = live_ancestor(c.node, c.pos)  # (evicted since: back to a live node)
         ids = req.origin_input_ids if not req.output_ids else req.fill_ids
@@ -110,10 +147,10 @@ class PrefixLengthCache:
         node, pos, length = tree.peek_prefix(ids, req.extra_key, node, pos, limit=limit)
         arrival_us = min(max(int(req.arrival_time * 1e6), 0), (1 << _SHIFT) - 1)
         key = -length * (1 << _SHIFT) + arrival_us
-        m = req.prefix_match_cache = _Match(req, tree.root, node, pos, length, key, self.dirty)
-        req.lpm_key = key
+        m = req.policy_state.match = _Match(req, tree.root, node, pos, length, key, self.dirty)
+        req.policy_state.key = key
         if self._group_t > 0:
-            req.lpm_group = _group(req, self._group_t)
+            req.policy_state.group = _group(req, self._group_t)
         ps = tree.page_size
         end = limit - limit % ps
         tree.watch(node, END if pos >= end else tree.child_key(node, ids[pos : pos + ps], req.extra_key), m)
