@@ -19,7 +19,6 @@ from radixserve.sched.finish import FINISH_ABORT, FinishReason
 from radixserve.sched.io import BatchOut
 from radixserve.sched.overlap import InFlight
 from radixserve.sched.parts import BatchBuilder, SchedParts
-from radixserve.sched.policies.base import PolicyContext
 from radixserve.sched.req import Req
 from radixserve.sched.request_checks import Limits
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
@@ -57,9 +56,6 @@ class SchedulerCore:
     def limits(self) -> Limits:
         """What a request must fit to run here, for the edge that checks it (``request_checks``)."""
         return Limits(self.vocab_size, self.context_len, self.kv.total_tokens)
-
-    def policy_context(self) -> PolicyContext:
-        return self.parts.ordering.context(self.clock())
 
     # --- intake ----------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:

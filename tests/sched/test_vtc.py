@@ -61,7 +61,7 @@ def test_newly_backlogged_tenant_is_lifted() -> None:
     policy.counters.update({"a": 100.0, "b": 300.0, "c": 0.0})
     policy.backlogged = {"a", "b"}
     reqs = [add(sched, "ra", "a", 4, 1, 0.0), add(sched, "rb", "b", 4, 1, 0.0), add(sched, "rc", "c", 4, 1, 0.0)]
-    order = policy.order(sched.queues.waiting, sched.policy_context())
+    order = policy.order(sched.queues.waiting, sched.parts.ordering.context(sched.clock()))
     assert policy.counters["c"] == 100.0  # lifted to the smallest backlogged counter: no banked credit
     assert [r.rid for r in order] == ["ra", "rc", "rb"]  # tie a/c: tenant name
     drain(sched)
