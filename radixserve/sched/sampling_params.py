@@ -28,6 +28,7 @@ import msgspec
 
 from radixserve.grammar import GRAMMAR_KINDS, validate_grammar
 from radixserve.mem.penalties import RowPenalties
+from radixserve.sched.noop_fields import SAMPLING, refusal
 
 
 def new_token_room(prompt_len: int, context_len: int, pool_tokens: int) -> int:
@@ -76,6 +77,10 @@ class SamplingParams(msgspec.Struct):
         if d is not None and not isinstance(d, dict):
             raise InvalidRequest("sampling_params must be an object", param="sampling_params")
         d = dict(d or {})
+        for name in [k for k in d if k in SAMPLING]:  # SGLang's, where they change nothing here
+            why = refusal(SAMPLING, name, d.pop(name))
+            if why is not None:
+                raise InvalidRequest(why, param=name, code="unsupported")
         known = set(cls.__struct_fields__)
         unknown = sorted(set(d) - known)
         if unknown:

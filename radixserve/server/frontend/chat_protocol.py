@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from radixserve.sched.noop_fields import CHAT
 from radixserve.server.frontend.protocol import (
     _CHAT_UNSUPPORTED,
     INT64_MAX,
@@ -61,6 +62,7 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
 
 
 class ChatCompletionRequest(_SamplingFields):
+    NOOP_FIELDS = CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)

@@ -41,7 +41,8 @@ def parse_sampling_params(sp: dict[str, Any], vocab_size: int | None, openai: bo
         return SamplingParams.from_dict(sp, vocab_size)
     except InvalidRequest as e:
         param = _OPENAI_PARAM.get(e.param or "", e.param) if openai else e.param
-        raise APIError(str(e), param=param, code="invalid_value") from None
+        raise APIError(str(e), param=param, code="unsupported" if e.code == "unsupported" else "invalid_value"
+                       ) from None
     except TypeError as e:
         raise APIError(f"invalid sampling parameters: {e}", param="sampling_params") from None
 

@@ -8,8 +8,9 @@ validated by the pydantic models below, which are also what ``/openapi.json`` do
 Every field is honoured or refused (docs/api.md has the list): a field a model does not declare is a
 400 ``unknown_parameter``, as OpenAI answers it, except the extension fields each model lists in
 ``EXTRA_FIELDS`` (scheduling and router fields, read from ``model_extra`` by ``sched_fields`` and
-``pd_fields``); a field that names something this server does not do (tools, structured output...)
-is a 400 ``unsupported``.
+``pd_fields``) and the fields SGLang's or vLLM's schema defines that this server does not act on
+(``NOOP_FIELDS``, ``sched/noop_fields.py``: accepted at their no-op values, dropped before
+validation); a field that names something this server does not do is a 400 ``unsupported``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from radixserve.sched.noop_fields import COMPLETION, NATIVE, noop_schema, refusal
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -74,6 +77,7 @@ class _Body(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)  # JSON types as sent: no "yes" for true, no 1.0 for 1
     EXTRA_FIELDS: ClassVar[dict[str, dict[str, Any]]] = {}
+    NOOP_FIELDS: ClassVar[dict[str, tuple[Any, ...]]] = {}  # accepted at these values only (noop_fields.py)
     ALLOW_UNKNOWN: ClassVar[bool] = False  # True: any other field is passed on (set_schedule_policy)
 
     def check(self) -> None:
@@ -81,12 +85,15 @@ class _Body(BaseModel):
 
     @classmethod
     def known(cls) -> set[str]:
-        return set(cls.model_fields) | set(cls.EXTRA_FIELDS)
+        return set(cls.model_fields) | set(cls.EXTRA_FIELDS) | set(cls.NOOP_FIELDS)
 
 
 def _extra_schema(schema: dict[str, Any], model: type[BaseModel]) -> None:
     extra = getattr(model, "EXTRA_FIELDS", {})
-    schema.setdefault("properties", {}).update(extra)
+    props = schema.setdefault("properties", {})
+    props.update(extra)
+    for name, accepted in getattr(model, "NOOP_FIELDS", {}).items():
+        props[name] = noop_schema(accepted)
     schema["additionalProperties"] = False
 
 
@@ -205,6 +212,7 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
+    NOOP_FIELDS = COMPLETION
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -248,6 +256,7 @@ class GenerateRequest(_Body):
 
     model_config = ConfigDict(extra="allow", json_schema_extra=_generate_schema)
     EXTRA_FIELDS = _NATIVE_EXTRA
+    NOOP_FIELDS = NATIVE
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = Field(
@@ -315,6 +324,11 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     data = decode_json(raw) if raw.strip() else None
     if not isinstance(data, dict):
         raise APIError("the request body must be a JSON object", code="invalid_json")
+    for name in [k for k in data if k in model.NOOP_FIELDS]:
+        why = refusal(model.NOOP_FIELDS, name, data[name])
+        if why is not None:
+            raise unsupported(name, why)
+        del data[name]
     known = model.known()
     unknown = [k for k in data if k not in known]
     if unknown and not model.ALLOW_UNKNOWN:
