@@ -113,7 +113,8 @@ def test_metrics(c: httpx.Client) -> None:
                  "radixserve:cache_hit_rate", "radixserve:gen_throughput", "radixserve:generation_tokens_total",
                  "radixserve:time_to_first_token_seconds_bucket", "radixserve:time_per_output_token_seconds_bucket",
                  "radixserve:e2e_request_latency_seconds_bucket", "radixserve:queue_time_seconds_bucket",
-                 "radixserve:num_retracted_reqs_total"):
+                 "radixserve:num_retracted_reqs_total", "sglang:num_running_reqs", "sglang:token_usage",
+                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total"):
         assert name in text, name
 
 

@@ -1,5 +1,9 @@
 """Prometheus metrics (``--enable-metrics``), named in SGLang's style (``sglang:`` -> ``radixserve:``).
 
+The load gauges and prefix-cache counters are also published under the names SGLang's and vLLM's
+routers, autoscalers and dashboards scrape (``FOREIGN_GAUGES``, ``FOREIGN_COUNTERS``), with the
+same values, so radixserve workers can stand behind them.
+
 Gauges come from the scheduler's periodic ``SchedulerStats``; latency histograms are measured in
 the HTTP process per request. Both carry a ``dp_rank`` label (the scheduler rank: 0 without
 ``--dp-size``) (TTFT and end-to-end from when the request was received, time per
@@ -19,6 +23,21 @@ if TYPE_CHECKING:
     from radixserve.server.frontend.req_state import ReqState
 
 PREFIX = "radixserve:"
+# our gauge -> the same value under SGLang's and vLLM's names (vLLM's usage is a fraction, as ours)
+FOREIGN_GAUGES = {
+    "num_running_reqs": ("sglang:num_running_reqs", "vllm:num_requests_running"),
+    "num_queue_reqs": ("sglang:num_queue_reqs", "vllm:num_requests_waiting"),
+    "num_used_tokens": ("sglang:num_used_tokens",),
+    "token_usage": ("sglang:token_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "cache_hit_rate": ("sglang:cache_hit_rate", "vllm:gpu_prefix_cache_hit_rate"),
+    "gen_throughput": ("sglang:gen_throughput",),
+}
+# SchedulerStats total -> counters under vLLM's names (prefix-cache queries and hits, in tokens)
+FOREIGN_COUNTERS = {
+    "prompt_tokens": ("vllm:prefix_cache_queries", "vllm:prompt_tokens", "sglang:prompt_tokens"),
+    "cached_tokens": ("vllm:prefix_cache_hits", "sglang:cached_tokens"),
+    "generated_tokens": ("vllm:generation_tokens", "sglang:generation_tokens"),
+}
 MAX_TENANT_LABELS = 100
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
@@ -85,6 +104,11 @@ class ServerMetrics:
         self.num_starved_by_class = Counter(
             PREFIX + "num_starved_reqs_by_class", "Starved requests (see num_starved_reqs), by priority and tenant.",
             cls_names, registry=r)
+        self.foreign_gauges = {ours: [Gauge(name, f"{name}: radixserve:{ours} under this name.", ranked, registry=r)
+                                      for name in theirs] for ours, theirs in FOREIGN_GAUGES.items()}
+        self.foreign_counters = {
+            attr: [Counter(name, f"{name}: radixserve's {attr} under this name.", ranked, registry=r)
+                   for name in theirs] for attr, theirs in FOREIGN_COUNTERS.items()}
         self._tenants: set[str] = set()
         self._last: dict[int, SchedulerStats] = {}  # per data-parallel rank
         self._last_by_class: dict[tuple[int, str, str], tuple[int, int, int]] = {}  # per (rank, class)
@@ -97,7 +121,15 @@ class ServerMetrics:
         self.token_usage.labels(**lb).set(s.token_usage)
         self.cache_hit_rate.labels(**lb).set(s.cache_hit_rate)
         self.gen_throughput.labels(**lb).set(s.gen_throughput)
+        for ours, gauges in self.foreign_gauges.items():
+            for g in gauges:
+                g.labels(**lb).set(getattr(s, ours))
         prev = self._last.get(s.dp_rank)
+        for attr, counters in self.foreign_counters.items():
+            delta = getattr(s, attr) - (getattr(prev, attr) if prev is not None else 0)
+            if delta > 0:
+                for c in counters:
+                    c.labels(**lb).inc(delta)
         for counter, attr in ((self.prompt_tokens, "prompt_tokens"), (self.cached_tokens, "cached_tokens"),
                               (self.generation_tokens, "generated_tokens"), (self.num_retractions, "num_retractions"),
                               (self.num_preemptions, "num_preemptions"), (self.num_starved, "num_starved"),
