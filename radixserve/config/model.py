@@ -28,7 +28,8 @@ class ModelOptions:
         None, "Chat template to use instead of the model's own: a Jinja file, or the template text itself "
         "(anything with {{ or {%%).", group="model")
     dtype: str = option("auto", "Weights/activations/KV dtype; auto picks the measured-fastest on this device.", ("auto", "float32", "bfloat16"), group="model")
-    context_length: int | None = option(None, "Maximum context length (prompt + output); default: the model's (a sliding-window model's window).", group="model")
+    context_length: int | None = option(None, "Maximum context length (prompt + output); default: the model's. A sliding-window model "
+        "attends over its window past it (docs/model.md).", group="model")
     attention_backend: str = option(
         "auto", "Attention implementation. torch_native: gather each request's KV from the pool, then SDPA. "
         "cpu_paged: decode rows by a C++ kernel that reads the KV in place, 1.4x faster decode steps at batch 64 "

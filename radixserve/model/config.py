@@ -20,9 +20,9 @@ The families differ from Llama in a few fields, and llama.py reads those fields,
   1, GELU, embeddings scaled by sqrt(hidden), sliding-window layers among global ones (Gemma 3's
   with their own RoPE base), soft-capped scores and logits (Gemma 2), q/k norms (Gemma 3).
 
-A model whose sliding window is implemented per layer (``sliding_layers``: Gemma) runs at its full
-context; any other with a sliding window runs with its context limited to the window (ModelRunner),
-where full attention and the window agree.
+Sliding windows: ``sliding_layers`` names the layers that attend over ``sliding_window`` (Gemma's
+pattern, Qwen2's ``max_window_layers``); a window with no layers named is the whole model's (Mistral
+7B v0.1, Phi-3), put on every layer by ``ModelRunner`` when the context is longer than it.
 """
 
 from __future__ import annotations
@@ -213,9 +213,7 @@ class ModelConfig:
         if experts and model_type == "qwen3_moe":
             step, only = int(d.get("decoder_sparse_step", 1) or 1), set(d.get("mlp_only_layers") or [])
             dense = [i for i in range(num_layers) if i in only or (i + 1) % step]
-        window = d.get("sliding_window")
-        if arch in ("qwen2", "qwen3", "qwen3moe") and not d.get("use_sliding_window", False):
-            window = None
+        window, sliding = _hf_windows(d, arch, num_layers) if not gemma else (d.get("sliding_window"), ())
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
@@ -252,6 +250,8 @@ class ModelConfig:
             eos_token_id=_opt_int(eos),
             name=str(d.get("_name_or_path", "")),
         )
+        if sliding:
+            fields["sliding_layers"] = sliding
         fields.update(gemma)  # Gemma's own values for some of the fields above
         return cls(**fields)
 
@@ -291,6 +291,24 @@ class ModelConfig:
                      num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
                      norm_topk_prob=self.norm_topk_prob, mlp_only_layers=list(self.dense_layers))
         return d
+
+
+def _hf_windows(d: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """A (non-Gemma) HF config's sliding window and the layers it applies to: those ``layer_types``
+    names, else Qwen2/3's layers from ``max_window_layers`` on (only with ``use_sliding_window``),
+    else none named: every layer (Mistral, Phi-3; ``ModelRunner`` decides by the context)."""
+    window = d.get("sliding_window")
+    qwen = arch in ("qwen2", "qwen3", "qwen3moe")
+    if not window or (qwen and not d.get("use_sliding_window", False)):
+        return None, ()
+    types = d.get("layer_types")
+    if types:
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif qwen:
+        sliding = tuple(range(int(d.get("max_window_layers", num_layers)), num_layers))
+    else:
+        return int(window), ()
+    return (int(window), sliding) if sliding else (None, ())
 
 
 def _gemma_fields(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -125,26 +126,17 @@ def resolve_quantization(name: str, dtype: torch.dtype, model_path: str | None) 
     return "gguf"
 
 
-def limit_context(config: ModelConfig, context_length: int | None) -> int:
-    """The context a model runs with: ``context_length``, else the model's span.
+def windowed(config: ModelConfig, context_length: int | None) -> tuple[ModelConfig, int]:
+    """The config a model runs with, and its context (``context_length``, else the model's span).
 
-    Only models whose windows are per layer (``sliding_layers``: Gemma) attend over a window here;
-    any other runs full causal attention. A whole-model sliding window (Mistral 7B v0.1,
-    Phi-3-mini) gives exactly its own outputs while a sequence fits the window, so its context is
-    limited to the window: by default, with a warning; a longer ``context_length`` is refused."""
+    A whole-model sliding window (Mistral 7B v0.1, Phi-3-mini: a window and no per-layer pattern)
+    becomes a window on every layer when the context is longer than the window; when it is not,
+    full causal attention gives the same outputs, and the layers keep the faster full path."""
+    context = context_length or config.max_position
     window = config.sliding_window
-    if window is None or config.sliding_layers or window >= (context_length or config.max_position):
-        return context_length or config.max_position
-    if context_length is not None:
-        raise ValueError(
-            f"--context-length {context_length}: this model attends over a sliding window of {window} "
-            f"tokens, which radixserve does not implement; contexts up to {window} tokens are exact"
-        )
-    logger.warning(
-        "this model attends over a sliding window of %d tokens, which radixserve does not implement: "
-        "its context is limited to %d tokens (the model's own span is %d)", window, window, config.max_position,
-    )
-    return window
+    if window is not None and not config.sliding_layers and window < context:
+        config = replace(config, sliding_layers=tuple(range(config.num_layers)))
+    return config, context
 
 
 def runner_from_args(args: ModelOptions, progress: bool = True, tp_group: TPGroup | None = None) -> ModelRunner:
@@ -186,8 +178,8 @@ class ModelRunner:
         requests.
         ``tune_malloc_arena``: see ``tune_malloc`` (process-wide glibc setting).
         ``tp_group``: load this rank's shard of a tensor-parallel model (a group of size 1 is none).
-        ``context_length``: the longest sequence it will run (default: the model's span, limited
-        to the window of a sliding-window model, see ``limit_context``); ``max_context_len``.
+        ``context_length``: the longest sequence it will run (default: the model's span; a
+        sliding-window model attends over its window past it, see ``windowed``); ``max_context_len``.
         """
         if tune_malloc_arena:
             tune_malloc()
@@ -205,7 +197,7 @@ class ModelRunner:
         config, state = load_model(model_path, load_dtype, progress=progress)
         if self.tp is not None:
             check_tp_size(config, self.tp.size)
-        self.context_len = limit_context(config, context_length)
+        config, self.context_len = windowed(config, context_length)
         self.model = LlamaForCausalLM.from_state_dict(
             config, state, load_dtype, attention_backend, self.tp, self.context_len
         )

@@ -6,7 +6,6 @@ sliding-window model; experts under tensor parallelism."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ from kvharness import Harness
 
 from radixserve.engine import Engine
 from radixserve.model.config import ModelConfig
-from radixserve.model.model_runner import ModelRunner, limit_context
+from radixserve.model.model_runner import ModelRunner, windowed
 from tests.model.tiny_models import FAMILIES, make_tiny_model, write_gguf
 
 transformers = pytest.importorskip("transformers")
@@ -63,9 +62,9 @@ def test_prefill_extend_and_decode_match_transformers(
     path = d if fmt == "hf" else write_gguf(d, str(tmp_path / "model.gguf"))
     # Phi-3: a context within the original 128 positions runs LongRoPE's short factors, as
     # transformers does for a sequence that fits them
-    if name.startswith("gemma") and backend == "cpu_paged":
+    if (name.startswith("gemma") or name == "mistral") and backend == "cpu_paged":
         # the paged kernel has no windows or caps: refused by name, and auto gives Gemma 3's global
-        # layers the kernel and its local ones the torch path
+        # layers the kernel and its local ones (Mistral: all of them) the torch path
         with pytest.raises(ValueError, match="sliding window or score soft-capping"):
             ModelRunner(path, dtype="float32", attention_backend="cpu_paged", progress=False)
         backend = "auto"
@@ -198,15 +197,18 @@ def _cfg(**kw: Any) -> ModelConfig:
                        vocab_size=257, **kw)
 
 
-def test_sliding_window_limits_the_context(caplog: pytest.LogCaptureFixture) -> None:
-    assert limit_context(_cfg(max_position=4096), None) == 4096
-    assert limit_context(_cfg(max_position=4096, sliding_window=8192), None) == 4096
-    with caplog.at_level(logging.WARNING):
-        assert limit_context(_cfg(max_position=32768, sliding_window=4096), None) == 4096
-    assert "sliding window of 4096" in caplog.text
-    assert limit_context(_cfg(max_position=32768, sliding_window=4096), 2048) == 2048
-    with pytest.raises(ValueError, match="sliding window of 4096"):
-        limit_context(_cfg(max_position=32768, sliding_window=4096), 8192)
+def test_a_whole_model_window_applies_to_every_layer_past_it() -> None:
+    """A window shorter than the context becomes a window on every layer; one the context never
+    exceeds changes nothing (the layers keep full attention, which equals it there)."""
+    assert windowed(_cfg(max_position=4096), None) == (_cfg(max_position=4096), 4096)
+    cfg, ctx = windowed(_cfg(max_position=4096, sliding_window=8192), None)
+    assert (cfg.sliding_layers, ctx) == ((), 4096)
+    cfg, ctx = windowed(_cfg(max_position=32768, sliding_window=4096), None)
+    assert (cfg.sliding_layers, ctx) == ((0, 1), 32768)
+    cfg, ctx = windowed(_cfg(max_position=32768, sliding_window=4096), 2048)
+    assert (cfg.sliding_layers, ctx) == ((), 2048)
+    gemma_like = _cfg(max_position=4096, sliding_window=8, sliding_layers=(1,))
+    assert windowed(gemma_like, None)[0].sliding_layers == (1,)  # a pattern of its own stays
 
 
 def test_hf_configs_of_the_families() -> None:
@@ -214,8 +216,15 @@ def test_hf_configs_of_the_families() -> None:
             "vocab_size": 257}
     mistral = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": 4096})
     assert mistral.arch == "llama" and mistral.sliding_window == 4096
-    # Qwen2 names a window but does not use it unless use_sliding_window says so
+    # Qwen2 names a window but does not use it unless use_sliding_window says so, and then from
+    # max_window_layers on (or where layer_types says)
     assert ModelConfig.from_hf_dict({**base, "model_type": "qwen2", "sliding_window": 4096}).sliding_window is None
+    qwen = ModelConfig.from_hf_dict({**base, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,
+                                     "max_window_layers": 2})
+    assert (qwen.sliding_window, qwen.sliding_layers) == (64, (2, 3))
+    qwen = ModelConfig.from_hf_dict({**base, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,
+                                     "layer_types": ["sliding_attention", "full_attention"] * 2})
+    assert qwen.sliding_layers == (0, 2)
     moe = ModelConfig.from_hf_dict({**base, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
                                     "moe_intermediate_size": 32, "decoder_sparse_step": 2, "norm_topk_prob": True})
     assert moe.arch == "qwen3moe" and moe.dense_layers == (0, 2) and moe.norm_topk_prob

@@ -38,6 +38,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite": ("granite", dict(intermediate_size=96, embedding_multiplier=3.0, residual_multiplier=0.5,
                                 attention_multiplier=0.2, logits_scaling=4.0)),
     "olmo2": ("olmo2", dict(intermediate_size=96, pad_token_id=0)),
+    # a window on every layer (Mistral 7B v0.1's kind), 8 positions: the tests' sequences run past it
+    "mistral": ("mistral", dict(intermediate_size=96, sliding_window=8)),
     # windows of 8 positions (the tests' sequences run past them), a score scale that is not
     # head_dim's, caps low enough to bite
     "gemma2": ("gemma2", dict(intermediate_size=96, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
@@ -142,6 +144,8 @@ def _write_hparams(w: Any, c: Any) -> None:
         if sc.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(sc["factor"])
+    elif c.sliding_window:  # a window on every layer (Mistral)
+        w.add_sliding_window(c.sliding_window)
     if arch == "granite":
         w.add_embedding_scale(c.embedding_multiplier)
         w.add_residual_scale(c.residual_multiplier)
