@@ -49,9 +49,11 @@ class ServerArgs(ModelOptions, MemoryOptions, SchedulingOptions, QoSOptions, Ser
         if self.schedule_policy not in SCHEDULE_POLICIES and not self.policy_plugin and ":" not in self.schedule_policy:
             errors.append(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, a --policy-plugin "
                           f"policy or module.path:ClassName; got {self.schedule_policy!r}")
-        if self.cache_events_port is not None and self.disable_radix_cache:
-            errors.append("--cache-events-port reports the radix cache's changes; it cannot be used with "
-                          "--disable-radix-cache")
+        for flag, value in (("--cache-events-port", self.cache_events_port),
+                            ("--kv-events-config", self.kv_events_config)):
+            if value is not None and self.disable_radix_cache:
+                errors.append(f"{flag} reports the radix cache's changes; it cannot be used with "
+                              "--disable-radix-cache")
         if self.disaggregation_mode != "null":
             if self.disable_radix_cache:
                 errors.append("--disaggregation-mode hands KV over through the radix cache; it cannot be used "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.config.kv_events import KVEventsConfig
 from radixserve.options import not_positive, option
 
 
@@ -40,6 +41,12 @@ class ServingOptions:
         "at tcp://<--host>:<port>, one batch per scheduler step, for a router's --enable-cache-events "
         "(SGLang's --kv-events-config). --dp-size N: rank r uses port + r. /get_server_info reports the "
         "endpoint. Default: off.", group="server")
+    kv_events_config: str | None = option(
+        None, "Also publish the radix cache's changes in vLLM's KV-event schema (msgpack KVEventBatch of "
+        "BlockStored / BlockRemoved / AllBlocksCleared, one block per page, with sequence numbers and an "
+        "optional replay socket), for routers built on it (Dynamo, llm-d): vLLM's and SGLang's JSON, e.g. "
+        "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+        "(--dp-size N: rank r adds r to the ports). Default: off.", group="server")
     # NOTE: group "server", not a group of its own: the simulator builds its CLI from every group but
     # "model" and "server", and these mean nothing there.
     tp_size: int = option(
@@ -75,6 +82,11 @@ class ServingOptions:
                               f"got {self.cache_events_port!r}")
             elif self.cache_events_port <= self.port <= last:
                 errors.append(f"cache_events_port {self.cache_events_port} collides with the HTTP port {self.port}")
+        if self.kv_events_config is not None:
+            try:
+                KVEventsConfig.parse(self.kv_events_config)
+            except ValueError as e:
+                errors.append(str(e))
         return errors + self._parallelism_errors()
 
     def _parallelism_errors(self) -> list[str]:

@@ -4,9 +4,9 @@ The router keeps its own guess of which worker holds which prefix (``router.tree
 these events let it follow what the worker's tree actually stores and, above all, evicts. Every
 event names a path *from the root* because the router's tree is keyed from the root too:
 
-- ``BlockStored(tokens)``: the path ``tokens`` is now cached whole (an ``insert`` that added a
-  node; an insert that only found what was there, or a split, changes no cached prefix and says
-  nothing).
+- ``BlockStored(tokens, start)``: the path ``tokens`` is now cached whole, ``tokens[start:]``
+  newly (an ``insert`` that added a node; an insert that only found what was there, or a split,
+  changes no cached prefix and says nothing).
 - ``BlockRemoved(tokens, keep)``: the tokens of the path past ``keep`` are no longer cached (an
   evicted leaf: ``tokens`` is its whole path, ``keep`` the length of its parent's path).
 - ``AllCleared()``: the tree was emptied (``/flush_cache``).
@@ -31,8 +31,9 @@ from typing import TypeAlias
 import msgspec
 
 
-class BlockStored(msgspec.Struct, tag="stored", tag_field="type"):
+class BlockStored(msgspec.Struct, tag="stored", tag_field="type", omit_defaults=True):
     tokens: list[int]  # the full cached path from the root
+    start: int = 0  # tokens[:start] were cached before (the new node's first token)
 
 
 class BlockRemoved(msgspec.Struct, tag="removed", tag_field="type"):

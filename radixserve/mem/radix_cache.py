@@ -215,7 +215,7 @@ class RadixCache(BasePrefixCache):
                 self._refresh_leaf(node)
                 self._refresh_leaf(leaf)
                 if self.event_sink is not None and key.extra_key is None:
-                    self.event_sink(BlockStored(list(ids)))
+                    self.event_sink(BlockStored(list(ids), pos))
                 return pos
             n = self._page_floor(match_len(child.key, ids[pos : pos + len(child.key)]))
             child.last_access_time = now

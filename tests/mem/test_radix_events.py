@@ -44,8 +44,8 @@ def test_insert_reports_the_full_path_only_when_something_is_new() -> None:
     put(cache, alloc, [1, 2, 3])  # all there already
     put(cache, alloc, [1, 2])  # a prefix of what is there: a split, no new prefix
     assert events == [BlockStored([1, 2, 3])]
-    put(cache, alloc, [1, 2, 3, 4, 5])  # extends the leaf: the whole path from the root
-    assert events[1:] == [BlockStored([1, 2, 3, 4, 5])]
+    put(cache, alloc, [1, 2, 3, 4, 5])  # extends the leaf: the whole path from the root, new from 3
+    assert events[1:] == [BlockStored([1, 2, 3, 4, 5], 3)]
     check_accounting(cache, alloc)
 
 
@@ -53,7 +53,7 @@ def test_insert_that_splits_reports_the_new_branch_from_the_root() -> None:
     cache, alloc, events = recording()
     put(cache, alloc, [1, 2, 3, 4])
     put(cache, alloc, [1, 2, 7, 8, 9])  # splits [1,2,3,4] at 2, adds [7,8,9] under [1,2]
-    assert events == [BlockStored([1, 2, 3, 4]), BlockStored([1, 2, 7, 8, 9])]
+    assert events == [BlockStored([1, 2, 3, 4]), BlockStored([1, 2, 7, 8, 9], 2)]
     assert sorted(len(c.key) for c in cache.root.children[(None, 1)].children.values()) == [2, 3]
     check_accounting(cache, alloc)
 
@@ -94,7 +94,7 @@ def test_pages_report_whole_pages() -> None:
     cache, alloc, events = recording(size=32, page_size=2)
     put(cache, alloc, [1, 2, 3, 4, 5])  # the partial page [5] is not cached
     put(cache, alloc, [1, 2, 6, 7])
-    assert events == [BlockStored([1, 2, 3, 4]), BlockStored([1, 2, 6, 7])]
+    assert events == [BlockStored([1, 2, 3, 4]), BlockStored([1, 2, 6, 7], 2)]
     events.clear()
     assert cache.evict(1) == 2
     assert events == [BlockRemoved([1, 2, 3, 4], keep=2)]

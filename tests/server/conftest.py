@@ -14,12 +14,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.server.helpers import API_KEY, ServerProcess, pid_alive
+from tests.server.helpers import API_KEY, ServerProcess, free_port, pid_alive
 
 
 @pytest.fixture(scope="session")
 def shared_server() -> Iterator[ServerProcess]:
-    srv = ServerProcess("--enable-metrics")
+    kv_port = free_port()  # it publishes its cache in vLLM's KV-event schema too (test_kv_events.py)
+    srv = ServerProcess("--enable-metrics", "--kv-events-config",
+                        f'{{"endpoint": "tcp://127.0.0.1:{kv_port}", "bind": true, "topic": "kv"}}')
+    srv.kv_events_port = kv_port  # type: ignore[attr-defined]
     try:
         srv.wait_ready()
         yield srv

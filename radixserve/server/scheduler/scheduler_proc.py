@@ -26,8 +26,10 @@ from typing import Any
 import zmq
 
 from radixserve.config import ServerArgs
+from radixserve.config.kv_events import KVEventsConfig
 from radixserve.config.serving import ServingOptions
 from radixserve.engine import build_scheduler
+from radixserve.mem.cache_events import CacheEvent
 from radixserve.sched.core import SchedulerCore, calm_garbage_collector
 from radixserve.sched.io import BatchOut
 from radixserve.sched.req import Req
@@ -45,6 +47,7 @@ from radixserve.server.io_struct import (
     ToScheduler,
     decoder,
 )
+from radixserve.server.kv_events import VLLMEventPublisher
 from radixserve.server.procs import IpcNames, child_init, parent_alive, pull_socket, push_socket
 from radixserve.server.scheduler.dashboard_state import rank_snapshot
 from radixserve.server.scheduler.pd_worker import PDWorker
@@ -80,7 +83,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_r
         runner = make_runner(args)
         to_tm.send(ENCODER.encode(LoadProgress("model loaded")))
         context_len = runner.max_context_len
-        publisher = open_cache_events(ctx, args, dp_rank or 0)
+        publisher = open_cache_events(ctx, args, dp_rank or 0, args.page_size)
         scheduler = build_scheduler(args, runner, context_len, publisher.add if publisher is not None else None)
         to_tm.send(ENCODER.encode(LoadProgress("KV cache allocated")))
     except Exception as e:
@@ -105,6 +108,8 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_r
     try:
         scheduler.event_loop(server.recv, server.send, server.should_stop)
     finally:
+        if publisher is not None:
+            publisher.close()
         ctx.destroy(linger=0)
     if tp_broken(runner):
         logger.error("a tensor-parallel rank is gone (%s); the scheduler exits", runner.tp.broken)
@@ -120,14 +125,42 @@ def tp_broken(runner: Any) -> bool:
     return tp is not None and tp.broken is not None
 
 
-def open_cache_events(ctx: zmq.Context, args: ServingOptions, dp_rank: int) -> CacheEventPublisher | None:
-    """Bind this rank's cache events socket, for the radix cache to be built with (None when off;
-    ServerArgs refuses the port with --disable-radix-cache)."""
-    if args.cache_events_port is None:
-        return None
-    publisher = CacheEventPublisher(ctx, bind_endpoint(args.host, args.cache_events_port + dp_rank))
-    logger.info("publishing cache events on %s", publisher.endpoint)
-    return publisher
+class EventPublishers:
+    """The cache's event sink when it has several publishers (ours, vLLM's schema): each gets
+    every event and flushes its own batch."""
+
+    def __init__(self, publishers: list[CacheEventPublisher | VLLMEventPublisher]) -> None:
+        self.publishers = publishers
+
+    def add(self, event: CacheEvent) -> None:
+        for p in self.publishers:
+            p.add(event)
+
+    def flush(self) -> None:
+        for p in self.publishers:
+            p.flush()
+
+    def close(self) -> None:
+        for p in self.publishers:
+            p.close()
+
+
+def open_cache_events(ctx: zmq.Context, args: ServingOptions, dp_rank: int, page_size: int = 1
+                      ) -> EventPublishers | None:
+    """Open this rank's cache event sockets (``--cache-events-port``, ``--kv-events-config``), for
+    the radix cache to be built with (None when both are off; ServerArgs refuses them with
+    --disable-radix-cache)."""
+    publishers: list[CacheEventPublisher | VLLMEventPublisher] = []
+    if args.cache_events_port is not None:
+        ours = CacheEventPublisher(ctx, bind_endpoint(args.host, args.cache_events_port + dp_rank))
+        logger.info("publishing cache events on %s", ours.endpoint)
+        publishers.append(ours)
+    cfg = KVEventsConfig.parse(args.kv_events_config) if args.kv_events_config is not None else None
+    if cfg is not None and cfg.enabled:
+        vllm = VLLMEventPublisher(ctx, cfg, dp_rank, page_size)
+        logger.info("publishing KV events (vLLM's schema) on %s", vllm.endpoint)
+        publishers.append(vllm)
+    return EventPublishers(publishers) if publishers else None
 
 
 class SchedulerServer:
@@ -143,7 +176,7 @@ class SchedulerServer:
         parent_pid: int,
         dp_rank: int = 0,
         to_controller: zmq.Socket | None = None,
-        publisher: CacheEventPublisher | None = None,
+        publisher: EventPublishers | None = None,
     ) -> None:
         self.args = args
         self.sched = scheduler

@@ -1,0 +1,128 @@
+"""The worker's side of ``--kv-events-config``: the radix cache's changes published in vLLM's
+KV-event schema (``mem.vllm_events``) as vLLM's publisher sends them, for routers built on it.
+
+Each scheduler step that changed the cache sends one multipart message on a PUB socket:
+``[topic, seq, payload]``, ``seq`` an 8-byte big-endian count from 0 and ``payload`` a msgpack
+``KVEventBatch``. The last ``buffer_steps`` messages are kept; with a ``replay_endpoint``, a ROUTER
+socket answers a request ``[identity, b"", start_seq]`` with ``[identity, b"", seq, payload]`` for
+every kept batch from ``start_seq`` on, then ``[identity, b"", -1, b""]``: a subscriber that saw a
+gap in ``seq`` asks for what it missed. The replay socket has a thread of its own, so a replay is
+answered while the scheduler waits for work; the PUB socket is the scheduler thread's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import zmq
+
+from radixserve.config.kv_events import KVEventsConfig
+from radixserve.mem.cache_events import CacheEvent
+from radixserve.mem.vllm_events import KVEventBatch, encode_kv_batch, to_vllm
+
+logger = logging.getLogger(__name__)
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def rank_endpoint(endpoint: str, dp_rank: int) -> str:
+    """Rank ``dp_rank``'s endpoint: a tcp port moved by the rank (a ``*`` port stays: each rank
+    gets a free one), an inproc/ipc name suffixed."""
+    if dp_rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        return endpoint if port == "*" else f"{host}:{int(port) + dp_rank}"
+    return f"{endpoint}_dp{dp_rank}"
+
+
+def _open(sock: zmq.Socket, endpoint: str, bind: bool | None) -> str:
+    """Bind or connect as vLLM decides (a wildcard host, ipc or inproc binds), unless ``bind`` says;
+    returns the endpoint (a bound wildcard port as the one it got)."""
+    if bind is None:
+        bind = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    if not bind:
+        sock.connect(endpoint)
+        return endpoint
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise OSError(f"cannot bind the KV events socket at {endpoint}: {e}") from None
+    return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+
+class VLLMEventPublisher:
+    """Collects a step's cache events (``add``, beside the radix cache's other sinks) and sends them
+    as one ``KVEventBatch`` (``flush``, once per step)."""
+
+    def __init__(self, ctx: zmq.Context, cfg: KVEventsConfig, dp_rank: int, block_size: int) -> None:
+        self.cfg = cfg
+        self.dp_rank = dp_rank
+        self.block_size = block_size
+        self.pending: list[CacheEvent] = []
+        self.seq = 0
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=max(cfg.buffer_steps, 1))
+        self.topic = cfg.topic.encode()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.set_hwm(cfg.hwm)
+        self.endpoint = _open(self.pub, rank_endpoint(cfg.endpoint, dp_rank), cfg.bind)
+        self.replay: zmq.Socket | None = None
+        self.replay_endpoint: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if cfg.replay_endpoint:
+            self.replay = ctx.socket(zmq.ROUTER)
+            self.replay.setsockopt(zmq.LINGER, 0)
+            self.replay_endpoint = _open(self.replay, rank_endpoint(cfg.replay_endpoint, dp_rank), True)
+            self._thread = threading.Thread(target=self._serve_replays, name="kv-events-replay", daemon=True)
+            self._thread.start()
+
+    def add(self, event: CacheEvent) -> None:
+        self.pending.append(event)
+
+    def flush(self) -> bool:
+        """Send what the step reported, if anything; True when a batch went out."""
+        if not self.pending:
+            return False
+        events, self.pending = self.pending, []
+        vllm = to_vllm(events, self.block_size)
+        if not vllm:
+            return False
+        payload = encode_kv_batch(KVEventBatch(time.time(), vllm, self.dp_rank))
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, payload))
+        try:
+            self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+        except zmq.Again:  # past the high-water mark: the subscriber sees the gap and can replay
+            return False
+        return True
+
+    def _serve_replays(self) -> None:
+        sock = self.replay
+        assert sock is not None
+        while not self._stop.is_set():
+            if not sock.poll(100):
+                continue
+            frames = sock.recv_multipart()
+            if len(frames) != 3:
+                logger.warning("kv events: a replay request of %d frames, not 3: ignored", len(frames))
+                continue
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            for seq, payload in list(self.buffer):  # a copy: the scheduler thread appends meanwhile
+                if seq >= first:
+                    sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            sock.send_multipart((client, b"", END_SEQ, b""))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+        self.pub.close(linger=0)
+        if self.replay is not None:
+            self.replay.close(linger=0)
