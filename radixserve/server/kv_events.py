@@ -8,6 +8,9 @@ socket answers a request ``[identity, b"", start_seq]`` with ``[identity, b"", s
 every kept batch from ``start_seq`` on, then ``[identity, b"", -1, b""]``: a subscriber that saw a
 gap in ``seq`` asks for what it missed. The replay socket has a thread of its own, so a replay is
 answered while the scheduler waits for work; the PUB socket is the scheduler thread's.
+
+``open_cache_events`` opens a rank's publishers (this one, ``--cache-events-port``'s or both) as
+the one event sink the radix cache is built with (``EventPublishers``).
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from collections import deque
 import zmq
 
 from radixserve.config.kv_events import KVEventsConfig
+from radixserve.config.serving import ServingOptions
 from radixserve.mem.cache_events import CacheEvent
 from radixserve.mem.vllm_events import KVEventBatch, encode_kv_batch, to_vllm
+from radixserve.server.cache_events import CacheEventPublisher, bind_endpoint
 
 logger = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -126,3 +131,41 @@ class VLLMEventPublisher:
         self.pub.close(linger=0)
         if self.replay is not None:
             self.replay.close(linger=0)
+
+
+class EventPublishers:
+    """The cache's event sink when it has several publishers (ours, vLLM's schema): each gets
+    every event and flushes its own batch."""
+
+    def __init__(self, publishers: list[CacheEventPublisher | VLLMEventPublisher]) -> None:
+        self.publishers = publishers
+
+    def add(self, event: CacheEvent) -> None:
+        for p in self.publishers:
+            p.add(event)
+
+    def flush(self) -> None:
+        for p in self.publishers:
+            p.flush()
+
+    def close(self) -> None:
+        for p in self.publishers:
+            p.close()
+
+
+def open_cache_events(ctx: zmq.Context, args: ServingOptions, dp_rank: int, page_size: int = 1
+                      ) -> EventPublishers | None:
+    """Open this rank's cache event sockets (``--cache-events-port``, ``--kv-events-config``), for
+    the radix cache to be built with (None when both are off; ServerArgs refuses them with
+    --disable-radix-cache)."""
+    publishers: list[CacheEventPublisher | VLLMEventPublisher] = []
+    if args.cache_events_port is not None:
+        ours = CacheEventPublisher(ctx, bind_endpoint(args.host, args.cache_events_port + dp_rank))
+        logger.info("publishing cache events on %s", ours.endpoint)
+        publishers.append(ours)
+    cfg = KVEventsConfig.parse(args.kv_events_config) if args.kv_events_config is not None else None
+    if cfg is not None and cfg.enabled:
+        vllm = VLLMEventPublisher(ctx, cfg, dp_rank, page_size)
+        logger.info("publishing KV events (vLLM's schema) on %s", vllm.endpoint)
+        publishers.append(vllm)
+    return EventPublishers(publishers) if publishers else None

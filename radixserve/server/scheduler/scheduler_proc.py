@@ -26,14 +26,10 @@ from typing import Any
 import zmq
 
 from radixserve.config import ServerArgs
-from radixserve.config.kv_events import KVEventsConfig
-from radixserve.config.serving import ServingOptions
 from radixserve.engine import build_scheduler
-from radixserve.mem.cache_events import CacheEvent
 from radixserve.sched.core import SchedulerCore, calm_garbage_collector
 from radixserve.sched.io import BatchOut
 from radixserve.sched.req import Req
-from radixserve.server.cache_events import CacheEventPublisher, bind_endpoint
 from radixserve.server.io_struct import (
     ENCODER,
     AbortReq,
@@ -47,7 +43,7 @@ from radixserve.server.io_struct import (
     ToScheduler,
     decoder,
 )
-from radixserve.server.kv_events import VLLMEventPublisher
+from radixserve.server.kv_events import EventPublishers, open_cache_events
 from radixserve.server.procs import IpcNames, child_init, parent_alive, pull_socket, push_socket
 from radixserve.server.scheduler.dashboard_state import rank_snapshot
 from radixserve.server.scheduler.pd_worker import PDWorker
@@ -123,44 +119,6 @@ def tp_broken(runner: Any) -> bool:
     """Whether a collective of rank 0 failed: another rank died, and the group cannot go on."""
     tp = getattr(runner, "tp", None)
     return tp is not None and tp.broken is not None
-
-
-class EventPublishers:
-    """The cache's event sink when it has several publishers (ours, vLLM's schema): each gets
-    every event and flushes its own batch."""
-
-    def __init__(self, publishers: list[CacheEventPublisher | VLLMEventPublisher]) -> None:
-        self.publishers = publishers
-
-    def add(self, event: CacheEvent) -> None:
-        for p in self.publishers:
-            p.add(event)
-
-    def flush(self) -> None:
-        for p in self.publishers:
-            p.flush()
-
-    def close(self) -> None:
-        for p in self.publishers:
-            p.close()
-
-
-def open_cache_events(ctx: zmq.Context, args: ServingOptions, dp_rank: int, page_size: int = 1
-                      ) -> EventPublishers | None:
-    """Open this rank's cache event sockets (``--cache-events-port``, ``--kv-events-config``), for
-    the radix cache to be built with (None when both are off; ServerArgs refuses them with
-    --disable-radix-cache)."""
-    publishers: list[CacheEventPublisher | VLLMEventPublisher] = []
-    if args.cache_events_port is not None:
-        ours = CacheEventPublisher(ctx, bind_endpoint(args.host, args.cache_events_port + dp_rank))
-        logger.info("publishing cache events on %s", ours.endpoint)
-        publishers.append(ours)
-    cfg = KVEventsConfig.parse(args.kv_events_config) if args.kv_events_config is not None else None
-    if cfg is not None and cfg.enabled:
-        vllm = VLLMEventPublisher(ctx, cfg, dp_rank, page_size)
-        logger.info("publishing KV events (vLLM's schema) on %s", vllm.endpoint)
-        publishers.append(vllm)
-    return EventPublishers(publishers) if publishers else None
 
 
 class SchedulerServer:
