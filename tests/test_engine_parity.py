@@ -126,15 +126,16 @@ def test_all_at_once(runner: ModelRunner, prompts: list[list[int]], reference: l
 # (offset step, tail length): tails of 1 to 200 tokens at spread offsets
 SHARED_TAILS = [(0, 1), (4, 17), (8, 90), (11, 200)]
 SHARED_TOKENS = 16  # what is tested is the cached prefix the first steps attend to
+SHARED_PREFIX = 400
 
 
 def test_shared_prefix_hits_cache(hf_model: Any, runner: ModelRunner, text_ids: list[int]) -> None:
-    """4 prompts (601 to 800 tokens) behind one 600-token prefix: the first pays for it, the other
+    """4 prompts (401 to 600 tokens) behind one 400-token prefix: the first pays for it, the other
     3 find it in the radix cache, and all 4 still generate exactly HF's tokens."""
-    base = text_ids[:600]
+    base = text_ids[:SHARED_PREFIX]
     text = text_ids
-    group = [base + text[600 + 13 * i : 600 + 13 * i + n] for i, n in SHARED_TAILS]
-    assert all(len(p) == 600 + n for p, (_, n) in zip(group, SHARED_TAILS, strict=True))
+    group = [base + text[SHARED_PREFIX + 13 * i : SHARED_PREFIX + 13 * i + n] for i, n in SHARED_TAILS]
+    assert all(len(p) == SHARED_PREFIX + n for p, (_, n) in zip(group, SHARED_TAILS, strict=True))
     ref = hf_greedy_batch(hf_model, group, SHARED_TOKENS)  # alike in length: one padded batch
     eng = _engine(runner)
     params = dict(GREEDY, max_new_tokens=SHARED_TOKENS)
@@ -146,7 +147,7 @@ def test_shared_prefix_hits_cache(hf_model: Any, runner: ModelRunner, text_ids: 
         assert o["output_ids"] == r, f"shared-prefix prompt {i} diverged"
     assert first["meta_info"]["cached_tokens"] == 0
     for o in rest:
-        assert o["meta_info"]["cached_tokens"] >= 600
+        assert o["meta_info"]["cached_tokens"] >= SHARED_PREFIX
     eng.check_memory_invariant()
 
 

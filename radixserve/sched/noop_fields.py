@@ -84,7 +84,8 @@ def _json(v: Any) -> str:
 
 
 def noop_schema(accepted: tuple[Any, ...]) -> dict[str, Any]:
-    """The JSON schema of a no-op field: its accepted values (and null)."""
+    """The JSON schema of a no-op field: its accepted values (and null); ``x-noop`` marks it."""
     if any(isinstance(a, type) for a in accepted):
-        return {"type": ["string", "null"], "description": "Accepted; this server serves one model."}
-    return {"enum": [None, *accepted], "description": "Accepted only at these values (not implemented here)."}
+        return {"type": ["string", "null"], "description": "Accepted; this server serves one model.", "x-noop": True}
+    return {"enum": [None, *accepted], "description": "Accepted only at these values (not implemented here).",
+            "x-noop": True}

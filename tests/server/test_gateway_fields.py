@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from radixserve.bench.fuzz import _without_noop_fields
 from radixserve.sched.noop_fields import CHAT, COMPLETION, NATIVE, SAMPLING
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
 from radixserve.server.frontend.chat_protocol import ChatCompletionRequest
@@ -89,8 +90,10 @@ def test_no_op_tables_do_not_shadow_what_is_honoured() -> None:
     for model, table in ((ChatCompletionRequest, CHAT), (CompletionRequest, COMPLETION), (GenerateRequest, NATIVE)):
         assert model.NOOP_FIELDS is table
         assert not set(table) & (set(model.model_fields) | set(model.EXTRA_FIELDS)), model.__name__
-        props = model.model_json_schema()["properties"]
-        assert set(table) <= set(props)  # documented in /openapi.json too
+        schema = model.model_json_schema()
+        props = schema["properties"]
+        assert set(table) <= set(props) and all(props[n].get("x-noop") for n in table)  # in /openapi.json too
+        assert not set(table) & set(_without_noop_fields(schema)["properties"])  # what the fuzzer leaves out
     assert not set(SAMPLING) & set(SamplingParams.__struct_fields__)
 
 
