@@ -11,6 +11,7 @@ them (an explicit null is the field left out)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # both OpenAI routes (SGLang's names, then vLLM's)
@@ -74,13 +75,9 @@ def refusal(table: dict[str, tuple[Any, ...]], name: str, value: Any) -> str | N
     accepted = table[name]
     if value is None or any(isinstance(value, a) if isinstance(a, type) else same(value, a) for a in accepted):
         return None
-    allowed = " or ".join(["null", *(_json(a) for a in accepted)])
+    allowed = " or ".join(["null", *("a string" if a is str else json.dumps(a) for a in accepted)])
     return f"{name} is accepted only as {allowed} (this server does not implement it)"
 
-
-def _json(v: Any) -> str:
-    return {True: "true", False: "false"}.get(v, repr(v)) if isinstance(v, bool) else (
-        f'"{v}"' if isinstance(v, str) else repr(v))
 
 
 def noop_schema(accepted: tuple[Any, ...]) -> dict[str, Any]:

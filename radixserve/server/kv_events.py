@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 
 import zmq
 
 from radixserve.config.kv_events import KVEventsConfig
 from radixserve.config.serving import ServingOptions
-from radixserve.mem.cache_events import CacheEvent
+from radixserve.mem.cache_events import CacheEvent, EventBatcher
 from radixserve.mem.vllm_events import KVEventBatch, encode_kv_batch, to_vllm
 from radixserve.server.cache_events import CacheEventPublisher, bind_endpoint
 
@@ -67,8 +66,8 @@ class VLLMEventPublisher:
         self.cfg = cfg
         self.dp_rank = dp_rank
         self.block_size = block_size
-        self.pending: list[CacheEvent] = []
-        self.seq = 0
+        self.batcher = EventBatcher()  # a step's events, numbered as the batches they go out in
+        self.add = self.batcher.add
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=max(cfg.buffer_steps, 1))
         self.topic = cfg.topic.encode()
         self.pub = ctx.socket(zmq.PUB)
@@ -86,20 +85,18 @@ class VLLMEventPublisher:
             self._thread = threading.Thread(target=self._serve_replays, name="kv-events-replay", daemon=True)
             self._thread.start()
 
-    def add(self, event: CacheEvent) -> None:
-        self.pending.append(event)
+    @property
+    def seq(self) -> int:
+        """The next batch's number."""
+        return self.batcher.seq
 
     def flush(self) -> bool:
         """Send what the step reported, if anything; True when a batch went out."""
-        if not self.pending:
+        batch = self.batcher.take()
+        if batch is None:
             return False
-        events, self.pending = self.pending, []
-        vllm = to_vllm(events, self.block_size)
-        if not vllm:
-            return False
-        payload = encode_kv_batch(KVEventBatch(time.time(), vllm, self.dp_rank))
-        seq = self.seq
-        self.seq += 1
+        payload = encode_kv_batch(KVEventBatch(batch.ts, to_vllm(batch.events, self.block_size), self.dp_rank))
+        seq = batch.seq
         self.buffer.append((seq, payload))
         try:
             self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)

@@ -131,7 +131,8 @@ class PrefixLengthCache:
 
     def refresh(self, req: Req, tree: RadixCache) -> int:
         """``req``'s key (and group), matched again if it was cleared."""
-        ensure_states((req,))
+        if req.policy_state is None:
+            req.policy_state = LPMState()
         k = req.policy_state.key
         return self._refresh(req, tree) if k == LPM_STALE else k
 

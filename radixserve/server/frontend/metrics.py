@@ -125,18 +125,14 @@ class ServerMetrics:
             for g in gauges:
                 g.labels(**lb).set(getattr(s, ours))
         prev = self._last.get(s.dp_rank)
-        for attr, counters in self.foreign_counters.items():
-            delta = getattr(s, attr) - (getattr(prev, attr) if prev is not None else 0)
-            if delta > 0:
-                for c in counters:
-                    c.labels(**lb).inc(delta)
         for counter, attr in ((self.prompt_tokens, "prompt_tokens"), (self.cached_tokens, "cached_tokens"),
                               (self.generation_tokens, "generated_tokens"), (self.num_retractions, "num_retractions"),
                               (self.num_preemptions, "num_preemptions"), (self.num_starved, "num_starved"),
                               (self.num_deadline_rejected, "num_deadline_rejected")):
             delta = getattr(s, attr) - (getattr(prev, attr) if prev is not None else 0)
             if delta > 0:
-                counter.labels(**lb).inc(delta)
+                for c in (counter, *self.foreign_counters.get(attr, ())):
+                    c.labels(**lb).inc(delta)
         self._last[s.dp_rank] = s
         by_class = (self.num_preemptions_by_class, self.num_retractions_by_class, self.num_starved_by_class)
         for priority, tenant, *counts in s.by_class:
