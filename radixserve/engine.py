@@ -37,7 +37,7 @@ from radixserve.sched.build import build_kv, request_slots
 from radixserve.sched.build import build_scheduler as build_sched
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
-from radixserve.sched.io import OutRow
+from radixserve.sched.io import InputLogprobsOut, OutRow
 from radixserve.sched.req import Req
 from radixserve.sched.request_checks import check_request
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
@@ -81,6 +81,7 @@ class _Tracked:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: InputLogprobsOut | None = None
     last: OutRow | None = None
     start: float = 0.0
     ttft: float | None = None
@@ -158,13 +159,16 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         priority: int | list[int | None] | None = None,
         raise_on_error: bool = False,
+        logprob_start_len: int | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list of prompts (returns a list).
 
         A refused request comes back with ``meta_info.finish_reason.type == "abort"`` and the
         reason, like SGLang's, unless ``raise_on_error`` (then ``RequestError``). ``priority`` is one
-        value for every prompt or a list with one per prompt."""
-        single, reqs = self._make_reqs(prompt, sampling_params, input_ids, priority)
+        value for every prompt or a list with one per prompt. ``logprob_start_len``: the logprobs of
+        the prompt tokens from this one on, in ``meta_info.input_token_logprobs`` (None for token 0;
+        ``top_logprobs_num`` applies to them too); -1 or None: none."""
+        single, reqs = self._make_reqs(prompt, sampling_params, input_ids, priority, logprob_start_len)
         results: dict[str, dict[str, Any]] = {}
         for rid, _tracked, _delta, done in self._run(reqs):
             if done is not None:
@@ -211,6 +215,7 @@ class Engine:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
         input_ids: list[int] | list[list[int]] | None,
         priority: int | list[int | None] | None,
+        logprob_start_len: int | None = None,
     ) -> tuple[bool, list[Req]]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
@@ -250,6 +255,12 @@ class Engine:
                 req.to_abort = err
             else:
                 req.to_abort = check_request(req, limits)  # what the scheduler trusts (request_checks.py)
+            if logprob_start_len is not None and logprob_start_len != -1 and req.to_abort is None:
+                if 0 <= logprob_start_len < len(ids):
+                    req.want_input_logprobs(logprob_start_len)
+                else:
+                    req.to_abort = FINISH_ABORT(f"logprob_start_len must be -1 or a prompt position in [0, {len(ids)})",
+                                                param="logprob_start_len")
             reqs.append(req)
         return single, reqs
 
@@ -274,6 +285,9 @@ class Engine:
         overlap = sched.overlap_enabled()
         step = sched.step_overlapped if overlap else sched.step
         while True:
+            for e in outs.input_logprobs:
+                if e.rid in tracked:
+                    tracked[e.rid].input_logprobs = e
             for o in outs:
                 t = tracked.get(o.rid)
                 if t is None:
@@ -327,6 +341,9 @@ class Engine:
             out["meta_info"]["output_token_logprobs"] = t.logprobs
         if t.top_logprobs:
             out["meta_info"]["output_top_logprobs"] = t.top_logprobs
+        if t.input_logprobs is not None:
+            out["meta_info"]["input_token_logprobs"] = t.input_logprobs.logprobs
+            out["meta_info"]["input_top_logprobs"] = t.input_logprobs.top_logprobs
         return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from radixserve.config import ServerArgs
-from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, PromptLogprobs
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.sched.build import build_kv, build_scheduler
 from radixserve.sched.core import SchedulerCore
@@ -40,7 +40,24 @@ class EchoRunner:
                 row = self.pool.req_to_token[int(batch.req_pool_indices[i])]
                 assert row[pos - n + 1 : pos + 1].tolist() == loc[off - n : off]
             out.append((last_tok + pos + 1) % (VOCAB - 1) + 1)
-        return ForwardOutput(next_token_ids=out)
+        result = ForwardOutput(next_token_ids=out)
+        rows = batch.prompt_logprobs
+        if rows is not None:  # a made-up logprob of each target from the input token and position it follows
+            ids, positions = batch.input_ids.tolist(), batch.positions.tolist()
+            lps = [fake_logprob(ids[f], target, positions[f]) for f, target in zip(rows.positions, rows.targets, strict=True)]
+            tops = [[(target, lp)] * n for target, lp, n in zip(rows.targets, lps, rows.top_n, strict=True)]
+            result.prompt_logprobs = PromptLogprobs(rows, lps, tops)
+        return result
+
+
+def fake_logprob(prev: int, token: int, position: int) -> float:
+    """``EchoRunner``'s logprob of ``token`` after ``prev`` at ``position``."""
+    return -((prev * 31 + token * 7 + position) % 1000) / 100
+
+
+def expected_prompt_logprobs(prompt: list[int], start: int) -> list[float | None]:
+    """What ``EchoRunner`` gives as the logprobs of ``prompt``'s tokens from ``start`` on."""
+    return [None if j == 0 else fake_logprob(prompt[j - 1], prompt[j], j - 1) for j in range(start, len(prompt))]
 
 
 def make_scheduler(

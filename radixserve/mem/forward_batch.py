@@ -66,6 +66,20 @@ class SamplingBatchInfo:
 
 
 @dataclass
+class PromptLogprobRows:
+    """Prompt positions whose next token's log-probability a request asked for (``echo`` with
+    ``logprobs``, SGLang's ``logprob_start_len``): the model computes logits at these positions too,
+    after each request's last one. Entry ``k`` is the flat token ``positions[k]`` of batch row
+    ``rows[k]``; the prompt token that follows it is ``targets[k]``, at index ``token_index[k]``."""
+
+    positions: list[int]
+    rows: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    token_index: list[int] = field(default_factory=list)
+    top_n: list[int] = field(default_factory=list)
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -77,6 +91,7 @@ class ForwardBatch:
     sampling: SamplingBatchInfo
     capture_logits: bool = False  # return each request's last-position logits (tests, parity)
     rids: list[str] = field(default_factory=list)  # [B] request ids, for runners that model requests (the simulator)
+    prompt_logprobs: PromptLogprobRows | None = None  # None: no request wants prompt logprobs this step
 
     @property
     def batch_size(self) -> int:
@@ -100,6 +115,17 @@ class ForwardOutput:
     # rows whose grammar ended with the token sampled now: "" complete (only EOS may follow), else
     # the matcher's error; None: no grammar ended
     grammar_ended: dict[int, str] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # what ``ForwardBatch.prompt_logprobs`` asked for
+
+
+@dataclass
+class PromptLogprobs:
+    """Per entry of ``rows``: the target token's log-probability and the position's top ``top_n``
+    (token, logprob) pairs."""
+
+    rows: PromptLogprobRows
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
 
 
 class Runner(Protocol):

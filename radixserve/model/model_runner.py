@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, PromptLogprobs
 from radixserve.mem.kv_pool import JournaledReqToTokenPool, KVPool, ReqToTokenPool
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import load_model, parse_dtype, resolve_model_path
 from radixserve.model.parallel import TPGroup, check_tp_size, send_step, send_stop
 from radixserve.model.quant import block_kernel_error, check_quantization, default_max_rows
-from radixserve.model.sampler import Sampler
+from radixserve.model.sampler import Sampler, prompt_logprobs
 from radixserve.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -298,14 +298,20 @@ class ModelRunner:
 
     def _sample(self, batch: ForwardBatch, logits: torch.Tensor) -> ForwardOutput:
         """(Called in inference mode.)"""
+        extra = None
+        if batch.prompt_logprobs is not None:
+            logits, extra = logits[: batch.batch_size], logits[batch.batch_size :]
         sampled = self.sampler.sample(logits, batch.sampling)
-        return ForwardOutput(
+        out = ForwardOutput(
             next_token_ids=sampled.next_token_ids,
             logprobs=sampled.logprobs,
             top_logprobs=sampled.top_logprobs,
             logits=logits if batch.capture_logits else None,
             grammar_ended=sampled.grammar_ended,
         )
+        if extra is not None and batch.prompt_logprobs is not None:
+            out.prompt_logprobs = PromptLogprobs(batch.prompt_logprobs, *prompt_logprobs(extra, batch.prompt_logprobs))
+        return out
 
     # ------------------------------------------------------------------ tensor parallelism
     def _forward_tp(self, batch: ForwardBatch) -> ForwardOutput:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.grammar import advance, live_rows, mask_logits
-from radixserve.mem.forward_batch import SamplingBatchInfo
+from radixserve.mem.forward_batch import PromptLogprobRows, SamplingBatchInfo
 from radixserve.mem.penalties import RowPenalties
 
 _GREEDY_EPS = 1e-6
@@ -310,3 +310,26 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # u * total can round up to total: never step past the last token with weight
     last = torch.searchsorted(cdf, total, right=False)
     return torch.minimum(pick, last).view(-1)
+
+
+PROMPT_LOGPROB_CHUNK = 256  # rows per log-softmax: a 2,048-token prompt chunk's copy stays small
+
+
+@torch.inference_mode()
+def prompt_logprobs(logits: torch.Tensor, rows: PromptLogprobRows) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Each prompt position's log-probability of the token that follows it, and its top ``top_n``
+    (token, logprob) pairs, from the raw logits (as the output tokens' logprobs are)."""
+    targets = torch.tensor(rows.targets, dtype=torch.int64).view(-1, 1)
+    kmax = min(max(rows.top_n, default=0), logits.shape[1])
+    lps: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
+    for a in range(0, logits.shape[0], PROMPT_LOGPROB_CHUNK):
+        logp = torch.log_softmax(logits[a : a + PROMPT_LOGPROB_CHUNK].float(), dim=-1)
+        lps.extend(logp.gather(1, targets[a : a + PROMPT_LOGPROB_CHUNK]).view(-1).tolist())
+        if kmax:
+            vals, idx = logp.topk(kmax, dim=-1)
+            for il, vl, n in zip(idx.tolist(), vals.tolist(), rows.top_n[a : a + PROMPT_LOGPROB_CHUNK], strict=True):
+                tops.append(list(zip(il[:n], vl[:n], strict=True)))
+        else:
+            tops.extend([] for _ in range(logp.shape[0]))
+    return lps, tops

@@ -12,6 +12,7 @@ encode per step.
     finished_reasons   [None,     FINISH_LENGTH(2), FINISH_ABORT(...)]
     ...                one entry per row in every column
     detok_params       [DetokParams("a", ...)]     only a request's first row (sparse)
+    input_logprobs     [InputLogprobsOut("b", ...)] prompt logprobs, with the first row (sparse)
     texts              []  ->  ["x", "yz", ""]     filled by the detokenizer
 
 A row is read through ``OutRow`` (``batch[i]`` or iterating the batch), whose attribute names are
@@ -38,6 +39,17 @@ class DetokParams(msgspec.Struct, array_like=True):
     skip_special_tokens: bool = True
 
 
+class InputLogprobsOut(msgspec.Struct, array_like=True):
+    """A request's prompt logprobs (``Req.input_logprobs``), sent with its first row: entry ``k`` is
+    prompt token ``start + k``'s (None for token 0); ``token_ids`` are those tokens."""
+
+    rid: str
+    start: int
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
 class BatchOut(msgspec.Struct, tag=True):
     rids: list[str] = []
     token_ids: list[list[int]] = []  # the row's new tokens
@@ -50,6 +62,7 @@ class BatchOut(msgspec.Struct, tag=True):
     queue_times: list[float] = []  # arrival -> first scheduled
     num_retractions: list[int] = []
     detok_params: list[DetokParams] = []
+    input_logprobs: list[InputLogprobsOut] = []  # sparse, like detok_params
     texts: list[str] = []  # the new text that is safe to show (the detokenizer's column)
     dp_rank: int = 0  # the data-parallel rank that ran these requests
 
@@ -81,6 +94,7 @@ class BatchOut(msgspec.Struct, tag=True):
         for name in _COLUMNS:
             getattr(self, name).extend(getattr(other, name))
         self.detok_params.extend(other.detok_params)
+        self.input_logprobs.extend(other.input_logprobs)
         if len(self.texts) + len(other.texts) == len(self.rids):
             self.texts.extend(other.texts)
 

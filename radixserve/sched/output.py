@@ -15,9 +15,9 @@ from itertools import compress, repeat
 from operator import and_, attrgetter, ge, getitem, not_, or_
 from typing import Any
 
-from radixserve.mem.forward_batch import ForwardOutput
+from radixserve.mem.forward_batch import ForwardOutput, PromptLogprobs
 from radixserve.sched.finish import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, FinishReason
-from radixserve.sched.io import NO_LOGPROBS, NO_TOP_LOGPROBS, BatchOut, DetokParams
+from radixserve.sched.io import NO_LOGPROBS, NO_TOP_LOGPROBS, BatchOut, DetokParams, InputLogprobsOut
 from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
@@ -53,6 +53,8 @@ class Outputs:
                 and self.process_decode_result(batch, out)):
             return
         grammar_ended = out.grammar_ended or {}
+        if out.prompt_logprobs is not None:
+            store_prompt_logprobs(batch.reqs, out.prompt_logprobs)
         for i, req in enumerate(batch.reqs):
             if req.num_computed_tokens < req.num_tokens:  # a prompt chunk: no token yet
                 self.kv.cache_unfinished(req)
@@ -181,6 +183,10 @@ class Outputs:
         if start == 0:  # the request's first row: how the detokenizer must decode it
             sp = req.sampling_params
             b.detok_params.append(DetokParams(req.rid, sp.stop, sp.skip_special_tokens))
+            if req.input_logprob_start is not None:
+                first = req.input_logprob_start
+                b.input_logprobs.append(InputLogprobsOut(req.rid, first, req.origin_input_ids[first:],
+                                                         req.input_logprobs, req.input_top_logprobs))
 
 
     def emit_decoded(self, batch: ScheduleBatch, outs: list[list[int]], ended: list[int]) -> None:
@@ -239,3 +245,15 @@ def grammar_finish(error: str) -> FinishReason:
         return FINISH_STOP()
     return FINISH_ABORT(f"internal error: the output broke its grammar: {error}", status_code=500,
                         err_type="server_error", code="internal_error")
+
+
+def store_prompt_logprobs(reqs: list[Req], got: PromptLogprobs) -> None:
+    """File a step's prompt logprobs with their requests (by token index: a prompt recomputed after
+    a preemption writes the same entries again)."""
+    rows = got.rows
+    for row, j, lp, top in zip(rows.rows, rows.token_index, got.logprobs, got.top_logprobs, strict=True):
+        req = reqs[row]
+        start = req.input_logprob_start
+        if start is not None and j >= start:
+            req.input_logprobs[j - start] = lp
+            req.input_top_logprobs[j - start] = top

@@ -79,6 +79,12 @@ class Req:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.output_logprobs: list[float] = []
+        # prompt logprobs (``echo`` with ``logprobs``, ``logprob_start_len``): wanted for the prompt
+        # tokens from ``input_logprob_start`` on (None: not wanted); entry ``j - start`` is token
+        # ``j``'s, None for token 0 (nothing precedes it). Complete once the first output token is.
+        self.input_logprob_start: int | None = None
+        self.input_logprobs: list[float | None] = []
+        self.input_top_logprobs: list[list[tuple[int, float]] | None] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.sent_len = 0  # output tokens already streamed out
         # scheduling extensions (docs/qos.md); plain attributes the server and the simulator set
@@ -133,11 +139,25 @@ class Req:
         return self.finished_reason is not None
 
     # --- scheduling --------------------------------------------------------------------------
+    def want_input_logprobs(self, start: int) -> None:
+        """Ask for the logprobs of the prompt tokens from ``start`` on (``0 <= start < prompt_len``)."""
+        self.input_logprob_start = start
+        self.input_logprobs = [None] * (self.prompt_len - start)
+        self.input_top_logprobs = [None] * (self.prompt_len - start)
+
+    @property
+    def input_logprobs_pending(self) -> bool:
+        return self.input_logprob_start is not None and not self.output_ids
+
     def match_key(self) -> RadixKey:
         """What to look up in the prefix cache: every token but the last, whose logits give the next
-        token (so at least one token is always computed)."""
+        token (so at least one token is always computed). While prompt logprobs are pending, only the
+        tokens before the first position whose logits they need: those must be computed."""
         fill = self.fill_ids
-        return RadixKey(fill[: len(fill) - 1], self.extra_key)
+        n = len(fill) - 1
+        if self.input_logprob_start is not None and not self.output_ids:
+            n = min(n, max(self.input_logprob_start - 1, 0))
+        return RadixKey(fill[:n], self.extra_key)
 
     def set_match(self, match: MatchResult) -> None:
         """Take a prefix-cache match of ``match_key()`` as this round's plan: the cached prefix, the

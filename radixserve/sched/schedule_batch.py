@@ -8,7 +8,7 @@ from operator import attrgetter, itemgetter, not_
 
 import torch
 
-from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo, int64_tensor
+from radixserve.mem.forward_batch import ForwardBatch, PromptLogprobRows, SamplingBatchInfo, int64_tensor
 from radixserve.mem.penalties import RowPenalties
 from radixserve.sched.req import Req
 
@@ -75,7 +75,34 @@ class ScheduleBatch:
                 ids.extend(req.output_ids[: start + n - k])
             positions.extend(range(start, start + n))
         seq_lens = [s + n for s, n in zip(self.prefix_lens, self.extend_lens, strict=True)]
-        return self._make(ids, int64_tensor(positions), int64_tensor(seq_lens), capture_logits, steps)
+        fb = self._make(ids, int64_tensor(positions), int64_tensor(seq_lens), capture_logits, steps)
+        fb.prompt_logprobs = self._prompt_logprob_rows()
+        return fb
+
+    def _prompt_logprob_rows(self) -> PromptLogprobRows | None:
+        """The prompt positions of this extend whose next token's logprob a request still waits for:
+        position ``p`` gives token ``p + 1``'s, up to the prompt's last token (the one after it is the
+        first output, whose logprob is an output logprob)."""
+        starts = list(map(_get_input_logprob_start, self.reqs))
+        if starts.count(None) == len(starts):
+            return None
+        rows: PromptLogprobRows | None = None
+        flat = 0
+        for i, (req, start, n) in enumerate(zip(self.reqs, self.prefix_lens, self.extend_lens, strict=True)):
+            first = req.input_logprob_start
+            if first is not None and not req.output_ids:
+                lo, hi = max(start, max(first, 1) - 1), min(start + n, req.prompt_len - 1)
+                if lo < hi:
+                    rows = rows or PromptLogprobRows([])
+                    prompt, top = req.origin_input_ids, req.sampling_params.top_logprobs_num
+                    for p in range(lo, hi):
+                        rows.positions.append(flat + p - start)
+                        rows.rows.append(i)
+                        rows.targets.append(prompt[p + 1])
+                        rows.token_index.append(p + 1)
+                        rows.top_n.append(top)
+            flat += n
+        return rows
 
     def _decode_forward_batch(self, capture_logits: bool, pending: dict[int, int] | None = None) -> ForwardBatch:
         """One token per request at position ``prefix_len``: the same batch as the general path.
@@ -183,6 +210,7 @@ _SAMPLING_FIELDS = tuple(map(attrgetter, ("temperature", "top_p", "top_k", "min_
                                            "top_logprobs_num")))
 _get_finished_reason = attrgetter("finished_reason")
 _get_grammar = attrgetter("grammar")
+_get_input_logprob_start = attrgetter("input_logprob_start")
 
 
 def build_columns(reqs: list[Req]) -> list[list]:

@@ -93,7 +93,7 @@ class DetokenizerManager:
     @staticmethod
     def _rows_before(batch: BatchOut, n: int, texts: list[str]) -> BatchOut:
         """A new record with ``batch``'s first ``n`` rows (all sent as they were) and their texts."""
-        out = BatchOut(dp_rank=batch.dp_rank)
+        out = BatchOut(dp_rank=batch.dp_rank, input_logprobs=batch.input_logprobs)
         for k in range(n):
             o = batch[k]
             out.add_row(o, o.new_token_ids, o.new_logprobs, o.new_top_logprobs, texts[k])

@@ -37,6 +37,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     tpot_slo_ms: float | None = None  # TPOT deadline: mean ms per output token after the first
     stream: bool = True  # False: the scheduler sends the first token and the finish only
     bootstrap: Bootstrap | None = None  # prefill/decode disaggregation: the transfer this request is part of
+    input_logprob_start: int | None = None  # prompt logprobs from this prompt token on (None: none)
 
 
 class Bootstrap(msgspec.Struct):

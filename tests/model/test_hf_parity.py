@@ -148,3 +148,36 @@ def test_batched_greedy_decode_matches_hf(
     for ids, ours in zip(prompts, generated, strict=True):
         assert ours == hf_greedy(hf_model, ids, steps)
     assert "Paris" in tok.decode(generated[0])
+
+
+def test_prompt_logprobs_match_hf(fp32_runner: Any, hf_model: Any, harness: Harness) -> None:
+    """Prompt logprobs (``ForwardBatch.prompt_logprobs``) of a fresh prompt and of an extend over a
+    cached prefix, in one batch, against the log-softmax of transformers' logits at every position."""
+    from radixserve.mem.forward_batch import PromptLogprobRows
+
+    a, b = random_ids(40, seed=11), random_ids(30, seed=12)
+    ra, rb = harness.new_request(), harness.new_request()
+    fp32_runner.forward(harness.batch([rb], [b[:10]]))  # b's first 10 tokens are cached
+    fb = harness.batch([ra, rb], [a, b[10:]])
+    rows = PromptLogprobRows([])
+    # a: positions 0..38 give tokens 1..39; b: positions 10..28 (flat 40..58) give tokens 11..29
+    for row, flat, p, ids, top in [*((0, p, p, a, 3) for p in range(39)), *((1, 30 + p, p, b, 0) for p in range(10, 29))]:
+        rows.positions.append(flat)
+        rows.rows.append(row)
+        rows.targets.append(ids[p + 1])
+        rows.token_index.append(p + 1)
+        rows.top_n.append(top)
+    fb.prompt_logprobs = rows
+    out = fp32_runner.forward(fb)
+    assert out.prompt_logprobs is not None and out.prompt_logprobs.rows is rows
+    with torch.inference_mode():
+        ref_a = torch.log_softmax(hf_model(torch.tensor([a])).logits[0].float(), dim=-1)
+        ref_b = torch.log_softmax(hf_model(torch.tensor([b])).logits[0].float(), dim=-1)
+    want = [float(ref_a[p, a[p + 1]]) for p in range(39)] + [float(ref_b[p, b[p + 1]]) for p in range(10, 29)]
+    assert out.prompt_logprobs.logprobs == pytest.approx(want, abs=2e-3)
+    tops = out.prompt_logprobs.top_logprobs
+    assert [t for t, _ in tops[5]] == ref_a[5].topk(3).indices.tolist()
+    assert tops[40] == []
+    # the rows the sampler reads are the last tokens' only, as without the extra rows
+    assert out.logits is not None and out.logits.shape == (2, 49152)
+    assert (torch.log_softmax(out.logits[0], dim=-1) - ref_a[-1]).abs().max() < 2e-3

@@ -208,6 +208,45 @@ def test_logprobs(client: openai.OpenAI, model: str) -> None:
     assert streamed == clp.tokens
 
 
+def test_echo_with_prompt_logprobs(client: openai.OpenAI, model: str, shared_server: ServerProcess,
+                                   tokenizer: Any) -> None:
+    """``echo`` + ``logprobs``: the prompt's tokens lead (the first one's logprob null), then the
+    outputs'; the same numbers as /generate's ``logprob_start_len``; streamed the same; a prompt token
+    that the model would have produced gets the logprob its output had."""
+    prompt = "The capital of France is"
+    ids = tokenizer.encode(prompt)
+    c = client.completions.create(model=model, prompt=prompt, max_tokens=2, logprobs=2, echo=True, **GREEDY)
+    lp = c.choices[0].logprobs
+    assert c.choices[0].text.startswith(prompt)
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.tokens) == len(ids) + 2 and "".join(lp.tokens[: len(ids)]) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    streamed = list(client.completions.create(model=model, prompt=prompt, max_tokens=2, logprobs=2, echo=True,
+                                              stream=True, **GREEDY))
+    got = [x for ch in streamed if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    assert got == pytest.approx(lp.token_logprobs, abs=1e-4)
+    # the first output token, appended to the prompt: its prompt logprob is the logprob it had as an output
+    first = tokenizer.encode(lp.tokens[len(ids)])
+    with shared_server.client() as h:
+        r = h.post("/generate", json={"input_ids": ids + first, "return_logprob": True, "logprob_start_len": 1,
+                                      "return_text_in_logprobs": True,
+                                      "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        entries = meta["input_token_logprobs"]
+        assert [t for _, t, _ in entries] == (ids + first)[1:] and entries[0][2] == lp.tokens[1]
+        assert [v for v, _, _ in entries[: len(ids) - 1]] == pytest.approx(lp.token_logprobs[1 : len(ids)], abs=1e-3)
+        assert entries[-1][0] == pytest.approx(lp.token_logprobs[len(ids)], abs=1e-3)
+        bad = [h.post("/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": n})
+               for n in (len(ids), -2)]
+        assert [b.status_code for b in bad] == [400, 400]
+        assert all(b.json()["error"]["param"] == "logprob_start_len" for b in bad)
+        assert_memory_ok(wait_idle(h))
+
+
 def test_multibyte_utf8_stream(client: openai.OpenAI, model: str, tokenizer: Any) -> None:
     """Greedy emoji after emoji: every other token is half a character. No streamed chunk may carry
     U+FFFD, and the stream must add up to the non-streamed text."""

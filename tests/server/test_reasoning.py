@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from radixserve.server.frontend.reasoning import FORMATS, ReasoningSplitter, split_reasoning
+from radixserve.server.frontend.reasoning import FORMATS, ReasoningSplitter, after_reasoning, split_reasoning
+from radixserve.server.frontend.tool_calls import tool_grammar
 from tests.server.helpers import ServerProcess
 
 QWEN3, R1 = FORMATS["qwen3"], FORMATS["deepseek-r1"]
@@ -52,6 +53,49 @@ def test_nothing_is_emitted_before_it_is_certain() -> None:
     assert s.feed("ink>ab</th") == ("ab", "")  # "</th" may still close it
     assert s.feed("ink>\n") == ("", "")  # the newlines after the marker are not content
     assert s.feed("\nOK", final=True) == ("", "OK")
+
+
+# --- a grammar after the reasoning part ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compiler() -> Any:
+    from radixserve.grammar import GrammarCompiler
+    from radixserve.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_model_path(None)
+    return tok, GrammarCompiler(tok.backend.to_str, tok.vocab_size, tok.stop_token_ids)
+
+
+SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": json.loads(SCHEMA)}}]
+
+
+def _accepts(compiler: Any, grammar: str, text: str) -> bool:
+    tok, comp = compiler
+    m = comp.submit("ebnf", grammar).result()
+    for t in tok.encode(text):
+        if not m.consume_token(t) or m.is_error():
+            return False
+    return bool(m.is_accepting())
+
+
+@pytest.mark.parametrize("fmt, kind, grammar, good, bad", [
+    (QWEN3, "json_schema", SCHEMA, ['<think>\n{"a": 2} </thi </think>\n\n{"a": 1}', '{"a": 1}', "<think></think>{\"a\": 7}"],
+     ['<think>x</think>\n\nParis', '<think>x</think> {"a": 1}', 'Paris']),
+    (R1, "json_schema", SCHEMA, ['Let me see.</think>\n{"a": 1}', '</think>{"a": 3}'], ['{"a": 1}', 'x</think>{"b": 1}']),
+    (R1, "regex", "[0-9]+/x", ["hm</think>\n\n12/x"], ["hm</think>12", "12/x"]),
+    (QWEN3, "ebnf", 'root ::= "yes" | "no"', ["<think>ok</think>\nyes", "no"], ["<think>ok</think>maybe"]),
+    (R1, "ebnf", tool_grammar("hermes", TOOLS, parallel=False),
+     ['I should call f.</think>\n<tool_call>\n{"name": "f", "arguments": {"a": 5}}\n</tool_call>\n'],
+     ['x</think>\n<tool_call>\n{"name": "g", "arguments": {"a": 5}}\n</tool_call>\n', "x</think>\nno call"]),
+])
+def test_grammar_applies_after_the_reasoning_part(compiler: Any, fmt: Any, kind: str, grammar: str,
+                                                  good: list[str], bad: list[str]) -> None:
+    """The wrapped grammar leaves the thinking free (the end marker may even appear half-written in
+    it), drops only newlines between it and the answer, and holds the answer (the content the
+    splitter gives) to the request's grammar."""
+    wrapped = after_reasoning(fmt, kind, grammar)
+    assert all(_accepts(compiler, wrapped, text) for text in good), good
+    assert not any(_accepts(compiler, wrapped, text) for text in bad), bad
 
 
 # --- a real server ---------------------------------------------------------------------------------
@@ -103,11 +147,18 @@ def test_server_answers_reasoning_apart(server: ServerProcess) -> None:
         assert _chat(c, reasoning_effort="low")["usage"]["prompt_tokens"] > base
         r = c.post("/v1/chat/completions", json={"messages": MESSAGES, "chat_template_kwargs": {"messages": []}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
-        # a grammar would constrain the thinking: refused, unless the request turns the parser off
-        fmt = {"type": "json_object"}
-        r = c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "response_format": fmt})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
-        _chat(c, response_format=fmt, separate_reasoning=False, max_tokens=4)
+        # a grammar (structured output, a forced call) holds the answer after the thinking, not the
+        # thinking: this model never closes it, so the answer is the same reasoning (which may not end
+        # before the answer: EOS is masked), cut by max_tokens
+        for kw in ({"response_format": {"type": "json_object"}},
+                   {"tools": TOOLS, "tool_choice": "required"}):
+            out = _chat(c, **kw)["choices"][0]
+            assert out["message"]["reasoning_content"].startswith(plain["content"]) and not out["message"]["content"]
+            assert out["finish_reason"] == "length" and "tool_calls" not in out["message"]
+        bad = c.post("/v1/chat/completions", json={"messages": MESSAGES, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+        assert _chat(c, response_format={"type": "json_object"}, separate_reasoning=False, max_tokens=4)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from radixserve.model.tokenizer import Tokenizer
 from radixserve.sched.sampling_params import SamplingParams
 from radixserve.server.frontend.common import (
     SSE_DONE,
@@ -20,6 +21,7 @@ from radixserve.server.frontend.common import (
     Call,
     check_prompt,
     error_response,
+    input_logprob_start,
     parse_sampling_params,
     resolve_max_tokens,
     sse,
@@ -105,23 +107,49 @@ async def _native_generate(tm: TokenizerManager, request: Request, body: Generat
         params = parse_sampling_params(sp, tm.info.get("vocab_size"), openai=False)
         params.max_new_tokens = resolve_max_tokens(tm, len(ids), params.max_new_tokens, param, clip=True,
                                                    param="max_new_tokens")
+        start = (input_logprob_start(tm, body.logprob_start_len, len(ids), "logprob_start_len")
+                 if body.return_logprob else None)
         reqs.append(GenerateReq(rid, ids, params, body.priority, *fields, stream=bool(body.stream),
-                                bootstrap=bootstrap_fields(body, tm.args.disaggregation_mode)))
+                                bootstrap=bootstrap_fields(body, tm.args.disaggregation_mode),
+                                input_logprob_start=start))
+    lp = _LogprobEntries(tm.tokenizer, body.return_text_in_logprobs) if body.return_logprob else None
     call = Call(tm, request, abort_is_error=False)
     await call.open(reqs)
     if body.stream:
         first = await call.first_outputs()
-        return StreamingResponse(_native_stream(call, first, body.return_logprob), media_type="text/event-stream",
+        return StreamingResponse(_native_stream(call, first, lp), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
         states = await call.wait_all()
     except ClientGone:
         return Response(status_code=499)
-    outs = [_native_result(st, body.return_logprob) for st in states]
+    outs = [_native_result(st, lp) for st in states]
     return JSONResponse(outs[0] if single else outs)
 
 
-def _native_result(st: ReqState, logprob: bool) -> dict[str, Any]:
+class _LogprobEntries:
+    """SGLang's logprob entries: ``[logprob, token_id, text]``, the text only when asked for."""
+
+    def __init__(self, tokenizer: Tokenizer, with_text: bool) -> None:
+        self.tokenizer = tokenizer
+        self.with_text = with_text
+
+    def entry(self, lp: float | None, tid: int) -> list[Any]:
+        return [lp, tid, self.tokenizer.decode([tid], False) if self.with_text else None]
+
+    def add(self, meta: dict[str, Any], st: ReqState) -> None:
+        e = self.entry
+        meta["output_token_logprobs"] = [e(lp, t) for lp, t in zip(st.logprobs, st.output_ids, strict=False)]
+        meta["output_top_logprobs"] = [[e(v, t) for t, v in top] for top in st.top_logprobs]
+        p = st.input_logprobs
+        if p is None:
+            meta["input_token_logprobs"], meta["input_top_logprobs"] = [], []
+            return
+        meta["input_token_logprobs"] = [e(lp, t) for lp, t in zip(p.logprobs, p.token_ids, strict=True)]
+        meta["input_top_logprobs"] = [None if top is None else [e(v, t) for t, v in top] for top in p.top_logprobs]
+
+
+def _native_result(st: ReqState, logprob: _LogprobEntries | None) -> dict[str, Any]:
     o = st.last
     assert o is not None
     meta: dict[str, Any] = {
@@ -136,13 +164,12 @@ def _native_result(st: ReqState, logprob: bool) -> dict[str, Any]:
         "num_retractions": o.num_retractions,
         "dp_rank": o.dp_rank,
     }
-    if logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(st.logprobs, st.output_ids, strict=False)]
-        meta["output_top_logprobs"] = [[[v, t, None] for t, v in top] for top in st.top_logprobs]
+    if logprob is not None:
+        logprob.add(meta, st)
     return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
 
 
-async def _native_stream(call: Call, first: list[tuple[ReqState, Any]], logprob: bool) -> AsyncIterator[bytes]:
+async def _native_stream(call: Call, first: list[tuple[ReqState, Any]], logprob: _LogprobEntries | None) -> AsyncIterator[bytes]:
     try:
         async for st, o in call.stream(first):
             err = call.error_of(o)

@@ -22,6 +22,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from radixserve.grammar import GRAMMAR_KINDS, validate_grammar
 from radixserve.sched.io import OutRow
 from radixserve.server.frontend.chat_protocol import ChatCompletionRequest
 from radixserve.server.frontend.chat_run import ChatRun, ChoiceDeltas
@@ -30,6 +31,7 @@ from radixserve.server.frontend.common import (
     SSE_HEADERS,
     Call,
     check_prompt,
+    input_logprob_start,
     parse_sampling_params,
     render_chat,
     resolve_max_tokens,
@@ -38,7 +40,7 @@ from radixserve.server.frontend.common import (
 )
 from radixserve.server.frontend.pd_fields import bootstrap_fields
 from radixserve.server.frontend.protocol import APIError, CompletionRequest, parse_body, unsupported
-from radixserve.server.frontend.reasoning import FORMATS, ReasoningFormat, split_reasoning
+from radixserve.server.frontend.reasoning import FORMATS, ReasoningFormat, after_reasoning, split_reasoning
 from radixserve.server.frontend.req_state import ReqState
 from radixserve.server.frontend.sched_fields import SchedFields, sched_fields
 from radixserve.server.frontend.tokenizer_manager import ClientGone, TokenizerManager
@@ -62,9 +64,10 @@ class OpenAIServing:
         self, prompts: list[list[int]], body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
         logprobs: bool, top_logprobs: int, prompt_param: str,
         fields: SchedFields = (None, None, None, None), extra: dict[str, Any] | None = None,
-        samples: int | None = None,
+        samples: int | None = None, input_logprobs: bool = False,
     ) -> list[GenerateReq]:
-        """``samples`` requests per prompt (default ``body.n``)."""
+        """``samples`` requests per prompt (default ``body.n``); ``input_logprobs``: with the logprobs of
+        every prompt token (``echo``)."""
         base = uuid.uuid4().hex
         reqs = []
         bootstrap = bootstrap_fields(body, self.tm.args.disaggregation_mode)
@@ -74,10 +77,11 @@ class OpenAIServing:
                 {**body.sampling_params(resolve_max_tokens(self.tm, len(ids), max_tokens, prompt_param), logprobs,
                                         top_logprobs), **(extra or {})},
                 self.tm.info.get("vocab_size"), openai=True)
+            start = input_logprob_start(self.tm, 0, len(ids), "echo") if input_logprobs else None
             for i in range(samples or body.n):
                 spi = sp if sp.seed is None else msgspec.structs.replace(sp, seed=sp.seed + i)
                 reqs.append(GenerateReq(f"{base}-{p}-{i}", ids, spi, body.priority, *fields,
-                                        stream=bool(body.stream), bootstrap=bootstrap))
+                                        stream=bool(body.stream), bootstrap=bootstrap, input_logprob_start=start))
         return reqs
 
     def _token_str(self, tid: int) -> str:
@@ -109,6 +113,8 @@ class OpenAIServing:
             template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
         messages = [m.to_template() for m in body.messages]
         parser, template_tools, extra = self._tool_setup(body, fmt, messages)
+        if fmt is not None:
+            extra = _grammar_after_reasoning(fmt, extra or body.grammar_params()) or extra
         text = render_chat(self.tokenizer, messages, True, template_kwargs, template_tools)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         top = body.top_logprobs or 0
@@ -165,9 +171,6 @@ class OpenAIServing:
         parser = parser or "hermes"
         if forced is None:
             return parser, tools, None
-        if fmt is not None:
-            raise unsupported("tool_choice", "a forced tool call with --reasoning-parser is not supported yet "
-                              "(separate_reasoning: false turns the parser off for a request)")
         if body.grammar_params():
             raise APIError("a forced tool call is a grammar of its own: drop response_format / regex / ebnf",
                            param="tool_choice", code="invalid_value")
@@ -186,10 +189,6 @@ class OpenAIServing:
             return None
         if not body.separate_reasoning:
             return None
-        if body.grammar_params():
-            # the grammar would constrain the thinking too; applying it after </think> is not built yet
-            raise unsupported("response_format", "structured output with --reasoning-parser is not supported "
-                              "yet (separate_reasoning: false turns the parser off for a request)")
         return FORMATS[parser]
 
     async def _chat_stream(self, run: ChatRun, first: list[tuple[ReqState, OutRow]]) -> AsyncIterator[bytes]:
@@ -267,7 +266,8 @@ class OpenAIServing:
         k = body.samples  # best_of > n: the samples are ranked by their total logprob, so they need them
         reqs = self._make_reqs(prompts, body, body.max_tokens, nlp is not None or k > body.n, nlp or 0, "prompt",
                                sched_fields(request, body, openai=True, dp_size=self.tm.dp_size,
-                                            pd_mode=self.tm.args.disaggregation_mode), samples=k)
+                                            pd_mode=self.tm.args.disaggregation_mode), samples=k,
+                               input_logprobs=body.echo and nlp is not None)
         echo = [(t if t is not None else self.tokenizer.decode(ids)) if body.echo else ""
                 for t, ids in zip(texts, prompts, strict=True)]
         call = Call(self.tm, request)
@@ -288,7 +288,8 @@ class OpenAIServing:
             choice = {
                 "index": index,
                 "text": prefix + st.text,
-                "logprobs": self._completion_logprobs(st.output_ids, st.logprobs, st.top_logprobs, len(prefix))
+                "logprobs": self._echoed(st, self._completion_logprobs(st.output_ids, st.logprobs, st.top_logprobs,
+                                                                       len(prefix)))
                 if nlp is not None else None,
                 "finish_reason": st.last.finished_reason.openai_reason,
             }
@@ -320,16 +321,20 @@ class OpenAIServing:
                     return
                 text = o.text
                 extra: dict[str, Any] = {"token_ids": list(o.new_token_ids)} if body.return_token_ids else {}
-                if st.index not in offsets:
-                    text = echo[st.index // body.n] + text
-                    offsets[st.index] = 0
+                opening = st.index not in offsets
+                if opening:  # the echoed prompt leads; the outputs' text offsets count from its end
+                    prefix = echo[st.index // body.n]
+                    text = prefix + text
+                    offsets[st.index] = len(prefix)
                     if body.return_token_ids:
                         extra["prompt_token_ids"] = prompts[st.index // body.n]
                 lp = None
-                if body.logprobs is not None and o.new_token_ids:
+                if body.logprobs is not None and (o.new_token_ids or (opening and st.input_logprobs is not None)):
                     lp = self._completion_logprobs(o.new_token_ids, o.new_logprobs, o.new_top_logprobs,
                                                    offsets[st.index])
-                offsets[st.index] += len(text)
+                    if opening:
+                        lp = self._echoed(st, lp)
+                offsets[st.index] += len(o.text)
                 # NOTE: with token ids, a token whose text is still held back (part of a character
                 # or of a possible stop string) gets a chunk of its own, so no id goes missing
                 if text or lp is not None or fr is not None or extra.get("token_ids"):
@@ -346,6 +351,17 @@ class OpenAIServing:
         finally:
             call.close()
 
+    def _echoed(self, st: ReqState, lp: dict[str, Any]) -> dict[str, Any]:
+        """``lp`` after the echoed prompt's logprobs (the first token's null: nothing precedes it), when
+        the request has them."""
+        p = st.input_logprobs
+        if p is None:
+            return lp
+        prompt = self._completion_logprobs(p.token_ids, p.logprobs, [], 0)  # type: ignore[arg-type]
+        prompt["top_logprobs"] = [None if top is None else {self._token_str(t): v for t, v in top}
+                                  for top in p.top_logprobs]
+        return _join_logprobs(prompt, lp)
+
     def _completion_logprobs(
         self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]], offset: int
     ) -> dict[str, Any]:
@@ -361,6 +377,27 @@ class OpenAIServing:
                              for k in range(len(ids))],
             "text_offset": text_offset,
         }
+
+
+_GRAMMAR_PARAM = {"json_schema": "response_format", "regex": "regex", "ebnf": "ebnf"}
+
+
+def _grammar_after_reasoning(fmt: ReasoningFormat, grammar: dict[str, Any]) -> dict[str, Any] | None:
+    """The sampling fields that put a request's grammar (structured output or a forced call) after its
+    reasoning part (None: it has no one grammar); the grammar is checked first, so a bad one is a 400
+    naming the field the client wrote."""
+    kinds = [k for k in GRAMMAR_KINDS if grammar.get(k) is not None]
+    if len(kinds) != 1:  # none, or several: SamplingParams refuses those
+        return None
+    kind = kinds[0]
+    err = validate_grammar(kind, grammar[kind])
+    if err is not None:
+        raise APIError(f"invalid {kind}: {err}", param=_GRAMMAR_PARAM[kind], code="invalid_value")
+    return {"json_schema": None, "regex": None, "ebnf": after_reasoning(fmt, kind, grammar[kind])}
+
+
+def _join_logprobs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {key: a[key] + b[key] for key in a}
 
 
 def _best(states: list[ReqState], samples: int, n: int) -> list[ReqState]:

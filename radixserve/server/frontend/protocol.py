@@ -231,9 +231,6 @@ class CompletionRequest(_SamplingFields):
         if self.samples > self.n and self.stream:
             raise APIError("best_of > n cannot be streamed (the best are known at the end)", param="best_of",
                            code="invalid_value")
-        if self.echo and self.logprobs is not None:
-            raise unsupported("echo", "echo with logprobs is not supported (no logprobs for prompt tokens)")
-
 
     @property
     def samples(self) -> int:
@@ -266,14 +263,11 @@ class GenerateRequest(_Body):
     priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
-    logprob_start_len: int | None = Field(None, description="Only -1: logprobs of the output tokens.")
-    return_text_in_logprobs: bool = Field(False, description="Only false: logprob entries carry no text.")
-
-    def check(self) -> None:
-        if self.logprob_start_len not in (None, -1):
-            raise unsupported("logprob_start_len", "only -1 (no prompt logprobs) is supported")
-        if self.return_text_in_logprobs:
-            raise unsupported("return_text_in_logprobs", "logprob entries carry token ids, not text")
+    logprob_start_len: int | None = Field(
+        None, ge=-1, le=INT64_MAX,
+        description="With return_logprob: the prompt logprobs from this token on (meta_info.input_token_logprobs); "
+                    "-1 (or none): the output tokens' only.")
+    return_text_in_logprobs: bool = Field(False, description="Logprob entries carry each token's text (else null).")
 
 
 class AbortRequest(_Body):

@@ -13,10 +13,14 @@ Two formats, named as SGLang and vLLM name them:
 ``ReasoningSplitter`` works on text deltas: a marker split across deltas is held back until it
 completes or can no longer, so streamed and whole answers split the same way. The newlines a model
 writes between ``</think>`` and its answer are not part of the content.
+
+A grammar (structured output, a forced tool call) constrains the content only: ``after_reasoning``
+wraps it in one that first lets the model think freely up to the end marker.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
@@ -88,3 +92,21 @@ class ReasoningSplitter:
 def split_reasoning(fmt: ReasoningFormat, text: str) -> tuple[str, str]:
     """A whole output's ``(reasoning, content)``."""
     return ReasoningSplitter(fmt).feed(text, final=True)
+
+
+def after_reasoning(fmt: ReasoningFormat, kind: str, text: str) -> str:
+    """A Lark grammar (llguidance) for: the reasoning part as ``fmt`` writes it (any text up to the
+    end marker, which llguidance's ``stop`` takes; optional where the output opens it itself), the
+    newlines the splitter drops, then a sentence of the request's grammar (``kind``: json_schema,
+    regex or ebnf, already validated), which is therefore exactly the answer's content."""
+    import llguidance
+
+    if kind == "json_schema":
+        body = f"%json {json.dumps(json.loads(text))}"  # (one line)
+    elif kind == "regex":
+        body = f"/{llguidance.regex_to_lark(text)}/"
+    else:
+        body = "%lark {\n" + llguidance.grammar_from("gbnf", text) + "\n}"  # GBNF or Lark, as Lark
+    think = "think SEP?" if fmt.starts_inside else f"({json.dumps(fmt.start)} think SEP?)?"
+    return (f"start: {think} body\nthink[stop={json.dumps(fmt.end)}]: /(?s:.*)/\nSEP: /\\n+/\n"
+            f"body: {body}\n")

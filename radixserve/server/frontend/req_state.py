@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.sched.io import OutRow
+from radixserve.sched.io import InputLogprobsOut, OutRow
 
 
 @dataclass
@@ -17,6 +17,7 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: InputLogprobsOut | None = None  # the prompt's, when asked for (they come first)
     last: OutRow | None = None
     first_token_time: float | None = None
     finished: bool = False

@@ -236,6 +236,10 @@ class TokenizerManager:
 
     def _dispatch(self, outs: BatchOut) -> None:
         now = time.perf_counter()
+        for e in outs.input_logprobs:  # before the rows: a request's first row may be its last
+            group = self.groups.get(e.rid)
+            if group is not None:
+                group.by_rid[e.rid].input_logprobs = e
         for o in outs:
             group = self.groups.get(o.rid)
             if group is None:  # aborted and forgotten

@@ -212,6 +212,8 @@ class SchedulerServer:
         req = Req(msg.rid, msg.input_ids, params, arrival_time=now, priority=msg.priority,
                   eos_token_ids=self.eos_token_ids, stream=msg.stream)
         req.tenant = msg.tenant
+        if msg.input_logprob_start is not None:  # (checked against the prompt by the HTTP process)
+            req.want_input_logprobs(msg.input_logprob_start)
         if msg.deadline_ms is not None:
             req.deadline = now + msg.deadline_ms / 1000.0
         if msg.tpot_slo_ms is not None:
