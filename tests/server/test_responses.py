@@ -156,11 +156,21 @@ def test_stored_responses_continue_retrieve_and_delete(c: httpx.Client) -> None:
 
 @pytest.mark.slow
 def test_a_forced_call_and_its_output_round_trip(c: httpx.Client) -> None:
-    resp = _respond(c, input="Add 2 and 3.", tools=[ADD], tool_choice={"type": "function", "name": "add"},
-                    max_output_tokens=60)
+    ask = {"input": "Add 2 and 3.", "tools": [ADD], "tool_choice": {"type": "function", "name": "add"},
+           "max_output_tokens": 60, "parallel_tool_calls": False}
+    resp = _respond(c, **ask)
     calls = [it for it in resp["output"] if it["type"] == "function_call"]
     assert len(calls) == 1 and calls[0]["name"] == "add" and calls[0]["call_id"]
     jsonschema.validate(json.loads(calls[0]["arguments"]), ADD["parameters"])
+    # streamed: the call's item opens with its name, its arguments come in pieces
+    with c.stream("POST", "/v1/responses", json={**ask, "temperature": 0, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    assert [(e["item"]["type"], e["item"]["name"], e["item"]["arguments"]) for e in added] == [("function_call", "add", "")]
+    pieces = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == calls[0]["arguments"]
+    done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert [e["arguments"] for e in done] == [calls[0]["arguments"]] and events[-1]["type"] == "response.completed"
     follow = [{"role": "user", "content": "Add 2 and 3."},
               {"type": "function_call", "call_id": calls[0]["call_id"], "name": "add", "arguments": calls[0]["arguments"]},
               {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "5"}]

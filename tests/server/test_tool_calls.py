@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 
 from radixserve.grammar import validate_grammar
+from radixserve.server.frontend.call_stream import CallStream, whole_calls
 from radixserve.server.frontend.tool_calls import PARSERS, StreamedAnswer, parse_tool_calls, tool_grammar
 from tests.server.helpers import ServerProcess
 
@@ -71,6 +72,38 @@ def test_a_call_is_not_streamed_as_text() -> None:
     assert s.feed('_call>{"name": "add", "arguments": {}}', False) == ("", [])
     text, calls = s.feed("</tool_call>", True)
     assert text == "" and [c.name for c in calls] == ["add"]
+
+
+FORCED = [  # answers a grammar forced, per format
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Par\\u00eds \\ud83d\\ude00",  "n": 1.50,'
+     ' "days":[1,2e2,true,null], "o":{"k":"\\"q\\"\\n"}}}\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": '
+     '"{\\"a\\": 1}"}\n</tool_call>\n',
+     [("get_weather", {"city": "París 😀", "n": 1.5, "days": [1, 200.0, True, None], "o": {"k": '"q"\n'}}),
+      ("add", {"a": 1})]),
+    ("llama3", '{"name": "add", "parameters": {"a": -3, "b": 0}}; {"name": "get_weather", "parameters": {}}',
+     [("add", {"a": -3, "b": 0}), ("get_weather", {})]),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"q": [1, {"z": "é"}]}}]', [("add", {"q": [1, {"z": "é"}]})]),
+]
+
+
+@pytest.mark.parametrize("parser, text, calls", FORCED)
+def test_forced_calls_stream_in_pieces_that_add_up_to_the_whole(parser: str, text: str,
+                                                               calls: list[tuple[str, dict[str, Any]]]) -> None:
+    """A forced answer read whole gives each call's arguments as ``json.dumps`` writes them; cut at
+    any two points, the same calls, each opening with its id and name (empty arguments before)."""
+    whole = whole_calls(CallStream(parser).feed(text, final=True))
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole] == [(n, json.dumps(a)) for n, a in calls]
+    assert len({c["id"] for c in whole}) == len(calls)
+    for cut in range(len(text) + 1):
+        for cut2 in (cut, min(len(text), cut + 7)):
+            s = CallStream(parser)
+            pieces = [*s.feed(text[:cut]), *s.feed(text[cut:cut2]), *s.feed(text[cut2:], final=True)]
+            got = whole_calls(pieces)
+            assert [c["function"] for c in got] == [c["function"] for c in whole], (cut, cut2)
+            assert [p.index for p in pieces if p.id is not None] == list(range(len(calls)))
+    # cut short: the last call's arguments as far as they were written
+    cut = whole_calls(CallStream(parser).feed(text[: text.index(json.dumps(calls[0][0])) + 40], final=True))
+    assert cut[0]["function"]["name"] == calls[0][0] and json.dumps(calls[0][1]).startswith(cut[0]["function"]["arguments"])
 
 
 TOOLS = [
@@ -133,13 +166,15 @@ def test_forced_calls_follow_their_schemas(c: httpx.Client) -> None:
     for out in outs[:2]:
         assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None
         _check_calls(out["message"]["tool_calls"], set(SCHEMAS))
-    # parallel calls: this model rarely stops calling, so the answer may be cut by max_tokens; its
-    # complete calls are answered, and the finish reason says it was cut
-    _check_calls(outs[2]["message"]["tool_calls"], set(SCHEMAS))
+    # parallel calls: this model rarely stops calling, so the answer may be cut by max_tokens: the
+    # finish reason says so, and the last call has its arguments as far as they were written
+    cut = outs[2]["finish_reason"] == "length"
     assert outs[2]["finish_reason"] in ("tool_calls", "length")
+    _check_calls(outs[2]["message"]["tool_calls"][: -1 if cut else None] or outs[2]["message"]["tool_calls"][:1],
+                 set(SCHEMAS))
     assert len(outs[3]["message"]["tool_calls"]) == 1
     _check_calls(outs[3]["message"]["tool_calls"], {"add"})
-    # streamed: the same call (greedy), whole in one delta, then the finish reason
+    # streamed: the same call (greedy): its id and name first, its arguments in pieces, then the finish
     want = _chat(c, tools=TOOLS, tool_choice=named, parallel_tool_calls=False)["choices"][0]["message"]["tool_calls"]
     deltas, finish = [], None
     with c.stream("POST", "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 80, "temperature": 0,
@@ -151,8 +186,11 @@ def test_forced_calls_follow_their_schemas(c: httpx.Client) -> None:
                     deltas.append(ch["delta"])
                     finish = ch["finish_reason"] or finish
     got = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert [tc["function"] for tc in got] == [tc["function"] for tc in want] and finish == "tool_calls"
-    assert not "".join(d.get("content", "") for d in deltas)
+    assert got[0]["id"].startswith("call_") and got[0]["function"]["name"] == "add" and got[0]["index"] == 0
+    assert all("id" not in tc and "name" not in tc["function"] and tc["index"] == 0 for tc in got[1:])
+    assert len(got) > 2  # the arguments came in pieces
+    assert "".join(tc["function"]["arguments"] for tc in got) == want[0]["function"]["arguments"]
+    assert finish == "tool_calls" and not "".join(d.get("content", "") for d in deltas)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixserve.sched.io import OutRow
+from radixserve.server.frontend.call_stream import CallPiece, CallStream
 from radixserve.server.frontend.chat_protocol import ChatCompletionRequest
 from radixserve.server.frontend.common import Call
 from radixserve.server.frontend.reasoning import ReasoningFormat, ReasoningSplitter
@@ -22,24 +23,34 @@ class ChatRun:
     rid: str
     created: int
 
+    @property
+    def forced(self) -> bool:
+        """The answer is calls a grammar forced (read as they are written: call_stream.py)."""
+        body = self.body
+        return self.parser is not None and bool(body.tools) and body.forced_tools() is not None
+
 
 @dataclass
 class Delta:
     reasoning: str = ""
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)  # whole calls, at the end (tool_choice auto)
+    pieces: list[CallPiece] = field(default_factory=list)  # forced calls, as they are written
     finish: str | None = None  # the OpenAI finish reason, on the last delta
 
 
 class ChoiceDeltas:
     """Each streamed choice's next output, split: reasoning first (with a reasoning format), then
-    the content, holding back text where a tool call may begin; the calls come whole at the end."""
+    the content, holding back text where a tool call may begin; the calls come whole at the end
+    (whether a call the model chose to write parses is known at its end), or, forced by a grammar,
+    in pieces as they are written."""
 
     def __init__(self, run: ChatRun) -> None:
         self.run = run
         self.names = run.body.tool_names()
         self.splitters: dict[int, ReasoningSplitter] = {}
         self.answers: dict[int, StreamedAnswer] = {}
+        self.forced: dict[int, CallStream] = {}
         self.started: set[int] = set()
 
     def start(self, index: int) -> bool:
@@ -49,7 +60,9 @@ class ChoiceDeltas:
         self.started.add(index)
         if self.run.fmt is not None:
             self.splitters[index] = ReasoningSplitter(self.run.fmt)
-        if self.run.parser is not None:
+        if self.run.parser is not None and self.run.forced:
+            self.forced[index] = CallStream(self.run.parser)
+        elif self.run.parser is not None:
             self.answers[index] = StreamedAnswer(self.run.parser, self.names)
         return True
 
@@ -62,5 +75,9 @@ class ChoiceDeltas:
         if index in self.answers:
             d.content, d.calls = self.answers[index].feed(d.content, final=final)
             if d.calls and d.finish == "stop":
+                d.finish = "tool_calls"
+        elif index in self.forced:
+            d.pieces, d.content = self.forced[index].feed(d.content, final=final), ""
+            if final and self.forced[index].calls and d.finish == "stop":
                 d.finish = "tool_calls"
         return d

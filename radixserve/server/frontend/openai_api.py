@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.grammar import GRAMMAR_KINDS, validate_grammar
 from radixserve.sched.io import OutRow
+from radixserve.server.frontend.call_stream import CallStream, whole_calls
 from radixserve.server.frontend.chat_protocol import ChatCompletionRequest
 from radixserve.server.frontend.chat_run import ChatRun, ChoiceDeltas
 from radixserve.server.frontend.common import (
@@ -137,7 +138,13 @@ class OpenAIServing:
             reasoning, message["content"] = split_reasoning(fmt, st.text)
             message["reasoning_content"] = reasoning or None
         finish = st.last.finished_reason.openai_reason
-        if parser is not None:
+        if parser is not None and run.forced:  # the same reading as the stream's (call_stream.py)
+            forced = whole_calls(CallStream(parser).feed(message["content"], final=True))
+            message["content"] = None  # (all of it is calls; the stream sends no content either)
+            if forced:
+                message["tool_calls"] = forced
+                finish = "tool_calls" if finish == "stop" else finish
+        elif parser is not None:
             message["content"], calls = parse_tool_calls(parser, message["content"], body.tool_names())
             if calls:
                 message["content"] = message["content"] or None
@@ -217,6 +224,8 @@ class OpenAIServing:
                                                                ("content", d.content)) if v}
                     if d.calls:
                         delta["tool_calls"] = [c.to_openai(i) for i, c in enumerate(d.calls)]
+                    elif d.pieces:
+                        delta["tool_calls"] = [p.to_openai() for p in d.pieces]
                     yield sse({**base, "choices": [{"index": st.index, "delta": delta, "logprobs": lp,
                                                     "finish_reason": d.finish}]})
             if body.include_usage:

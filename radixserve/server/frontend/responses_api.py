@@ -27,6 +27,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from radixserve.server.frontend.call_stream import CallPiece
 from radixserve.server.frontend.chat_protocol import ChatCompletionRequest
 from radixserve.server.frontend.chat_run import ChatRun, ChoiceDeltas
 from radixserve.server.frontend.common import SSE_HEADERS, dead_error
@@ -188,6 +189,7 @@ class ResponseStream:
         self.text = ""
         self.reasoning = ""
         self.logprobs: list[dict[str, Any]] = []
+        self.open_call: dict[str, Any] | None = None  # a forced call being written
 
     def _event(self, kind: str, **data: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.seq, **data}
@@ -247,6 +249,35 @@ class ResponseStream:
                             arguments=done["arguments"]),
                 self._event("response.output_item.done", output_index=idx, item=done)]
 
+    def _pieces(self, pieces: list[CallPiece]) -> list[bytes]:
+        """Forced calls as they are written: a call's item opens with its name (closing what was
+        open), its arguments go out as deltas; it is done when the next one opens or the answer ends."""
+        out: list[bytes] = []
+        for p in pieces:
+            if p.id is not None:
+                out += self._close() + self._close_call()
+                idx = len(self.items)
+                item = call_item({"id": p.id, "function": {"name": p.name, "arguments": ""}})
+                self.open_call = item
+                out.append(self._event("response.output_item.added", output_index=idx,
+                                       item={**item, "status": "in_progress"}))
+            assert self.open_call is not None
+            if p.arguments:
+                self.open_call["arguments"] += p.arguments
+                out.append(self._event("response.function_call_arguments.delta", item_id=self.open_call["id"],
+                                       output_index=len(self.items), delta=p.arguments))
+        return out
+
+    def _close_call(self) -> list[bytes]:
+        item, idx = self.open_call, len(self.items)
+        if item is None:
+            return []
+        self.open_call = None
+        self.items.append(item)
+        return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                            arguments=item["arguments"]),
+                self._event("response.output_item.done", output_index=idx, item=item)]
+
     async def events(self, first: list[tuple[ReqState, Any]]) -> AsyncIterator[bytes]:
         call, openai = self.run.call, self.serving.openai
         deltas = ChoiceDeltas(self.run)
@@ -276,8 +307,12 @@ class ResponseStream:
                     self.text += d.content
                     yield self._event("response.output_text.delta", item_id=self.open["id"],  # type: ignore[index]
                                       output_index=len(self.items), content_index=0, delta=d.content, logprobs=lp)
+                for chunk in self._pieces(d.pieces):
+                    yield chunk
                 if d.finish is not None:
                     status = "incomplete" if d.finish == "length" else "completed"
+                    for chunk in self._close_call():
+                        yield chunk
                     if self.open is None and not d.calls and not self.items:  # nothing at all was said
                         for chunk in self._begin("message"):
                             yield chunk
