@@ -29,6 +29,7 @@ from radixserve.auth import SERVER_ADMIN_PATHS, Access
 from radixserve.router.config import RouterArgs
 from radixserve.router.dashboard import router_state
 from radixserve.router.http_common import error_response
+from radixserve.router.response_homes import forward_to_home
 from radixserve.router.router import Router, routed_paths
 
 logger = logging.getLogger("radixserve.router")
@@ -120,6 +121,15 @@ def _proxied_routes(app: web.Application, router: Router) -> None:
         return await router.forward_one(request, request.path)
 
     app.router.add_get("/v1/models/{model_id:.+}", one_model)
+
+    async def stored_response(request: web.Request) -> web.StreamResponse:
+        assert router.session is not None
+        return await forward_to_home(request, router.session, router.homes.home(request.match_info["response_id"]),
+                                     list(router.workers), router.fleet.auth)
+
+    for path in ("/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items"):
+        app.router.add_get(path, stored_response)
+    app.router.add_delete("/v1/responses/{response_id}", stored_response)
 
 
 def _admin_routes(app: web.Application, router: Router) -> None:

@@ -43,6 +43,7 @@ from radixserve.router.policy import (
     Target,
     make_router_policy,
 )
+from radixserve.router.response_homes import RESPONSE_ID_HEADER, ResponseHomes
 from radixserve.router.worker import Worker
 
 logger = logging.getLogger("radixserve.router")
@@ -51,7 +52,7 @@ logger = logging.getLogger("radixserve.router")
 _DROP_REQ = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "authorization",
                        "x-api-key", "accept-encoding", "te", "upgrade", "proxy-authorization"})
 DEFAULT_OUTPUT_TOKENS = 128  # a request's output estimate for --tenant-fairness when it gives none
-_KEEP_RESP = ("content-type", "retry-after", "x-request-id", "cache-control")
+_KEEP_RESP = ("content-type", "retry-after", "x-request-id", "cache-control", "x-response-id")
 
 
 class Router:
@@ -76,6 +77,7 @@ class Router:
         self.metrics = RouterMetrics(lambda: list(self.workers.values()), lambda: self.admission.waiting)
         self.tokenizer: Any = None
         self.rng = random.Random(args.seed)
+        self.homes = ResponseHomes()  # the worker that stores each Responses API answer
 
     @property
     def workers(self) -> dict[str, Worker]:
@@ -192,6 +194,7 @@ class Router:
         rreq = self.route_request(path, body, request.headers) if self.needs_key and body is not None \
             else RouteRequest()
         headers = self.upstream_headers(request)
+        home = self.homes.home_of_body(raw) if path == "/v1/responses" else None
         tried: set[str] = set()
         a = self.args
         attempt = 0
@@ -201,14 +204,19 @@ class Router:
                 self.metrics.rejected.labels("no_worker").inc()
                 return error_response("No healthy worker is available.", 503, "no_healthy_worker",
                                       {"Retry-After": "1"})
-            try:
-                decision = self.policy.select(targets, rreq)
-            except NoTargetMeetsDeadline as e:
-                self.metrics.rejected.labels("deadline").inc()
-                return web.json_response(error_body(str(e), 429, "deadline_unmeetable", "rate_limit_error"),
-                                         status=429, headers={"Retry-After": "1"})
-            self.metrics.decisions.labels(self.policy.name, decision.branch).inc()
-            target = decision.target
+            at_home = [t for t in targets if t.url == home]
+            if at_home:  # a conversation continues where its stored response is
+                target = at_home[0]
+                self.metrics.decisions.labels(self.policy.name, "previous_response").inc()
+            else:
+                try:
+                    decision = self.policy.select(targets, rreq)
+                except NoTargetMeetsDeadline as e:
+                    self.metrics.rejected.labels("deadline").inc()
+                    return web.json_response(error_body(str(e), 429, "deadline_unmeetable", "rate_limit_error"),
+                                             status=429, headers={"Retry-After": "1"})
+                self.metrics.decisions.labels(self.policy.name, decision.branch).inc()
+                target = decision.target
             target.sent_tokens += rreq.num_tokens
             worker = self.workers[target.url]
             payload = raw
@@ -268,6 +276,7 @@ class Router:
                         return "status_429" if status == 429 else "status_5xx"
                 else:
                     worker.breaker.record_success()
+                    self.homes.record(upstream.headers.get(RESPONSE_ID_HEADER), worker.url)
                 headers = {k: upstream.headers[k] for k in _KEEP_RESP if k in upstream.headers}
                 if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
                     self.metrics.responses.labels(str(status)).inc()

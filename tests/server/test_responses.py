@@ -82,7 +82,7 @@ def test_what_cannot_be_honoured_is_refused(body: dict[str, Any], param: str) ->
 def test_the_store_keeps_the_newest() -> None:
     store = ResponseStore(size=2)
     for i in range(3):
-        store.put({"id": f"resp_{i}"}, [])
+        store.put({"id": f"resp_{i}"}, [], [])
     assert [k for k in store.items] == ["resp_1", "resp_2"]
     with pytest.raises(APIError) as e:
         store.get("resp_0", "previous_response_id")

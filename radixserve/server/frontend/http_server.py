@@ -102,6 +102,11 @@ def create_app(tm: TokenizerManager, model_path: str, pids: dict[str, int]) -> A
     async def delete_response(response_id: str) -> dict[str, Any]:
         return responses.delete(response_id)
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, limit: int = 20, order: str = "desc",
+                                   after: str | None = None) -> dict[str, Any]:
+        return responses.list_input_items(response_id, limit, order, after)
+
     def model_card() -> dict[str, Any]:
         return {"id": tm.model_name, "object": "model", "created": int(started), "owned_by": "radixserve",
                 "root": model_path, "max_model_len": tm.context_len}

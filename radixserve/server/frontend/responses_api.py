@@ -38,6 +38,10 @@ from radixserve.server.frontend.responses_protocol import STORE_SIZE, ResponsesR
 from radixserve.server.frontend.tokenizer_manager import ClientGone, ServerDead
 from radixserve.server.frontend.tool_calls import ToolCall
 
+# the response's id, as a header too: a router sends later requests that continue it (and reads of
+# it) to the worker that stores it without reading the body
+RESPONSE_ID_HEADER = "x-response-id"
+
 
 class ResponseStore:
     """The newest stored responses: the response object, and the conversation it ends (chat
@@ -46,11 +50,18 @@ class ResponseStore:
     def __init__(self, size: int = STORE_SIZE) -> None:
         self.size = size
         self.items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+        self.inputs: dict[str, list[dict[str, Any]]] = {}  # each stored response's input items
 
-    def put(self, resp: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+    def put(self, resp: dict[str, Any], conversation: list[dict[str, Any]], inputs: list[dict[str, Any]]) -> None:
         self.items[resp["id"]] = (resp, conversation)
+        self.inputs[resp["id"]] = inputs
         while len(self.items) > self.size:
-            self.items.popitem(last=False)
+            gone, _ = self.items.popitem(last=False)
+            del self.inputs[gone]
+
+    def drop(self, rid: str) -> None:
+        self.get(rid)
+        del self.items[rid], self.inputs[rid]
 
     def get(self, rid: str, param: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         got = self.items.get(rid)
@@ -62,6 +73,25 @@ class ResponseStore:
 # --- the answer -> output items ----------------------------------------------------------------------
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def input_items(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's ``input`` as the items OpenAI lists back: each with an id, messages with their
+    content as parts."""
+    out: list[dict[str, Any]] = []
+    given: list[dict[str, Any]] = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
+    for item in given:
+        it: dict[str, Any] = dict(item)
+        kind = it.setdefault("type", "message")
+        if kind == "message":
+            content = it.get("content")
+            if isinstance(content, str):
+                part = "output_text" if it.get("role") == "assistant" else "input_text"
+                it["content"] = [{"type": part, "text": content}]
+            it.setdefault("status", "completed")
+        it.setdefault("id", _id({"message": "msg", "function_call": "fc"}.get(kind, "item")))
+        out.append(it)
+    return out
 
 
 def reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
@@ -116,7 +146,8 @@ class ResponsesServing:
         if body.stream:
             first = await run.call.first_outputs()
             stream = ResponseStream(self, body, run, rid, created, conversation)
-            return StreamingResponse(stream.events(first), media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(stream.events(first), media_type="text/event-stream",
+                                     headers={**SSE_HEADERS, RESPONSE_ID_HEADER: rid})
         try:
             (st,) = await run.call.wait_all()
         except ClientGone:
@@ -133,11 +164,11 @@ class ResponsesServing:
         items += [call_item(c) for c in msg.get("tool_calls") or []]
         resp = self.response(body, rid, created, status, items, [st], msg.get("reasoning_content") or "")
         self.keep(body, resp, conversation + assistant_turn(items))
-        return JSONResponse(resp)
+        return JSONResponse(resp, headers={RESPONSE_ID_HEADER: rid})
 
     def keep(self, body: ResponsesRequest, resp: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         if body.store and resp["status"] != "failed":
-            self.store.put(resp, conversation)
+            self.store.put(resp, conversation, input_items(body.input))
 
     def response(self, body: ResponsesRequest, rid: str, created: int, status: str, output: list[dict[str, Any]],
                  states: list[ReqState] | None, reasoning: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -170,9 +201,28 @@ class ResponsesServing:
         return self.store.get(rid)[0]
 
     def delete(self, rid: str) -> dict[str, Any]:
-        self.store.get(rid)
-        del self.store.items[rid]
+        self.store.drop(rid)
         return {"id": rid, "object": "response.deleted", "deleted": True}
+
+    def list_input_items(self, rid: str, limit: int = 20, order: str = "desc", after: str | None = None
+                         ) -> dict[str, Any]:
+        """OpenAI's ``GET /v1/responses/{id}/input_items``: the input items of a stored response (its
+        own request's, not those of the responses before it), a page at a time."""
+        self.store.get(rid)
+        if not 1 <= limit <= 100:
+            raise APIError("limit must be between 1 and 100", param="limit", code="invalid_value")
+        if order not in ("asc", "desc"):
+            raise APIError('order must be "asc" or "desc"', param="order", code="invalid_value")
+        items = self.store.inputs[rid] if order == "asc" else self.store.inputs[rid][::-1]
+        if after is not None:
+            ids = [it["id"] for it in items]
+            if after not in ids:
+                raise APIError(f"No input item with id '{after}' in this response.", param="after",
+                               code="invalid_value")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 class ResponseStream:
