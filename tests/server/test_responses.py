@@ -145,6 +145,21 @@ def test_stored_responses_continue_retrieve_and_delete(c: httpx.Client) -> None:
     assert second["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
     assert _text(second) == chat["choices"][0]["message"]["content"]
     assert second["previous_response_id"] == first["id"]
+    # its input items: this request's only (not the conversation before), newest first, in pages
+    items = c.get(f"/v1/responses/{second['id']}/input_items").json()
+    assert [(it["type"], it["role"], it["content"]) for it in items["data"]] == [
+        ("message", "user", [{"type": "input_text", "text": "Again."}])]
+    listed = _respond(c, input=[{"role": "user", "content": "One."}, {"role": "assistant", "content": "Two."},
+                                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "3"}]}],
+                      max_output_tokens=1)
+    page = c.get(f"/v1/responses/{listed['id']}/input_items", params={"limit": 2, "order": "asc"}).json()
+    assert [it["role"] for it in page["data"]] == ["user", "assistant"] and page["has_more"]
+    assert page["data"][1]["content"] == [{"type": "output_text", "text": "Two."}]
+    rest = c.get(f"/v1/responses/{listed['id']}/input_items",
+                 params={"order": "asc", "after": page["last_id"]}).json()
+    assert [it["content"][0]["text"] for it in rest["data"]] == ["3"] and not rest["has_more"]
+    assert c.get(f"/v1/responses/{listed['id']}/input_items", params={"order": "up"}).status_code == 400
+    assert c.get("/v1/responses/resp_none/input_items").status_code == 404
     assert c.delete(f"/v1/responses/{first['id']}").json() == {"id": first["id"], "object": "response.deleted",
                                                                "deleted": True}
     for r in (c.get(f"/v1/responses/{first['id']}"), c.post("/v1/responses", json={
