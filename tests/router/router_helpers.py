@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import aiohttp
@@ -84,3 +86,21 @@ async def post(client: aiohttp.ClientSession, url: str, body: dict[str, Any], **
             return r.status, json.loads(text)
         except ValueError:
             return r.status, text
+
+
+@contextmanager
+def router_in_thread(workers: list[str], **kw: Any) -> Iterator[str]:
+    """A router in front of ``workers`` (real servers), on an event loop of its own thread, for
+    tests that talk to it with blocking clients; yields its URL."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    fleet = Fleet()
+    try:
+        asyncio.run_coroutine_threadsafe(fleet.start_router(workers, **kw), loop).result(60)
+        yield fleet.url
+    finally:
+        asyncio.run_coroutine_threadsafe(fleet.close(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

@@ -18,6 +18,7 @@ import pytest
 from radixserve.grammar import validate_grammar
 from radixserve.server.frontend.call_stream import CallStream, whole_calls
 from radixserve.server.frontend.tool_calls import PARSERS, StreamedAnswer, parse_tool_calls, tool_grammar
+from tests.router.router_helpers import router_in_thread
 from tests.server.helpers import ServerProcess
 
 NAMES = {"get_weather", "add"}
@@ -231,12 +232,22 @@ def test_bad_tool_requests_are_400s(c: httpx.Client, kw: dict[str, Any], param: 
 
 
 @pytest.mark.slow
-def test_an_agent_loop_with_the_openai_client(shared_server: ServerProcess) -> None:
+@pytest.mark.parametrize("via", ["server", "router"])
+def test_an_agent_loop_with_the_openai_client(shared_server: ServerProcess, via: str) -> None:
     """Ask, get a (forced) call, run the tool, send its result back, get an answer: the round trip
-    an agent framework makes, through the official client's types."""
+    an agent framework makes, through the official client's types, at the server and through the
+    router in front of it (which also streams the call as the server does)."""
+    if via == "router":
+        with router_in_thread([shared_server.url], policy="cache_aware") as url:
+            _agent_loop(url, streamed=True)
+    else:
+        _agent_loop(shared_server.url)
+
+
+def _agent_loop(base: str, streamed: bool = False) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=f"{shared_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
     messages: list[Any] = list(MESSAGES)
     first = client.chat.completions.create(model="default", messages=messages, tools=TOOLS,  # type: ignore[arg-type]
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -247,6 +258,14 @@ def test_an_agent_loop_with_the_openai_client(shared_server: ServerProcess) -> N
     assert call.type == "function"
     args = json.loads(call.function.arguments)
     jsonschema.validate(args, SCHEMAS["get_weather"])
+    if streamed:
+        chunks = list(client.chat.completions.create(
+            model="default", messages=messages, tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False,
+            max_tokens=80, temperature=0, stream=True))
+        pieces = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+        assert pieces[0].function and pieces[0].function.name == "get_weather" and len(pieces) > 2
+        assert "".join(p.function.arguments or "" for p in pieces if p.function) == call.function.arguments
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": args["city"], "temp": 21})}]
     second = client.chat.completions.create(model="default", messages=messages, tools=TOOLS,  # type: ignore[arg-type]
@@ -254,7 +273,7 @@ def test_an_agent_loop_with_the_openai_client(shared_server: ServerProcess) -> N
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
     # the call and its result are in the prompt (this model's template has no tool_calls: the
     # call is written into the assistant turn in the hermes format)
-    with shared_server.client() as c:
+    with httpx.Client(base_url=base, timeout=60) as c:
         tokens = c.post("/tokenize", json={"messages": messages}).json()["tokens"]
         prompt = c.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
     assert f'"name": "get_weather", "arguments": {json.dumps(args)}' in prompt and '"temp": 21' in prompt
