@@ -55,6 +55,7 @@ def keyed_server(_keyed: dict[str, ServerProcess]) -> ServerProcess:
         if srv is not None:
             srv.kill()
             os.unlink(srv.log.name)
-        srv = _keyed["srv"] = ServerProcess("--max-request-body-bytes", "4096", api_key=API_KEY)
+        srv = _keyed["srv"] = ServerProcess("--max-request-body-bytes", "4096", "--tool-call-parser", "hermes",
+                                            api_key=API_KEY)
         srv.wait_ready()
     return srv

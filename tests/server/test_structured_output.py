@@ -56,6 +56,21 @@ def test_chat_json_schema_and_json_object(client: openai.OpenAI) -> None:
             assert ch.finish_reason == "length" and (ch.message.content or "").startswith("{")
 
 
+def test_the_openai_clients_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    """``chat.completions.parse``: the client sends the model's strict JSON schema and reads the
+    answer back into the model."""
+    import pydantic
+
+    class Product(pydantic.BaseModel):
+        item: str = pydantic.Field(max_length=16)
+        in_stock: bool
+
+    r = client.chat.completions.parse(model="default", messages=MESSAGES, max_tokens=60,  # type: ignore[arg-type]
+                                      temperature=0, response_format=Product)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Product) and r.choices[0].finish_reason == "stop"
+
+
 def test_chat_stream_follows_the_schema(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=80, temperature=0,  # type: ignore[call-overload]
                                             response_format=_schema_format(ITEM), stream=True)
