@@ -258,6 +258,15 @@ def test_the_openai_sdk_reads_it(shared_server: ServerProcess) -> None:
     assert done.type in ("response.completed", "response.incomplete") and done.response.status == resp.status
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == resp.output_text
     assert done.response.output_text == resp.output_text
+    # a function tool (forced), whole and streamed
+    kw: dict[str, Any] = dict(model="default", input="Add 2 and 3.", tools=[ADD], max_output_tokens=60,
+                              tool_choice={"type": "function", "name": "add"}, parallel_tool_calls=False, temperature=0)
+    called = client.responses.create(**kw)
+    calls = [it for it in called.output if it.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "add"
+    jsonschema.validate(json.loads(calls[0].arguments), ADD["parameters"])
+    streamed = list(client.responses.create(**kw, stream=True))
+    assert "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta") == calls[0].arguments
 
 
 @pytest.mark.slow
