@@ -22,17 +22,18 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 class PD:
-    def __init__(self) -> None:
+    def __init__(self, colo: ServerProcess) -> None:
         self.bport = free_port()
-        common = ("--dtype", "float32", "--disaggregation-timeout-secs", str(TIMEOUT_S))
-        self.colo = ServerProcess("--dtype", "float32")
+        # the shared server is the colocated worker: the same model and dtype (auto) as these two
+        common = ("--disaggregation-timeout-secs", str(TIMEOUT_S))
+        self.colo = colo
         self.prefill = ServerProcess(*common, "--disaggregation-mode", "prefill",
                                      "--disaggregation-bootstrap-port", str(self.bport))
         self.decode = ServerProcess(*common, "--disaggregation-mode", "decode", "--max-total-tokens", "4096")
         self.pool = ThreadPoolExecutor(4)
 
     def servers(self) -> list[ServerProcess]:
-        return [self.colo, self.prefill, self.decode]
+        return [self.prefill, self.decode]
 
     def post(self, path: str, body: dict[str, Any], room: int | None = None,
              prefill: bool = True) -> httpx.Response:
@@ -47,8 +48,8 @@ class PD:
 
 
 @pytest.fixture(scope="module")
-def pd() -> Iterator[PD]:
-    p = PD()
+def pd(shared_server: ServerProcess) -> Iterator[PD]:
+    p = PD(shared_server)
     try:
         for s in p.servers():
             s.wait_ready()
@@ -201,7 +202,7 @@ def _kill_mid_request(pd: PD, survivor: ServerProcess, dead: ServerProcess, bpor
 def test_decode_worker_killed_mid_transfer(pd: PD) -> None:
     """The decode worker dies while the prefill worker prefills for it: the prefill worker's room
     is never registered or never acknowledged, expires, drops its KV copy, and it keeps serving."""
-    dead = ServerProcess("--dtype", "float32", "--disaggregation-mode", "decode",
+    dead = ServerProcess("--disaggregation-mode", "decode",
                          "--disaggregation-timeout-secs", str(TIMEOUT_S))
     try:
         dead.wait_ready()
@@ -219,7 +220,7 @@ def test_prefill_worker_killed_mid_transfer(pd: PD) -> None:
     """The prefill worker dies before its KV arrives: the decode worker's reservation expires with a
     clear error, its pool is back to idle, and it keeps serving."""
     bport = free_port()
-    dead = ServerProcess("--dtype", "float32", "--disaggregation-mode", "prefill",
+    dead = ServerProcess("--disaggregation-mode", "prefill",
                          "--disaggregation-bootstrap-port", str(bport), "--disaggregation-timeout-secs", str(TIMEOUT_S))
     try:
         dead.wait_ready()
