@@ -39,6 +39,7 @@ from radixserve.server.frontend.common import (
     sse,
     stream_error,
 )
+from radixserve.server.frontend.logprob_format import LogprobFormat
 from radixserve.server.frontend.pd_fields import bootstrap_fields
 from radixserve.server.frontend.protocol import APIError, CompletionRequest, parse_body, unsupported
 from radixserve.server.frontend.reasoning import FORMATS, ReasoningFormat, after_reasoning, split_reasoning
@@ -53,6 +54,7 @@ class OpenAIServing:
     def __init__(self, tm: TokenizerManager, model_aliases: set[str]) -> None:
         self.tm = tm
         self.tokenizer = tm.tokenizer
+        self.lp = LogprobFormat(tm.tokenizer)
         self.model_aliases = model_aliases | {tm.model_name}
 
     def check_model(self, model: str | None) -> None:
@@ -84,9 +86,6 @@ class OpenAIServing:
                 reqs.append(GenerateReq(f"{base}-{p}-{i}", ids, spi, body.priority, *fields,
                                         stream=bool(body.stream), bootstrap=bootstrap, input_logprob_start=start))
         return reqs
-
-    def _token_str(self, tid: int) -> str:
-        return self.tokenizer.decode([tid], False)
 
     # --- chat ----------------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -153,7 +152,7 @@ class OpenAIServing:
         return {
             "index": st.index,
             "message": message,
-            "logprobs": {"content": self._chat_logprobs(st.output_ids, st.logprobs, st.top_logprobs)}
+            "logprobs": {"content": self.lp.chat(st.output_ids, st.logprobs, st.top_logprobs)}
             if body.logprobs else None,
             "finish_reason": finish,
         }
@@ -216,7 +215,7 @@ class OpenAIServing:
                 if deltas.start(st.index):
                     yield sse({**base, "choices": [{"index": st.index, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]})
-                lp = ({"content": self._chat_logprobs(o.new_token_ids, o.new_logprobs, o.new_top_logprobs)}
+                lp = ({"content": self.lp.chat(o.new_token_ids, o.new_logprobs, o.new_top_logprobs)}
                       if body.logprobs and o.new_token_ids else None)
                 if o.text or lp is not None or fr is not None:
                     d = deltas.feed(st.index, o)
@@ -238,17 +237,6 @@ class OpenAIServing:
             yield SSE_DONE
         finally:
             call.close()
-
-    def _chat_logprobs(self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]) -> list[dict[str, Any]]:
-        out = []
-        for k, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
-            top = tops[k] if k < len(tops) else []
-            out.append({
-                "token": self._token_str(tid), "logprob": lp, "bytes": list(self.tokenizer.token_bytes(tid)),
-                "top_logprobs": [{"token": self._token_str(t), "logprob": v, "bytes": list(self.tokenizer.token_bytes(t))}
-                                 for t, v in top],
-            })
-        return out
 
     # --- completions ------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -297,7 +285,7 @@ class OpenAIServing:
             choice = {
                 "index": index,
                 "text": prefix + st.text,
-                "logprobs": self._echoed(st, self._completion_logprobs(st.output_ids, st.logprobs, st.top_logprobs,
+                "logprobs": self.lp.echoed(st, self.lp.completion(st.output_ids, st.logprobs, st.top_logprobs,
                                                                        len(prefix)))
                 if nlp is not None else None,
                 "finish_reason": st.last.finished_reason.openai_reason,
@@ -339,10 +327,10 @@ class OpenAIServing:
                         extra["prompt_token_ids"] = prompts[st.index // body.n]
                 lp = None
                 if body.logprobs is not None and (o.new_token_ids or (opening and st.input_logprobs is not None)):
-                    lp = self._completion_logprobs(o.new_token_ids, o.new_logprobs, o.new_top_logprobs,
+                    lp = self.lp.completion(o.new_token_ids, o.new_logprobs, o.new_top_logprobs,
                                                    offsets[st.index])
                     if opening:
-                        lp = self._echoed(st, lp)
+                        lp = self.lp.echoed(st, lp)
                 offsets[st.index] += len(o.text)
                 # NOTE: with token ids, a token whose text is still held back (part of a character
                 # or of a possible stop string) gets a chunk of its own, so no id goes missing
@@ -360,34 +348,6 @@ class OpenAIServing:
         finally:
             call.close()
 
-    def _echoed(self, st: ReqState, lp: dict[str, Any]) -> dict[str, Any]:
-        """``lp`` after the echoed prompt's logprobs (the first token's null: nothing precedes it), when
-        the request has them."""
-        p = st.input_logprobs
-        if p is None:
-            return lp
-        prompt = self._completion_logprobs(p.token_ids, p.logprobs, [], 0)  # type: ignore[arg-type]
-        prompt["top_logprobs"] = [None if top is None else {self._token_str(t): v for t, v in top}
-                                  for top in p.top_logprobs]
-        return _join_logprobs(prompt, lp)
-
-    def _completion_logprobs(
-        self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]], offset: int
-    ) -> dict[str, Any]:
-        tokens = [self._token_str(t) for t in ids]
-        text_offset = []
-        for tok in tokens:
-            text_offset.append(offset)
-            offset += len(tok)
-        return {
-            "tokens": tokens,
-            "token_logprobs": list(lps),
-            "top_logprobs": [{self._token_str(t): v for t, v in (tops[k] if k < len(tops) else [])}
-                             for k in range(len(ids))],
-            "text_offset": text_offset,
-        }
-
-
 _GRAMMAR_PARAM = {"json_schema": "response_format", "regex": "regex", "ebnf": "ebnf"}
 
 
@@ -403,10 +363,6 @@ def _grammar_after_reasoning(fmt: ReasoningFormat, grammar: dict[str, Any]) -> d
     if err is not None:
         raise APIError(f"invalid {kind}: {err}", param=_GRAMMAR_PARAM[kind], code="invalid_value")
     return {"json_schema": None, "regex": None, "ebnf": after_reasoning(fmt, kind, grammar[kind])}
-
-
-def _join_logprobs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    return {key: a[key] + b[key] for key in a}
 
 
 def _best(states: list[ReqState], samples: int, n: int) -> list[ReqState]:

@@ -348,7 +348,7 @@ class ResponseStream:
                     self.reasoning += d.reasoning
                     yield self._event("response.reasoning_text.delta", item_id=self.open["id"],  # type: ignore[index]
                                       output_index=len(self.items), content_index=0, delta=d.reasoning)
-                lp = (openai._chat_logprobs(o.new_token_ids, o.new_logprobs, o.new_top_logprobs)
+                lp = (openai.lp.chat(o.new_token_ids, o.new_logprobs, o.new_top_logprobs)
                       if self.run.body.logprobs and o.new_token_ids else [])
                 self.logprobs += lp
                 if d.content:
