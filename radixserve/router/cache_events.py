@@ -110,10 +110,14 @@ class CacheEventSubscriber:
         return {"endpoint": self.endpoint, "last_seq": self.last_seq, "batches": self.batches,
                 "events": self.events, "gaps": self.gaps, "errors": self.errors}
 
-    def on_message(self, raw: bytes) -> None:
+    async def receive(self, sock: zmq.asyncio.Socket) -> object:
+        """The next message, as ``on_message`` takes it."""
+        return await sock.recv()
+
+    def on_message(self, raw: object) -> None:
         """Decode and apply one message (the loop's body; callable directly in tests)."""
         try:
-            batch = decode_batch(raw)
+            batch = decode_batch(raw)  # type: ignore[arg-type]
         except msgspec.DecodeError as e:
             self.errors += 1
             logger.warning("cache events of %s: undecodable message (%s)", self.target_key, e)
@@ -144,7 +148,7 @@ class CacheEventSubscriber:
             sock.connect(self.endpoint)
             logger.info("following the cache events of %s at %s", self.target_key, self.endpoint)
             while True:
-                self.on_message(await sock.recv())
+                self.on_message(await self.receive(sock))
                 # NOTE: recv of an already queued message completes without yielding; let the
                 # requests run between batches of a backlog
                 await asyncio.sleep(0)

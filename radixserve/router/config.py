@@ -76,6 +76,11 @@ class RouterArgs:
     enable_cache_events: bool = option(
         False, "cache_aware: subscribe to the workers' cache events (workers started with "
         "--cache-events-port) so the tree forgets prefixes the workers evicted.", group="policy")
+    cache_events_format: str = option(
+        "radixserve", "--enable-cache-events: the events to follow: radixserve's own (workers started with "
+        "--cache-events-port) or vLLM's published KV-event schema (workers started with --kv-events-config; "
+        "the endpoint is read from /get_server_info's kv_events_endpoint).", ("radixserve", "vllm"),
+        group="policy")
     seed: int | None = option(None, "Seed of the random and power_of_two policies.", group="policy")
 
     # --- quality of service across the fleet -------------------------------------------------------

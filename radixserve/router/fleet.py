@@ -118,6 +118,7 @@ class Fleet:
         w.dp_size = int(info.get("dp_size") or 1)
         w.model_path = info.get("model_path")
         w.cache_events_endpoint = info.get("cache_events_endpoint")
+        w.kv_events_endpoint = info.get("kv_events_endpoint")
         if w.role == "prefill" and w.bootstrap_port is None and info.get("disaggregation_bootstrap_port"):
             w.bootstrap_port = int(info["disaggregation_bootstrap_port"])
         mode = info.get("disaggregation_mode")
@@ -127,15 +128,20 @@ class Fleet:
     def _subscribe(self, w: Worker) -> None:
         if not self.args.enable_cache_events or w.url in self.subscribers:
             return
-        if not w.cache_events_endpoint:
-            logger.warning("worker %s publishes no cache events (start it with --cache-events-port); its tree "
-                           "stays approximate", w.url)
-            return
         from radixserve.router.cache_events import CacheEventSubscriber
+        from radixserve.router.vllm_event_reader import VLLMEventSubscriber
 
+        vllm = self.args.cache_events_format == "vllm"
+        endpoint = w.kv_events_endpoint if vllm else w.cache_events_endpoint
+        if not endpoint:
+            logger.warning("worker %s publishes no %s (start it with %s); its tree stays approximate", w.url,
+                           "KV events" if vllm else "cache events", "--kv-events-config" if vllm else
+                           "--cache-events-port")
+            return
         # NOTE: one subscriber per worker feeds the worker's first target; with --dp-aware each rank
         # has its own cache, and events name no rank yet, so only rank 0 follows real state.
-        sub = CacheEventSubscriber(w.cache_events_endpoint, w.targets[0].key, self.policy_for(w))
+        kind = VLLMEventSubscriber if vllm else CacheEventSubscriber
+        sub = kind(endpoint, w.targets[0].key, self.policy_for(w))
         sub.start()
         self.subscribers[w.url] = sub
 

@@ -115,6 +115,7 @@ class Worker:
     targets: list[Target] = field(default_factory=list)
     model_path: str | None = None
     cache_events_endpoint: str | None = None
+    kv_events_endpoint: str | None = None  # its vLLM-schema KV events (--kv-events-config)
     role: str | None = None  # PD: "prefill" or "decode"
     bootstrap_port: int | None = None  # PD prefill worker: where decode workers register a room
 

@@ -277,16 +277,20 @@ class SchedulerCore:
 
     def get_load(self) -> dict[str, float]:
         """SGLang's /get_load entry. ``num_reqs`` counts every unfinished request, also one whose
-        prefill just ran and that is not merged into the running batch yet. For a router that
-        predicts time to first token: the prompt tokens still waiting (cache hits not yet known)
-        and the measured prefill speed."""
+        prefill just ran and that is not merged into the running batch yet; ``num_tokens`` is, as
+        SGLang counts it, the KV tokens in use (``num_used_tokens``) plus the tokens of the waiting
+        requests (``num_waiting_tokens``: their prompts, cache hits not yet known). For a router
+        that predicts time to first token: those waiting tokens and the measured prefill speed."""
         q = self.queues
+        used = self.kv.total_tokens - self.kv.reclaimable_size()
+        waiting = sum(r.num_tokens - r.num_computed_tokens for r in q.waiting)
         return {
             "num_reqs": len(q.by_rid),
             "num_waiting_reqs": len(q.waiting),
             "num_grammar_queue_reqs": len(self.grammars),  # waiting for their grammar to compile
-            "num_tokens": self.kv.total_tokens - self.kv.reclaimable_size(),
-            "num_waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in q.waiting),
+            "num_tokens": used + waiting,
+            "num_used_tokens": used,
+            "num_waiting_tokens": waiting,
             "prefill_tokens_per_s": round(self.deadlines.throughput.tokens_per_s, 1),
             # steps run since start: how far the engine got between two reads (an abort's latency)
             "forward_steps": self.stats.forward_steps,

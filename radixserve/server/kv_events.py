@@ -25,7 +25,7 @@ from radixserve.config.kv_events import KVEventsConfig
 from radixserve.config.serving import ServingOptions
 from radixserve.mem.cache_events import CacheEvent, EventBatcher
 from radixserve.mem.vllm_events import KVEventBatch, encode_kv_batch, to_vllm
-from radixserve.server.cache_events import CacheEventPublisher, bind_endpoint
+from radixserve.server.cache_events import CacheEventPublisher, advertised_host, bind_endpoint
 
 logger = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -40,6 +40,27 @@ def rank_endpoint(endpoint: str, dp_rank: int) -> str:
         host, _, port = endpoint.rpartition(":")
         return endpoint if port == "*" else f"{host}:{int(port) + dp_rank}"
     return f"{endpoint}_dp{dp_rank}"
+
+
+def advertised_kv_endpoint(kv_events_config: str | None, host: str) -> str | None:
+    """Where a subscriber connects for rank 0's vLLM-schema events (``/get_server_info``'s
+    ``kv_events_endpoint``): the bound endpoint with a wildcard host replaced by the server's; None
+    when nothing is published, the publisher connects out, or its port is drawn at start."""
+    if kv_events_config is None:
+        return None
+    cfg = KVEventsConfig.parse(kv_events_config)
+    ep = cfg.endpoint
+    binds = cfg.bind if cfg.bind is not None else ("*" in ep or "::" in ep or ep.startswith(("ipc://", "inproc://")))
+    if not cfg.enabled or not binds or not ep.startswith(("tcp://", "ipc://")):
+        return None
+    if ep.startswith("ipc://"):
+        return ep
+    where, _, port = ep.rpartition(":")
+    if port == "*":
+        return None
+    if where in ("tcp://*", "tcp://0.0.0.0", "tcp://[::]"):
+        return f"tcp://{advertised_host(host)}:{port}"
+    return ep
 
 
 def _open(sock: zmq.Socket, endpoint: str, bind: bool | None) -> str:

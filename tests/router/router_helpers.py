@@ -89,16 +89,16 @@ async def post(client: aiohttp.ClientSession, url: str, body: dict[str, Any], **
 
 
 @contextmanager
-def router_in_thread(workers: list[str], **kw: Any) -> Iterator[str]:
+def router_in_thread(workers: list[str], **kw: Any) -> Iterator[Fleet]:
     """A router in front of ``workers`` (real servers), on an event loop of its own thread, for
-    tests that talk to it with blocking clients; yields its URL."""
+    tests that talk to it with blocking clients; yields the fleet (``.url``, ``.router``)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     fleet = Fleet()
     try:
         asyncio.run_coroutine_threadsafe(fleet.start_router(workers, **kw), loop).result(60)
-        yield fleet.url
+        yield fleet
     finally:
         asyncio.run_coroutine_threadsafe(fleet.close(), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)

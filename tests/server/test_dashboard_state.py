@@ -70,7 +70,8 @@ def test_rank_snapshot_groups_requests_by_class_and_matches_get_load() -> None:
     assert snap["running"]["by_priority"] == [[1, 1, 6], [None, 1, 6]]
     assert snap["waiting"]["by_priority"] == [[1, 2, 12], [0, 1, 6]]
     assert snap["waiting"]["by_tenant"] == [["", 1, 6], ["acme", 1, 6], ["beta", 1, 6]]
-    assert snap["kv"]["used"] == sched.get_load()["num_tokens"]
+    load = sched.get_load()
+    assert snap["kv"]["used"] == load["num_used_tokens"] == load["num_tokens"] - load["num_waiting_tokens"]
     assert snap["steps"] == [["EXTEND", 2, 12, 0, snap["steps"][0][4]]]
     drain(sched)
     done = rank_snapshot(sched)

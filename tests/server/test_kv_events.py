@@ -15,6 +15,7 @@ from radixserve.mem.cache_events import AllCleared, BlockStored
 from radixserve.server.kv_events import END_SEQ, VLLMEventPublisher, rank_endpoint
 from tests.mem.test_vllm_events import DECODER, AllBlocksCleared
 from tests.mem.test_vllm_events import BlockStored as VLLMStored
+from tests.router.router_helpers import router_in_thread
 from tests.server.helpers import ServerProcess
 
 
@@ -114,3 +115,26 @@ def test_a_real_server_publishes_what_its_cache_stores(shared_server: ServerProc
     finally:
         sub.close(0)
         ctx.term()
+
+
+def test_the_router_follows_a_real_server_through_them(shared_server: ServerProcess) -> None:
+    """``--enable-cache-events --cache-events-format vllm``: the router finds the endpoint in
+    ``/get_server_info`` and a prompt the worker served (sent to it directly, so the router's own
+    routing never saw it) appears in the router's tree under that worker."""
+    prompt = list(range(2000, 2030))
+    with router_in_thread([shared_server.url], policy="cache_aware", prefix_match="tokens",
+                          enable_cache_events=True, cache_events_format="vllm") as fleet:
+        router = fleet.router
+        assert router is not None
+        (w,) = router.workers.values()
+        assert w.kv_events_endpoint == f"tcp://127.0.0.1:{shared_server.kv_events_port}"  # type: ignore[attr-defined]
+        sub = router.fleet.subscribers[w.url]
+        deadline = time.monotonic() + 20
+        with shared_server.client() as c:
+            while router.policy.tree.match(prompt)[0] < len(prompt) - 1:  # type: ignore[attr-defined]
+                assert time.monotonic() < deadline, sub.stats()
+                # (PUB drops what it sends before the subscription arrives: send until it shows)
+                r = c.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}})
+                assert r.status_code == 200, r.text
+                time.sleep(0.2)
+        assert sub.errors == 0

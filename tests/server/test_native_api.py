@@ -95,10 +95,42 @@ def test_info_endpoints(c: httpx.Client, shared_server: ServerProcess) -> None:
     load = c.get("/get_load").json()
     assert isinstance(load, list) and len(load) == 1
     assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_grammar_queue_reqs", "num_tokens",
-                            "num_waiting_tokens", "prefill_tokens_per_s", "forward_steps"} and load[0]["dp_rank"] == 0
+                            "num_used_tokens", "num_waiting_tokens", "prefill_tokens_per_s", "forward_steps"}
+    assert load[0]["dp_rank"] == 0
     assert c.get("/health").status_code == 200
     r = c.get("/health_generate")
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 1
+
+
+# What SGLang's gateway (smg) reads from a worker, written from its structs: every key optional,
+# of these types when present (``ServerInfo``, ``ModelInfo``, the /v1/loads ``SchedulerLoadSnapshot``).
+SMG_SERVER_INFO = {"model_path": str, "served_model_name": str, "tp_size": int, "dp_size": int, "pp_size": int,
+                   "disaggregation_mode": str, "is_embedding": bool, "context_length": int,
+                   "max_running_requests": int, "weight_version": str}
+SMG_MODEL_INFO = {"model_path": str, "tokenizer_path": str, "is_generation": bool, "has_image_understanding": bool,
+                  "has_audio_understanding": bool, "model_type": str, "architectures": list}
+SMG_LOAD = {"dp_rank": int, "num_running_reqs": int, "num_waiting_reqs": int, "num_used_tokens": int,
+            "max_total_num_tokens": int, "max_running_requests": int, "token_usage": float}
+
+
+def test_what_sglangs_gateway_reads(c: httpx.Client) -> None:
+    """The worker answers SGLang's gateway: the fields it parses are there with its types (a wrong
+    type fails its parse), the model is described, and /v1/loads agrees with /get_load."""
+    server, model = c.get("/server_info").json(), c.get("/model_info").json()
+    for got, want in ((server, SMG_SERVER_INFO), (model, SMG_MODEL_INFO)):
+        assert {k: type(got[k]) for k in want} == want, got
+    assert model["architectures"] == ["LlamaForCausalLM"] and model["model_type"] == "llama"
+    assert server["served_model_name"] == c.get("/v1/models").json()["data"][0]["id"]
+    assert server["context_length"] == model["context_length"] > 0
+    loads = c.get("/v1/loads", params={"include": "core,queues"}).json()
+    assert loads["dp_rank_count"] == 1 and isinstance(loads["timestamp"], str)
+    (rank,) = loads["loads"]
+    assert {k: type(rank[k]) for k in SMG_LOAD} == SMG_LOAD
+    assert rank["max_total_num_tokens"] == server["max_total_num_tokens"]
+    assert 0 <= rank["token_usage"] <= 1 and rank["num_used_tokens"] <= rank["num_total_tokens"]
+    # SGLang's /get_load: num_tokens is the KV in use plus what waits
+    (old,) = c.get("/get_load").json()
+    assert old["num_tokens"] == old["num_used_tokens"] + old["num_waiting_tokens"]
 
 
 def test_metrics(c: httpx.Client) -> None:

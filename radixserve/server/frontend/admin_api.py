@@ -6,6 +6,7 @@ With ``--dp-size N`` every rank answers and the answers are merged."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from radixserve.server.cache_events import advertised_endpoints
 from radixserve.server.frontend.common import error_response
 from radixserve.server.frontend.protocol import AbortRequest, APIError, SchedulePolicyRequest, parse_body
 from radixserve.server.frontend.tokenizer_manager import TokenizerManager
+from radixserve.server.kv_events import advertised_kv_endpoint
 
 
 def add_admin_routes(app: FastAPI, tm: TokenizerManager, model_path: str, pids: dict[str, int], version: str) -> None:
@@ -30,6 +32,7 @@ def _info_routes(app: FastAPI, tm: TokenizerManager, model_path: str, pids: dict
     args = tm.args
     # where a router subscribes to the ranks' cache events ([] when --cache-events-port is unset)
     cache_events = advertised_endpoints(args.host, args.cache_events_port, args.dp_size)
+    kv_events = advertised_kv_endpoint(args.kv_events_config, args.host)  # vLLM's schema (rank 0)
 
     async def server_info() -> dict[str, Any]:
         cfg = dataclasses.asdict(tm.args)
@@ -45,8 +48,11 @@ def _info_routes(app: FastAPI, tm: TokenizerManager, model_path: str, pids: dict
             "version": version,
             **tm.info,
             "pids": pids,
+            # what SGLang's gateway reads that our fields do not already say
+            "context_length": tm.context_len, "pp_size": 1, "is_embedding": False, "weight_version": "default",
             "cache_events_endpoint": cache_events[0] if cache_events else None,
             "cache_events_endpoints": cache_events,
+            "kv_events_endpoint": kv_events,
         }
         info["internal_states"] = await tm.control("get_load")
         info["memory"] = merge_memory(await tm.control("memory"))
@@ -61,7 +67,11 @@ def _info_routes(app: FastAPI, tm: TokenizerManager, model_path: str, pids: dict
         return await server_info()
 
     def model_info() -> dict[str, Any]:
+        """SGLang's model info (what its gateway reads to describe the model), and ours."""
         return {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True,
+                "model_type": tm.info.get("model_type"), "architectures": tm.info.get("architectures"),
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "preferred_sampling_params": None, "weight_version": "default",
                 "served_model_name": tm.model_name, "context_length": tm.context_len,
                 "vocab_size": tm.info.get("vocab_size")}
 
@@ -76,6 +86,10 @@ def _info_routes(app: FastAPI, tm: TokenizerManager, model_path: str, pids: dict
     @app.get("/get_load")
     async def get_load() -> list[dict[str, Any]]:
         return await tm.control("get_load")
+
+    @app.get("/v1/loads")
+    async def loads() -> dict[str, Any]:
+        return v1_loads(await tm.control("get_load"), tm, version)
 
     @app.get("/debug/memory")
     async def debug_memory() -> dict[str, Any]:
@@ -170,3 +184,19 @@ def merge_memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
                                        if r["invariant_error"]) or None
     out["ranks"] = ranks
     return out
+
+
+def v1_loads(ranks: list[dict[str, Any]], tm: TokenizerManager, version: str) -> dict[str, Any]:
+    """SGLang's ``GET /v1/loads`` (what its gateway polls for load-aware routing): per data-parallel
+    rank its running and waiting requests, KV tokens used of the pool, and the token usage."""
+    pool = int(tm.info.get("max_total_num_tokens") or 0)
+    out = []
+    for r in ranks:
+        waiting = int(r["num_waiting_reqs"])
+        out.append({"dp_rank": r["dp_rank"], "num_running_reqs": int(r["num_reqs"]) - waiting,
+                    "num_waiting_reqs": waiting, "num_used_tokens": r["num_used_tokens"],
+                    "num_total_tokens": r["num_tokens"], "max_total_num_tokens": pool,
+                    "max_running_requests": tm.info.get("max_running_requests"),
+                    "token_usage": round(r["num_used_tokens"] / pool, 4) if pool else 0.0})
+    return {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": version,
+            "dp_rank_count": len(out), "loads": out}

@@ -95,6 +95,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_r
         "max_req_input_len": context_len - 1,
         "page_size": scheduler.kv.page_size,
         "dtype": str(getattr(runner, "dtype", args.dtype)).removeprefix("torch."),
+        **{k: runner.model_config.to_hf_dict()[k] for k in ("model_type", "architectures")},
         "pid": os.getpid(),
     }
     to_tm.send(ENCODER.encode(ProcReady(name, info=info)))
