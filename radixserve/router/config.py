@@ -96,6 +96,10 @@ class RouterArgs:
         group="qos")
     tenant_weights: str | None = option(
         None, "--tenant-fairness: relative shares, e.g. 'a=2,b=1' (default 1 each).", group="qos")
+    tenant_rate_limit_config: str | None = option(
+        None, "A JSON file of per-tenant token buckets: {\"default\": {...}, \"tenants\": {\"name\": {...}}} with "
+        "requests_per_second, request_burst, tokens_per_second, token_burst (docs/router.md); a request over "
+        "its tenant's limit gets 429 with Retry-After at once.", group="qos")
 
     # --- reliability -----------------------------------------------------------------------------
     health_check_interval_secs: float = option(60.0, "Seconds between health checks of each worker.",
@@ -181,6 +185,13 @@ class RouterArgs:
         if self.tenant_weights is not None:
             try:
                 parse_tenant_weights(self.tenant_weights)
+            except ValueError as e:
+                errors.append(str(e))
+        if self.tenant_rate_limit_config is not None:
+            from radixserve.router.rate_limits import RateLimits
+
+            try:
+                RateLimits.from_file(self.tenant_rate_limit_config)
             except ValueError as e:
                 errors.append(str(e))
         if self.enable_cache_events and self.policy not in ("cache_aware", "deadline_aware"):

@@ -58,6 +58,9 @@ class RouterMetrics:
             "bytes (ended with an error event).", registry=r)
         self.rejected = Counter("radixserve_router_rejected", "Requests refused by the router with 429 or 503.",
                                 ["reason"], registry=r)
+        self.tenant_requests = Counter(
+            "radixserve_router_tenant_requests", "Requests under --tenant-rate-limit-config, by tenant (a "
+            "configured one, else default) and outcome (admitted, rate_limited).", ["tenant", "outcome"], registry=r)
         self.overhead = Histogram(
             "radixserve_router_overhead_seconds",
             "Time the router adds before a request leaves for its worker (parse, tokenize, route).",

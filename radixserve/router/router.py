@@ -43,6 +43,7 @@ from radixserve.router.policy import (
     Target,
     make_router_policy,
 )
+from radixserve.router.rate_limits import RateLimits
 from radixserve.router.response_homes import RESPONSE_ID_HEADER, ResponseHomes
 from radixserve.router.worker import Worker
 
@@ -78,6 +79,8 @@ class Router:
         self.tokenizer: Any = None
         self.rng = random.Random(args.seed)
         self.homes = ResponseHomes()  # the worker that stores each Responses API answer
+        self.rate_limits = RateLimits.from_file(args.tenant_rate_limit_config) \
+            if args.tenant_rate_limit_config is not None else None
 
     @property
     def workers(self) -> dict[str, Worker]:
@@ -146,7 +149,19 @@ class Router:
 
     async def proxy(self, request: web.Request, path: str) -> web.StreamResponse:
         raw = await request.read()
-        if not await self.admission.acquire(*self.queue_order(request, raw)):
+        order = self.queue_order(request, raw)
+        if self.rate_limits is not None:  # refused at once: over its limit, a tenant takes no queue slot
+            label = self.rate_limits.label(order[1])
+            wait = self.rate_limits.admit(order[1], order[2], time.monotonic())
+            self.metrics.tenant_requests.labels(label, "admitted" if wait is None else "rate_limited").inc()
+            if wait is not None:
+                self.metrics.rejected.labels("tenant_rate_limit").inc()
+                return error_response(f"Rate limit of tenant {label!r} reached (--tenant-rate-limit-config); retry "
+                                      f"in {wait} s.", 429, "rate_limit_exceeded", {"Retry-After": str(wait)})
+        a = self.args
+        if not (a.enable_priority_scheduling or a.tenant_fairness):
+            order = (0, "", 0.0)  # first come, first served
+        if not await self.admission.acquire(*order):
             self.metrics.rejected.labels("queue_full").inc()
             return error_response("The router is at --max-concurrent-requests and its queue is full; retry "
                                   "later.", 429, "rate_limit_exceeded", {"Retry-After": "1"})
@@ -156,10 +171,9 @@ class Router:
             self.admission.release()
 
     def queue_order(self, request: web.Request, raw: bytes) -> tuple[int, str, float]:
-        """(priority rank, tenant, cost in tokens) for the router's queue; all equal without
-        --enable-priority-scheduling and --tenant-fairness (first come, first served)."""
+        """(priority rank, tenant, cost in tokens) for the router's queue and its rate limits."""
         a = self.args
-        if not (a.enable_priority_scheduling or a.tenant_fairness):
+        if not (a.enable_priority_scheduling or a.tenant_fairness or self.rate_limits is not None):
             return 0, "", 0.0
         try:
             body = json.loads(raw)
