@@ -81,6 +81,15 @@ class RouterArgs:
         "--cache-events-port) or vLLM's published KV-event schema (workers started with --kv-events-config; "
         "the endpoint is read from /get_server_info's kv_events_endpoint).", ("radixserve", "vllm"),
         group="policy")
+    routing_key_headers: str | None = option(
+        None, "Session affinity: headers whose value is a request's routing key, first present wins (comma-"
+        "separated, e.g. x-session-id); a key's requests stay on one target (docs/router.md).", group="policy")
+    routing_key_user: bool = option(
+        False, "Session affinity: the OpenAI user field is the routing key of a request without a "
+        "--routing-key-headers header.", group="policy")
+    session_affinity_ttl_secs: float = option(
+        1800.0, "Session affinity: a key's target is forgotten after this many seconds without a request.",
+        group="policy")
     seed: int | None = option(None, "Seed of the random and power_of_two policies.", group="policy")
 
     # --- quality of service across the fleet -------------------------------------------------------
@@ -187,6 +196,8 @@ class RouterArgs:
                 parse_tenant_weights(self.tenant_weights)
             except ValueError as e:
                 errors.append(str(e))
+        if not self.session_affinity_ttl_secs > 0:
+            errors.append(f"session_affinity_ttl_secs must be > 0, got {self.session_affinity_ttl_secs}")
         if self.tenant_rate_limit_config is not None:
             from radixserve.router.rate_limits import RateLimits
 

@@ -24,6 +24,9 @@ Policies (``--policy``):
       busiest worker holds the smallest real cache.
   The chosen target's path is then inserted into the tree. Ties go to the target listed first.
 
+  With a session's preferred target (``RouteRequest.home``, affinity.py), that target wins among
+  the holders of the longest match and takes a miss (branch ``affinity``).
+
   ``balance_affinity`` (ours): under imbalance, instead of dropping locality altogether, the
   candidates are the targets *within the balance window* of the least loaded one (those that
   would not count as imbalanced against it), and among them the one with the longest match wins
@@ -80,6 +83,7 @@ class RouteRequest:
     text: str = ""
     tokens: Sequence[int] | None = None
     deadline_ms: float | None = None  # time-to-first-token deadline, from the request's arrival
+    home: str | None = None  # the target its session prefers (affinity.py): wins ties of the tree policies
 
     @property
     def num_tokens(self) -> int:
@@ -218,11 +222,14 @@ class CacheAware(RouterPolicy):
         elif rate > self.config.cache_threshold:
             holders = [t for t in targets if per.get(t.key, 0) == matched]
             if holders:
-                chosen, branch = least_loaded(holders), "cache_hit"
+                home = [t for t in holders if t.key == req.home]
+                chosen, branch = (home or [least_loaded(holders)])[0], "cache_hit"
             else:  # the longest match belongs to no eligible target: the best eligible one
                 best = max(per.get(t.key, 0) for t in targets)
                 chosen = least_loaded([t for t in targets if per.get(t.key, 0) == best])
                 branch = "cache_hit" if best / len(key) > self.config.cache_threshold else "cache_miss"
+        elif req.home is not None and any(t.key == req.home for t in targets):
+            chosen, branch = next(t for t in targets if t.key == req.home), "affinity"
         elif self.config.miss_by_load:
             chosen = min(targets, key=lambda t: (t.load, self.tree.tenant_size(t.key)))
             branch = "cache_miss"

@@ -30,12 +30,14 @@ from aiohttp import web
 
 from radixserve.options import parse_tenant_weights
 from radixserve.router.admission import NO_PRIORITY_RANK, Admission, TenantCounters
+from radixserve.router.affinity import SessionAffinity, routing_key
 from radixserve.router.config import RouterArgs
 from radixserve.router.fleet import Fleet
 from radixserve.router.http_common import STREAMED, error_body, error_response, json_object
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.pd import proxy_pd
 from radixserve.router.policy import (
+    Decision,
     NoTargetMeetsDeadline,
     PolicyConfig,
     RouteRequest,
@@ -44,6 +46,7 @@ from radixserve.router.policy import (
     make_router_policy,
 )
 from radixserve.router.rate_limits import RateLimits
+from radixserve.router.request_keys import prompt_key
 from radixserve.router.response_homes import RESPONSE_ID_HEADER, ResponseHomes
 from radixserve.router.worker import Worker
 
@@ -79,6 +82,10 @@ class Router:
         self.tokenizer: Any = None
         self.rng = random.Random(args.seed)
         self.homes = ResponseHomes()  # the worker that stores each Responses API answer
+        self.key_headers = [h.strip().lower() for h in (args.routing_key_headers or "").split(",") if h.strip()]
+        self.affinity = SessionAffinity(args.session_affinity_ttl_secs, args.balance_abs_threshold,
+                                        args.balance_rel_threshold) \
+            if self.key_headers or args.routing_key_user else None
         self.rate_limits = RateLimits.from_file(args.tenant_rate_limit_config) \
             if args.tenant_rate_limit_config is not None else None
 
@@ -109,7 +116,7 @@ class Router:
     # --- the request path ------------------------------------------------------------------------
     def route_request(self, path: str, body: dict[str, Any], headers: Any = None) -> RouteRequest:
         """The routing key (and time-to-first-token deadline) of a generate, completion or chat body."""
-        rreq = self._route_key(path, body)
+        rreq = prompt_key(path, body, self.tokenizer)
         raw = (headers or {}).get("x-ttft-slo-ms") or body.get("ttft_slo_ms") or body.get("deadline_ms")
         try:
             ms = float(raw) if raw is not None and not isinstance(raw, bool) else None
@@ -117,35 +124,6 @@ class Router:
             ms = None  # the worker says what is wrong with it
         rreq.deadline_ms = ms if ms is not None and ms > 0 else None
         return rreq
-
-    def _route_key(self, path: str, body: dict[str, Any]) -> RouteRequest:
-        tok = self.tokenizer
-        if path == "/v1/responses":  # route by the conversation's text: instructions, then the input
-            inp = body.get("input")
-            items = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp if isinstance(inp, list) else []
-            system = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
-            body = {"messages": [*system, *items]}
-            path = "/v1/chat/completions"
-        if path == "/v1/chat/completions":
-            messages = body.get("messages")
-            if not isinstance(messages, list):
-                return RouteRequest()
-            if tok is not None:
-                try:
-                    return RouteRequest(tokens=tok.encode_chat(messages))
-                except Exception:  # a template that rejects these messages: the worker will say why
-                    return RouteRequest()
-            return RouteRequest(text="".join(_message_text(m) for m in messages))
-        prompt = body.get("text") if path == "/generate" else body.get("prompt")
-        if path == "/generate" and prompt is None:
-            prompt = body.get("input_ids")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch goes to one worker: route by its first prompt
-        if isinstance(prompt, str):
-            return RouteRequest(tokens=tok.encode(prompt)) if tok is not None else RouteRequest(text=prompt)
-        if isinstance(prompt, list) and all(isinstance(x, int) for x in prompt):
-            return RouteRequest(tokens=prompt)  # token ids are matched as they are, in either mode
-        return RouteRequest()
 
     async def proxy(self, request: web.Request, path: str) -> web.StreamResponse:
         raw = await request.read()
@@ -200,7 +178,7 @@ class Router:
         body: dict[str, Any] | None = None
         if self.args.pd_disaggregation:
             return await proxy_pd(self, request, path, raw, t0)
-        if self.needs_key or self.args.dp_aware:
+        if self.needs_key or self.args.dp_aware or self.args.routing_key_user:
             parsed = json_object(raw)
             if isinstance(parsed, web.Response):
                 return parsed
@@ -209,8 +187,10 @@ class Router:
             else RouteRequest()
         headers = self.upstream_headers(request)
         home = self.homes.home_of_body(raw) if path == "/v1/responses" else None
-        tried: set[str] = set()
         a = self.args
+        session = routing_key(request.headers, body, self.key_headers, a.routing_key_user) \
+            if self.affinity is not None else None
+        tried: set[str] = set()
         attempt = 0
         while True:
             targets = self.fleet.eligible(tried)
@@ -224,7 +204,7 @@ class Router:
                 self.metrics.decisions.labels(self.policy.name, "previous_response").inc()
             else:
                 try:
-                    decision = self.policy.select(targets, rreq)
+                    decision = self.decide(targets, rreq, session)
                 except NoTargetMeetsDeadline as e:
                     self.metrics.rejected.labels("deadline").inc()
                     return web.json_response(error_body(str(e), 429, "deadline_unmeetable", "rate_limit_error"),
@@ -246,6 +226,20 @@ class Router:
             attempt += 1
             self.metrics.retries.labels(outcome).inc()
             await self.backoff(attempt)
+
+    def decide(self, targets: list[Target], rreq: RouteRequest, session: str | None) -> Decision:
+        """The policy's decision, with session affinity (affinity.py) for a request with a routing key."""
+        if session is None or self.affinity is None:
+            return self.policy.select(targets, rreq)
+        now = time.monotonic()
+        home, branch = self.affinity.home(session, targets, now)
+        if self.policy.uses_tree:  # the tree policies decide, the home preferred
+            rreq.home = home.key
+            decision = self.policy.select(targets, rreq)
+        else:
+            decision = Decision(home, branch)
+        self.affinity.record(session, decision.target, now)
+        return decision
 
     def count_failure(self, worker: Worker, e: BaseException) -> None:
         """A connection error or time-out at ``worker``: against its breaker, and a health check now."""
@@ -382,15 +376,6 @@ class Router:
                 return w.url, (0, f"{type(e).__name__}: {e}")
 
         return dict(await asyncio.gather(*(one(w) for w in list(self.workers.values()))))
-
-
-def _message_text(m: Any) -> str:
-    if not isinstance(m, dict):
-        return ""
-    content = m.get("content")
-    if isinstance(content, list):  # content parts: keep the text ones
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return f"{m.get('role', '')}: {content if isinstance(content, str) else ''}\n"
 
 
 def routed_paths() -> Sequence[str]:
