@@ -38,6 +38,11 @@ class RouterArgs:
     prefill_bootstrap_ports: tuple[int, ...] = option(
         (), "PD: each prefill worker's bootstrap port (0: read it from its /get_server_info).", group="fleet")
     decode_urls: tuple[str, ...] = option((), "PD: the decode workers (--decode URL).", group="fleet")
+    discovery_file: str | None = option(
+        None, "A JSON or YAML file listing workers (URLs, or {url, role, bootstrap_port} objects), watched: "
+        "workers it adds or drops join or leave the fleet live (docs/router.md).", group="fleet")
+    discovery_interval_secs: float = option(5.0, "--discovery-file: seconds between looks at the file.",
+                                            group="fleet")
     prefill_policy: str | None = option(None, "PD: how a prefill worker is picked (default: --policy).",
                                         ROUTER_POLICIES, group="fleet")
     decode_policy: str | None = option(None, "PD: how a decode worker is picked (default: --policy).",
@@ -161,8 +166,9 @@ class RouterArgs:
             if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
                 errors.append(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
         if self.pd_disaggregation:
-            if not self.prefill_urls or not self.decode_urls:
-                errors.append("--pd-disaggregation needs at least one --prefill and one --decode worker")
+            if (not self.prefill_urls or not self.decode_urls) and self.discovery_file is None:
+                errors.append("--pd-disaggregation needs at least one --prefill and one --decode worker "
+                              "(or a --discovery-file)")
             if self.worker_urls:
                 errors.append("--pd-disaggregation takes --prefill and --decode workers, not --worker-urls")
             if len(self.prefill_bootstrap_ports) not in (0, len(self.prefill_urls)):
@@ -196,6 +202,8 @@ class RouterArgs:
                 parse_tenant_weights(self.tenant_weights)
             except ValueError as e:
                 errors.append(str(e))
+        if not self.discovery_interval_secs > 0:
+            errors.append(f"discovery_interval_secs must be > 0, got {self.discovery_interval_secs}")
         if not self.session_affinity_ttl_secs > 0:
             errors.append(f"session_affinity_ttl_secs must be > 0, got {self.session_affinity_ttl_secs}")
         if self.tenant_rate_limit_config is not None:

@@ -4,6 +4,7 @@
   ``--dp-aware``), model path (for ``--prefix-match tokens``), cache-event endpoint and, for a PD
   prefill worker, its bootstrap port. A worker not reachable at start stays out of rotation until
   its health checks pass, and is read again then.
+- Workers from ``--discovery-file`` (discovery.py) join and leave while the router runs.
 - Health: every ``--health-check-interval-secs`` each worker's ``/health`` (``worker.Health``); a
   connection error on the request path checks at once (``check_worker``), and if that check finds
   nothing listening (connection refused: the process is gone) the worker leaves rotation at once. A worker back from the
@@ -38,6 +39,7 @@ class Fleet:
         self.session: aiohttp.ClientSession | None = None
         self.subscribers: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self.discovery: Any = None  # FileDiscovery with --discovery-file
         self._checking: set[str] = set()
         key = args.worker_api_key or args.api_key
         self.auth = {"Authorization": f"Bearer {key}"} if key else {}
@@ -57,6 +59,12 @@ class Fleet:
                              *(self.add_worker(u, wait=True, role="prefill", bootstrap_port=port or None)
                                for u, port in zip(a.prefill_urls, ports, strict=True)),
                              *(self.add_worker(u, wait=True, role="decode") for u in a.decode_urls))
+        if a.discovery_file is not None:
+            from radixserve.router.discovery import FileDiscovery
+
+            self.discovery = FileDiscovery(a.discovery_file, self, a.discovery_interval_secs)
+            await self.discovery.sync()  # the workers it lists are in before the first request
+            self._tasks.append(asyncio.create_task(self.discovery.run(), name="discovery"))
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
         if any(p.uses_tree for p in self.policies.values()):
             self._tasks.append(asyncio.create_task(self._eviction_loop(), name="evict"))
