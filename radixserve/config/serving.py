@@ -14,6 +14,10 @@ class ServingOptions:
     # Flag names follow SGLang's (--host, --port, --api-key, --enable-metrics, ...).
     host: str = option("127.0.0.1", "HTTP host to bind.", group="server")
     port: int = option(30000, "HTTP port to bind.", group="server")
+    shutdown_grace_period_secs: float = option(
+        30.0, "On SIGTERM / Ctrl-C: stop admitting (/health answers 503 draining, new requests 503), let the "
+        "requests in flight finish for up to this many seconds, then exit 0; a second signal exits at once. "
+        "0: exit at once.", group="server")
     api_key: str | None = option(
         None, "Require 'Authorization: Bearer <key>' on every endpoint but /health.", group="server"
     )
@@ -74,6 +78,8 @@ class ServingOptions:
             errors += not_positive(self, name, allow_none=False)
         if not 0 <= self.port <= 65535:
             errors.append(f"port must be in [0, 65535], got {self.port}")
+        if not self.shutdown_grace_period_secs >= 0:
+            errors.append(f"shutdown_grace_period_secs must be >= 0, got {self.shutdown_grace_period_secs}")
         if self.cache_events_port is not None:
             ranks = self.dp_size if isinstance(self.dp_size, int) and self.dp_size > 0 else 1
             last = self.cache_events_port + ranks - 1 if isinstance(self.cache_events_port, int) else 0

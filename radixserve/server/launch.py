@@ -160,22 +160,45 @@ def shutdown_children(procs: dict[str, BaseProcess], timeout: float = 5.0) -> No
 
 
 class _Shutdown:
-    """How the HTTP process ends: a first SIGINT/SIGTERM stops uvicorn gracefully, a second at once;
-    a dead child process (``on_fatal``) stops it after a short delay, and exits hard if that hangs."""
+    """How the HTTP process ends: a first SIGINT/SIGTERM drains (no new requests, ``/health`` 503,
+    the ones in flight finish within ``grace`` seconds) and then stops uvicorn gracefully, a second
+    stops it at once; a dead child process (``on_fatal``) stops it after a short delay, and exits hard
+    if that hangs."""
 
-    def __init__(self, procs: dict[str, BaseProcess], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, procs: dict[str, BaseProcess], loop: asyncio.AbstractEventLoop, grace: float) -> None:
         self.procs = procs
         self.loop = loop
+        self.grace = grace
         self.server: _Server | None = None
+        self.tm: TokenizerManager | None = None
         self.interrupted = False
         self.exit_code = 0
+        self._drain: asyncio.Task[None] | None = None
 
     def on_signal(self) -> None:
+        first = not self.interrupted
         self.interrupted = True
-        if self.server is not None:
-            if self.server.should_exit:
-                self.server.force_exit = True
-            self.server.should_exit = True
+        if self.server is None:
+            return
+        if first and self.grace > 0 and self.tm is not None:
+            self.tm.draining = True
+            self._drain = self.loop.create_task(self._drain_then_stop(self.tm, self.server))
+            return
+        if self.server.should_exit:
+            self.server.force_exit = True
+        self.server.should_exit = True
+
+    async def _drain_then_stop(self, tm: TokenizerManager, server: _Server) -> None:
+        deadline = self.loop.time() + self.grace
+        if tm.groups:
+            logger.info("draining: %d request(s) in flight, up to %.0f s (a second Ctrl-C exits at once)",
+                        len(tm.groups), self.grace)
+        while tm.groups and self.loop.time() < deadline and not server.should_exit:
+            await asyncio.sleep(0.05)
+        if tm.groups:
+            logger.warning("draining: %d request(s) still in flight after %.0f s; stopping", len(tm.groups),
+                           self.grace)
+        server.should_exit = True
 
     def on_fatal(self, reason: str) -> None:
         self.exit_code = 1
@@ -193,7 +216,7 @@ class _Shutdown:
 
 async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess]) -> int:
     loop = asyncio.get_running_loop()
-    end = _Shutdown(procs, loop)
+    end = _Shutdown(procs, loop, args.shutdown_grace_period_secs)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, end.on_signal)
     name, model_path = served_model_name(args)
@@ -206,6 +229,7 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
                             access_log=args.log_level == "debug", timeout_graceful_shutdown=3,
                             timeout_keep_alive=5, http="h11")
     server = end.server = _Server(config)
+    end.tm = tm
     tm.on_fatal = end.on_fatal
     tm.start()
     info = tm.info

@@ -1,7 +1,8 @@
 """A real fleet: ``radixserve launch --num-workers 2`` (two ``radixserve serve`` workers with the
 model, and the router), driven through the router with the ``openai`` client and
-``radixserve bench serve``. The last test kills a worker under load: it must leave rotation within
-one health interval, no accepted request is lost, and once restarted it is back. The fixture's
+``radixserve bench serve``. A worker killed under load must leave rotation within one
+health interval and no accepted request is lost, after a rolling restart of both workers (SIGTERM:
+each drains and exits) under steady load that failed no request. The fixture's
 teardown is a check too: Ctrl-C stops the router and both workers, with exit code 0."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -137,6 +139,74 @@ def test_bench_serve_through_the_router(fleet: LaunchedFleet, tmp_path: Path) ->
     assert code == 0 and rep["completed"] == 4 and rep["failed"] == 0
 
 
+def _start_worker(fleet: LaunchedFleet, port: int) -> subprocess.Popen[bytes]:
+    """A worker on ``port`` (as launch starts them), tracked by the fixture; waits until the router
+    has it back in rotation."""
+    log = open(os.devnull, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), "--max-total-tokens", "4096",
+         "--num-threads", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    fleet.extra.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not next(w for w in fleet.workers() if w["url"] == url)["healthy"]:
+        assert time.monotonic() < deadline, f"the worker on :{port} never came back"
+        time.sleep(0.25)
+    return proc
+
+
+def _sent_to(fleet: LaunchedFleet, url: str) -> float:
+    for line in httpx.get(f"{fleet.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("radixserve_router_requests_total") and f'worker="{url}"' in line \
+                and 'route="/generate"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_rolling_restart_under_steady_load_loses_nothing(fleet: LaunchedFleet) -> None:
+    """Under steady load, each worker in turn gets SIGTERM (it drains: /health says so, the router
+    stops sending, what it runs finishes, it exits) and is started again on its port. No request
+    fails, none gets a 5xx, and both restarted workers are back in rotation."""
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def steady(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            r = httpx.post(f"{fleet.url}/generate", json={"text": f"Client {i} asks question {n}: why?",
+                                                          "sampling_params": {"max_new_tokens": 4}}, timeout=120)
+            statuses.append(r.status_code)
+            n += 1
+
+    with ThreadPoolExecutor(2) as pool:
+        clients = [pool.submit(steady, i) for i in range(2)]
+        time.sleep(1.0)
+        for port in fleet.worker_ports:
+            info = httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=10).json()
+            http_pid = info["pids"]["http"]  # the worker's own process (its children stop with it)
+            mine = next((p for p in fleet.extra if p.pid == http_pid), None)
+            os.kill(http_pid, signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while pid_alive(http_pid):
+                assert time.monotonic() < deadline, f"the worker on :{port} did not drain and exit"
+                time.sleep(0.1)
+            if mine is not None:  # one this test started: its exit code is ours to read
+                assert mine.wait(10) == 0
+            _start_worker(fleet, port)
+        stop.set()
+        for c in clients:
+            c.result()
+    assert statuses and set(statuses) == {200}, sorted(set(statuses))
+    urls = [f"http://127.0.0.1:{p}" for p in fleet.worker_ports]
+    before = [_sent_to(fleet, u) for u in urls]
+    hits = [httpx.post(f"{fleet.url}/generate", json={"text": f"fresh prompt number {i} " * 3,
+                                                      "sampling_params": {"max_new_tokens": 1}}, timeout=60)
+            for i in range(4)]
+    assert all(h.status_code == 200 for h in hits)
+    assert sum(_sent_to(fleet, u) for u in urls) == sum(before) + 4
+    assert all(w["healthy"] and w["eligible"] for w in fleet.workers())  # both back in rotation
+
+
 def test_a_worker_killed_under_load_is_ejected_and_nothing_is_lost(fleet: LaunchedFleet) -> None:
     victim_port = fleet.worker_ports[1]
     victim = f"http://127.0.0.1:{victim_port}"
@@ -166,27 +236,3 @@ def test_a_worker_killed_under_load_is_ejected_and_nothing_is_lost(fleet: Launch
     with httpx.Client(base_url=survivor, timeout=30) as c:
         assert_memory_ok(wait_idle(c))
 
-    # restarted on the same port, it comes back into rotation
-    log = open(os.devnull, "wb")
-    fleet.extra.append(subprocess.Popen(
-        [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(victim_port), "--max-total-tokens", "4096",
-         "--num-threads", "1"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not next(w for w in fleet.workers() if w["url"] == victim)["healthy"]:
-        assert time.monotonic() < deadline, "the restarted worker never came back"
-        time.sleep(0.5)
-    def sent_to_victim() -> float:
-        for line in httpx.get(f"{fleet.url}/metrics", timeout=5).text.splitlines():
-            if line.startswith("radixserve_router_requests_total") and f'worker="{victim}"' in line \
-                    and 'route="/generate"' in line:
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
-
-    before = sent_to_victim()
-    hits = [httpx.post(f"{fleet.url}/generate", json={"text": f"fresh prompt number {i} " * 3,
-                                                      "sampling_params": {"max_new_tokens": 1}}, timeout=60)
-            for i in range(4)]
-    assert all(h.status_code == 200 for h in hits)
-    assert sent_to_victim() > before
-    after = next(w for w in fleet.workers() if w["url"] == victim)
-    assert after["eligible"] and after["circuit_breaker"] in ("closed", "half_open")

@@ -26,9 +26,9 @@ def shared_server() -> Iterator[ServerProcess]:
     try:
         srv.wait_ready()
         yield srv
-        if srv.proc.poll() is None:
-            code = srv.interrupt()
-            assert code == 0, f"Ctrl-C exit code {code}:\n{srv.log_text()[-3000:]}"
+        if srv.proc.poll() is None:  # a graceful stop with a request in flight (SIGTERM), then its children
+            code = srv.drain()
+            assert code == 0, f"exit code {code} after draining:\n{srv.log_text()[-3000:]}"
             time.sleep(0.5)
             left = [p for p in srv.children() if pid_alive(p)]
             assert not left, f"orphan processes after Ctrl-C: {left}"

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -92,6 +93,31 @@ class ServerProcess:
     def interrupt(self, timeout: float = 30.0) -> int:
         """Ctrl-C as a terminal sends it: SIGINT to the whole process group."""
         os.killpg(self.proc.pid, signal.SIGINT)
+        return self.proc.wait(timeout)
+
+    def drain(self, timeout: float = 60.0) -> int:
+        """SIGTERM while a request runs, as an orchestrator stops a worker: the server drains (health
+        and new requests 503 ``server_draining``), the running request finishes whole, then it exits;
+        returns the exit code."""
+        tokens = 40
+        with ThreadPoolExecutor(1) as pool, self.client() as c:
+            long = pool.submit(c.post, "/generate", json={"text": "Count to a hundred:", "sampling_params": {
+                "max_new_tokens": tokens, "ignore_eos": True, "temperature": 0}})
+            deadline = time.monotonic() + 30
+            while c.get("/get_load").json()[0]["num_reqs"] == 0:  # running
+                assert time.monotonic() < deadline and not long.done(), "the request never started"
+                time.sleep(0.02)
+            self.proc.send_signal(signal.SIGTERM)
+            while c.get("/health").status_code == 200:
+                assert time.monotonic() < deadline, "/health never said draining"
+                time.sleep(0.02)
+            health = c.get("/health")
+            assert health.status_code == 503 and health.json()["error"]["code"] == "server_draining", health.text
+            refused = c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}})
+            assert refused.status_code == 503 and refused.headers.get("Retry-After") == "1", refused.text
+            assert refused.json()["error"]["code"] == "server_draining"
+            done = long.result(timeout)
+        assert done.status_code == 200 and done.json()["meta_info"]["completion_tokens"] == tokens, done.text
         return self.proc.wait(timeout)
 
     def kill(self) -> None:

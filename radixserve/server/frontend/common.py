@@ -24,6 +24,7 @@ from radixserve.server.frontend.tokenizer_manager import (
     ReqState,
     RequestGroup,
     ServerDead,
+    ServerDraining,
     TokenizerManager,
 )
 from radixserve.server.frontend.tool_calls import inline_tool_calls
@@ -108,6 +109,10 @@ def abort_error(fr: FINISH_ABORT) -> APIError:
 
 
 def dead_error(e: ServerDead) -> APIError:
+    """503: a draining server's (retry elsewhere at once), or a dead one's."""
+    if isinstance(e, ServerDraining):
+        return APIError(f"the server is shutting down: {e}", status_code=503, err_type="server_error",
+                        code="server_draining", headers={"Retry-After": "1"})
     return APIError(f"the server is shutting down: {e}", status_code=503, err_type="server_error",
                     code="server_unavailable")
 

@@ -43,18 +43,24 @@ def add_native_routes(app: FastAPI, tm: TokenizerManager) -> None:
         body = parse_body(await request.body(), GenerateRequest)
         return await _native_generate(tm, request, body)
 
-    @app.get("/health")
-    async def health() -> Response:
+    def unhealthy() -> Response | None:
         if not tm.alive():
             return error_response(APIError(tm.dead or "a server process died", 503, "server_error",
                                            "server_unavailable"))
-        return Response(status_code=200)
+        if tm.draining:
+            return error_response(APIError("draining: shutting down after the requests in flight", 503,
+                                           "server_error", "server_draining"))
+        return None
+
+    @app.get("/health")
+    async def health() -> Response:
+        return unhealthy() or Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
-        if not tm.alive():
-            return error_response(APIError(tm.dead or "a server process died", 503, "server_error",
-                                           "server_unavailable"))
+        bad = unhealthy()
+        if bad is not None:
+            return bad
         ids = tm.tokenizer.encode("Hello") or [0]
         req = GenerateReq(f"HEALTH_CHECK_{uuid.uuid4().hex}", ids, SamplingParams(max_new_tokens=1, temperature=0.0))
         call = Call(tm, request)

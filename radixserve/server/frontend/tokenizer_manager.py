@@ -53,6 +53,10 @@ class ServerDead(Exception):
     """A server process died; nothing can be answered any more."""
 
 
+class ServerDraining(ServerDead):
+    """The server is shutting down gracefully: it finishes what it has, admits nothing new."""
+
+
 class ClientGone(Exception):
     """The HTTP client disconnected."""
 
@@ -126,6 +130,7 @@ class TokenizerManager:
         self.metrics = ServerMetrics(model_name) if args.enable_metrics else None
         self.recent_requests = RecentRequests()  # TTFT / TPOT of the last finished requests (/dashboard)
         self.dead: str | None = None
+        self.draining = False  # set on the first SIGTERM / Ctrl-C (launch.py): no new requests
         self.on_fatal: Callable[[str], None] = lambda reason: None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -177,6 +182,8 @@ class TokenizerManager:
         """Register and send the requests of one HTTP request."""
         if self.dead:
             raise ServerDead(self.dead)
+        if self.draining:
+            raise ServerDraining("draining: it finishes the requests it has and takes no new ones")
         group = RequestGroup(self, reqs)
         if len(group.by_rid) != len(reqs):
             raise ValueError("duplicate request ids")
