@@ -6,7 +6,7 @@ For measuring what the router itself costs (``radixserve bench router``) and for
 tests. Every answer names the worker (``worker``: its port) and the data-parallel rank it was
 asked for, so a test can see where a request landed. ``POST /stub/fail`` with
 ``{"status": 500, "count": 3}`` makes the next ``count`` generate calls answer ``status``;
-``POST /stub/load`` with ``{"num_reqs": 50}`` (or ``num_waiting_tokens``, ``prefill_tokens_per_s``)
+``POST /stub/load`` with ``{"num_reqs": 50}`` (or ``num_waiting_tokens``, ``prefill_tokens_per_s``, ``forward_steps``)
 sets what its ``/get_load`` reports;
 ``GET /stub/stats`` returns the requests seen per route.
 """
@@ -29,7 +29,8 @@ def create_stub_app(port: int, dp_size: int = 1, delay_ms: float = 0.0, stream_c
     fail = {"status": 0, "count": 0}
     ranks: list[int | None] = []
     bodies: list[dict[str, Any]] = []  # the last few request bodies, for tests
-    reported: dict[str, float] = {"num_reqs": 0, "num_waiting_tokens": 0, "prefill_tokens_per_s": 0.0}
+    reported: dict[str, float] = {"num_reqs": 0, "num_waiting_tokens": 0, "prefill_tokens_per_s": 0.0,
+                                  "forward_steps": 0}
 
     async def generate(request: web.Request) -> web.StreamResponse:
         seen[request.path] += 1

@@ -116,6 +116,16 @@ class RouterArgs:
         "its tenant's limit gets 429 with Retry-After at once.", group="qos")
 
     # --- reliability -----------------------------------------------------------------------------
+    worker_stall_secs: float | None = option(
+        None, "A worker with no contact (health check, load read, answer) for this many seconds gets no new "
+        "traffic until contact resumes (default: off; health checks alone).", group="reliability")
+    worker_wedge_secs: float | None = option(
+        None, "A worker with requests of ours in flight whose engine ran no step (/get_load forward_steps, "
+        "read every second) for this many seconds gets no new traffic; its requests are left to finish; "
+        "back when its steps move (default: off).", group="reliability")
+    worker_warmup_secs: float = option(
+        0.0, "A worker that joins or comes back gets a share growing from 0 to full over this many seconds "
+        "(0: full at once).", group="reliability")
     health_check_interval_secs: float = option(60.0, "Seconds between health checks of each worker.",
                                                group="reliability")
     health_check_timeout_secs: float = option(5.0, "Timeout of one health check.", group="reliability")
@@ -202,6 +212,12 @@ class RouterArgs:
                 parse_tenant_weights(self.tenant_weights)
             except ValueError as e:
                 errors.append(str(e))
+        for name in ("worker_stall_secs", "worker_wedge_secs"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                errors.append(f"{name} must be > 0, got {v}")
+        if not self.worker_warmup_secs >= 0:
+            errors.append(f"worker_warmup_secs must be >= 0, got {self.worker_warmup_secs}")
         if not self.discovery_interval_secs > 0:
             errors.append(f"discovery_interval_secs must be > 0, got {self.discovery_interval_secs}")
         if not self.session_affinity_ttl_secs > 0:

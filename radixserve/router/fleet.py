@@ -4,6 +4,7 @@
   ``--dp-aware``), model path (for ``--prefix-match tokens``), cache-event endpoint and, for a PD
   prefill worker, its bootstrap port. A worker not reachable at start stays out of rotation until
   its health checks pass, and is read again then.
+- Lifecycle (lifecycle.py): stalled and wedged workers get no new traffic, a joining one warms up.
 - Workers from ``--discovery-file`` (discovery.py) join and leave while the router runs.
 - Health: every ``--health-check-interval-secs`` each worker's ``/health`` (``worker.Health``); a
   connection error on the request path checks at once (``check_worker``), and if that check finds
@@ -24,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from radixserve.router.config import RouterArgs
+from radixserve.router.lifecycle import Lifecycle
 from radixserve.router.policy import RouterPolicy, Target
 from radixserve.router.worker import CircuitBreaker, Health, Worker
 
@@ -40,6 +42,10 @@ class Fleet:
         self.subscribers: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.discovery: Any = None  # FileDiscovery with --discovery-file
+        self.running = False  # start() is done: workers added from now on join a running fleet
+        self.lifecycle = Lifecycle(args.worker_stall_secs, args.worker_wedge_secs, args.worker_warmup_secs, args.seed) \
+            if args.worker_stall_secs is not None or args.worker_wedge_secs is not None or args.worker_warmup_secs > 0 \
+            else None
         self._checking: set[str] = set()
         key = args.worker_api_key or args.api_key
         self.auth = {"Authorization": f"Bearer {key}"} if key else {}
@@ -65,10 +71,11 @@ class Fleet:
             self.discovery = FileDiscovery(a.discovery_file, self, a.discovery_interval_secs)
             await self.discovery.sync()  # the workers it lists are in before the first request
             self._tasks.append(asyncio.create_task(self.discovery.run(), name="discovery"))
+        self.running = True
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
         if any(p.uses_tree for p in self.policies.values()):
             self._tasks.append(asyncio.create_task(self._eviction_loop(), name="evict"))
-        if a.policy in ("power_of_two", "deadline_aware"):
+        if a.policy in ("power_of_two", "deadline_aware") or (self.lifecycle and self.lifecycle.watches_steps):
             self._tasks.append(asyncio.create_task(self._load_loop(), name="loads"))
 
     async def stop(self) -> None:
@@ -106,6 +113,8 @@ class Fleet:
             self._apply_info(w, info)
         w.make_targets(a.dp_aware)
         self.workers[url] = w
+        if self.lifecycle is not None and self.running:  # one that joins later warms up
+            self.lifecycle.joined(url, time.monotonic())
         self._subscribe(w)
         logger.info("worker %s added (%d target(s))", url, len(w.targets))
         return w
@@ -114,6 +123,8 @@ class Fleet:
         w = self.workers.pop(url.rstrip("/"), None)
         if w is None:
             return False
+        if self.lifecycle is not None:
+            self.lifecycle.left(w.url)
         for t in w.targets:
             self.policy_for(w).remove_target(t.key)
         sub = self.subscribers.pop(w.url, None)
@@ -167,8 +178,12 @@ class Fleet:
 
     def eligible(self, exclude: set[str] | None = None, role: str | None = None) -> list[Target]:
         now = time.monotonic()
-        out = [t for w in self.workers.values()
-               if w.role == role and (not exclude or w.url not in exclude) and w.eligible(now) for t in w.targets]
+        workers = [w for w in self.workers.values()
+                   if w.role == role and (not exclude or w.url not in exclude) and w.eligible(now)]
+        if self.lifecycle is not None:  # stalled, wedged, warming up (lifecycle.py); never all of them
+            live = [w for w in workers if self.lifecycle.admits(w.url, w.load, now)]
+            workers = live or workers
+        out = [t for w in workers for t in w.targets]
         if not out and exclude:  # every worker was tried: any eligible one may be tried again
             return self.eligible(role=role)
         return out
@@ -200,11 +215,15 @@ class Fleet:
                 logger.warning("worker %s is %s", w.url, "healthy again" if ok else "unhealthy: no traffic")
                 if ok:  # back from the dead: a fresh process, so its old failures say nothing now
                     w.breaker.reset()
+                    if self.lifecycle is not None:
+                        self.lifecycle.joined(w.url, time.monotonic())  # it warms up again
                     # and its cache is empty: drop its prefix-tree state now, before anything awaits
                     # (it takes traffic from this moment; stale state would steer requests away)
                     for t in w.targets:
                         self.policy_for(w).remove_target(t.key)
                     await self._rediscover(w)
+            if ok and self.lifecycle is not None:
+                self.lifecycle.contact(w.url, time.monotonic())
         finally:
             self._checking.discard(w.url)
 
@@ -240,7 +259,7 @@ class Fleet:
     async def _load_loop(self) -> None:
         """power_of_two compares loads; the workers' own counts also see traffic that bypasses us."""
         while True:
-            now = time.monotonic()
+            now = time.monotonic()  # (a wedged worker is read too: its steps moving again bring it back)
             await asyncio.gather(*(self._refresh_loads(w) for w in list(self.workers.values()) if w.eligible(now)))
             await asyncio.sleep(LOAD_REFRESH_S)
 
@@ -255,6 +274,9 @@ class Fleet:
         if not isinstance(loads, list):
             return
         by_rank = {int(x.get("dp_rank", i)): x for i, x in enumerate(loads) if isinstance(x, dict)}
+        if self.lifecycle is not None:
+            self.lifecycle.steps(w.url, sum(int(x.get("forward_steps", 0)) for x in by_rank.values()),
+                                 time.monotonic())
         for t in w.targets:
             mine = [by_rank.get(t.dp_rank, {})] if t.dp_rank is not None else list(by_rank.values())
             t.reported_load = sum(int(x.get("num_reqs", 0)) for x in mine)

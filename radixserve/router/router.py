@@ -285,6 +285,8 @@ class Router:
                 else:
                     worker.breaker.record_success()
                     self.homes.record(upstream.headers.get(RESPONSE_ID_HEADER), worker.url)
+                if self.fleet.lifecycle is not None:
+                    self.fleet.lifecycle.contact(worker.url, time.monotonic())
                 headers = {k: upstream.headers[k] for k in _KEEP_RESP if k in upstream.headers}
                 if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
                     self.metrics.responses.labels(str(status)).inc()
