@@ -32,7 +32,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from radixserve.router.policy import Target
+from radixserve.router.policy import Decision, RouteRequest, RouterPolicy, Target
 
 VNODES = 64  # ring points per target
 EPSILON = 0.25  # bounded loads: a target may take up to 1.25x the mean before keys pass it by
@@ -120,3 +120,19 @@ class SessionAffinity:
             if len(seen) == len(by_key):
                 break
         return min(targets, key=lambda t: t.load)  # (every target at the cap: cannot happen for cap > mean)
+
+
+def decide(policy: RouterPolicy, affinity: SessionAffinity | None, targets: Sequence[Target], req: RouteRequest,
+           session: str | None, now: float) -> Decision:
+    """The policy's decision, with ``affinity`` for a request with a routing key (``session``): the
+    router's and the simulator's one rule (module doc)."""
+    if session is None or affinity is None:
+        return policy.select(targets, req)
+    home, branch = affinity.home(session, targets, now)
+    if policy.uses_tree:  # the tree policies decide, the home preferred
+        req.home = home.key
+        decision = policy.select(targets, req)
+    else:
+        decision = Decision(home, branch)
+    affinity.record(session, decision.target, now)
+    return decision

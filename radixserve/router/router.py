@@ -30,14 +30,13 @@ from aiohttp import web
 
 from radixserve.options import parse_tenant_weights
 from radixserve.router.admission import NO_PRIORITY_RANK, Admission, TenantCounters
-from radixserve.router.affinity import SessionAffinity, routing_key
+from radixserve.router.affinity import SessionAffinity, decide, routing_key
 from radixserve.router.config import RouterArgs
 from radixserve.router.fleet import Fleet
 from radixserve.router.http_common import STREAMED, error_body, error_response, json_object
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.pd import proxy_pd
 from radixserve.router.policy import (
-    Decision,
     NoTargetMeetsDeadline,
     PolicyConfig,
     RouteRequest,
@@ -204,7 +203,7 @@ class Router:
                 self.metrics.decisions.labels(self.policy.name, "previous_response").inc()
             else:
                 try:
-                    decision = self.decide(targets, rreq, session)
+                    decision = decide(self.policy, self.affinity, targets, rreq, session, time.monotonic())
                 except NoTargetMeetsDeadline as e:
                     self.metrics.rejected.labels("deadline").inc()
                     return web.json_response(error_body(str(e), 429, "deadline_unmeetable", "rate_limit_error"),
@@ -226,20 +225,6 @@ class Router:
             attempt += 1
             self.metrics.retries.labels(outcome).inc()
             await self.backoff(attempt)
-
-    def decide(self, targets: list[Target], rreq: RouteRequest, session: str | None) -> Decision:
-        """The policy's decision, with session affinity (affinity.py) for a request with a routing key."""
-        if session is None or self.affinity is None:
-            return self.policy.select(targets, rreq)
-        now = time.monotonic()
-        home, branch = self.affinity.home(session, targets, now)
-        if self.policy.uses_tree:  # the tree policies decide, the home preferred
-            rreq.home = home.key
-            decision = self.policy.select(targets, rreq)
-        else:
-            decision = Decision(home, branch)
-        self.affinity.record(session, decision.target, now)
-        return decision
 
     def count_failure(self, worker: Worker, e: BaseException) -> None:
         """A connection error or time-out at ``worker``: against its breaker, and a health check now."""

@@ -44,6 +44,7 @@ from radixserve.config import ServerArgs
 from radixserve.mem.cache_events import CacheEvent
 from radixserve.options import parse_tenant_weights
 from radixserve.router.admission import NO_PRIORITY_RANK, AdmissionQueue, TenantCounters
+from radixserve.router.affinity import SessionAffinity, decide
 from radixserve.router.policy import (
     NoTargetMeetsDeadline,
     RouteRequest,
@@ -131,6 +132,9 @@ class Fleet:
         pcfg = dataclasses.replace(cfg.policy_config, miss_by_load=True) if cfg.cache_events else cfg.policy_config
         self.policy: RouterPolicy = make_router_policy(cfg.policy, pcfg)
         self.uses_key = self.policy.uses_tree
+        pc = cfg.policy_config  # session affinity keyed by conversation, as the router keys it by a header
+        self.affinity = SessionAffinity(1800.0, pc.balance_abs_threshold, pc.balance_rel_threshold) \
+            if cfg.session_affinity else None
         self.engines: list[Engine] = []
         self.targets: list[Target] = []
         self.by_target: dict[str, list[Engine]] = {}
@@ -228,8 +232,9 @@ class Fleet:
         route.deadline_ms = spec.deadline_ms
         if self.reports:
             self._report_loads()
+        session = f"c:{spec.conversation}" if spec.conversation is not None else None
         try:
-            d = self.policy.select(self.targets, route)
+            d = decide(self.policy, self.affinity, self.targets, route, session, t)
         except NoTargetMeetsDeadline as e:  # refused at the router: it never reaches an engine
             self._refuse(t, req, conversation, "deadline_refused", str(e))
             return False

@@ -27,6 +27,7 @@ class FleetConfig:
     router_queue_size: int = 1_000_000  # the router's --queue-size
     router_priority: bool = False  # the router's --enable-priority-scheduling: its queue by priority
     router_tenant_fairness: bool = False  # the router's --tenant-fairness: its queue by VTC counters
+    session_affinity: bool = False  # the router's session affinity, a conversation's id as the routing key
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.dp_size < 1:

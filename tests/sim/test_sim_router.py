@@ -199,3 +199,23 @@ def test_deadline_aware_refuses_at_the_router_what_no_worker_can_meet() -> None:
     assert {r.branch for r in trace.records} <= {"deadline_fastest", "deadline_hit", "deadline_refused"}
     res = summarize_fleet(trace)
     assert sum(w["requests"] for w in res["workers"]) == 60 - len(refused)
+
+
+def test_session_affinity_keeps_each_conversation_on_one_worker() -> None:
+    """round_robin with the conversation as the routing key: every conversation's turns on one worker
+    (its earlier turns cached there), where plain round robin scatters them; conversations spread."""
+    specs = _specs(workload="multi-turn", num_turns=4, num_requests=48, request_rate=8.0)
+    conv = {s.rid: s.conversation for s in specs}
+    runs = {}
+    for affinity in (False, True):
+        _, trace = _fleet(specs, num_workers=4, policy="round_robin", session_affinity=affinity)
+        where: dict[int | None, set[int]] = {}
+        for r in trace.records:
+            where.setdefault(conv[r.rid], set()).add(r.worker)
+        runs[affinity] = (where, summarize_fleet(trace)["cache_hit_rate"])
+    where, hit = runs[True]
+    assert all(len(w) == 1 for w in where.values()) and len(set().union(*where.values())) == 4
+    assert any(len(w) > 1 for w in runs[False][0].values())
+    assert hit > runs[False][1]
+    _, item = fleet_item(FleetConfig(), "round_robin:session_affinity=1")
+    assert item.session_affinity
