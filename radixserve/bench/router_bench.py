@@ -60,6 +60,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=5.0, help="Seconds of each throughput phase.")
     p.add_argument("--concurrency", type=int, default=64, help="Requests in flight in the throughput phases.")
     p.add_argument("--prompt-chars", type=int, default=512, help="Characters of each prompt.")
+    p.add_argument("--users", type=int, default=0,
+                   help="Stubs: each request names one of this many users (the OpenAI user field: a routing key "
+                        "with --router-arg=--routing-key-user, a tenant for rate limits); 0: none.")
     p.add_argument("--num-prefixes", type=int, default=8,
                    help="Distinct shared prefixes (3/4 of each prompt); the rest is random.")
     p.add_argument("--stream-chunks", type=int, default=4, help="SSE events of each streamed stub answer.")

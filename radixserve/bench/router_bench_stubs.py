@@ -57,7 +57,10 @@ def router_command(urls: Sequence[str], port: int, policy: str, extra: Sequence[
             "--policy", policy, "--log-level", "warning", *extra]
 
 
-def make_bodies(n: int, prompt_chars: int, num_prefixes: int, stream: bool, seed: int = 0) -> list[bytes]:
+def make_bodies(n: int, prompt_chars: int, num_prefixes: int, stream: bool, seed: int = 0,
+                users: int = 0) -> list[bytes]:
+    """``users``: each body names one of that many users (the OpenAI ``user`` field, for session
+    affinity and tenant limits at the router); 0: none."""
     rng = random.Random(seed)
     alphabet = string.ascii_lowercase + " "
     prefix_len = prompt_chars * 3 // 4
@@ -68,6 +71,8 @@ def make_bodies(n: int, prompt_chars: int, num_prefixes: int, stream: bool, seed
         body: dict[str, Any] = {"text": text, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
         if stream:
             body["stream"] = True
+        if users:
+            body["user"] = f"user-{i % users}"
         out.append(json.dumps(body).encode())
     return out
 
@@ -218,15 +223,15 @@ async def run_stubs(ns: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     stub_urls = [f"http://127.0.0.1:{p}" for p in ports[1:]]
     stubs = [procs.start(f"stub-{p}", [sys.executable, "-m", "radixserve.bench.stub_worker", "--port", str(p),
                                         "--stream-chunks", str(ns.stream_chunks)]) for p in ports[1:]]
-    bodies = make_bodies(256, ns.prompt_chars, ns.num_prefixes, stream=False)
-    sbodies = make_bodies(256, ns.prompt_chars, ns.num_prefixes, stream=True)
+    bodies = make_bodies(256, ns.prompt_chars, ns.num_prefixes, stream=False, users=ns.users)
+    sbodies = make_bodies(256, ns.prompt_chars, ns.num_prefixes, stream=True, users=ns.users)
     router_extra = _split_args(ns.router_arg)
     # A connector per phase would measure connection set-up; one keep-alive pool serves them all.
     connector = aiohttp.TCPConnector(limit=max(ns.concurrency, 1), keepalive_timeout=30.0)
     report: dict[str, Any] = {
         "mode": "stubs", "machine": _machine(),
         "settings": {k: getattr(ns, k) for k in ("num_stub_workers", "requests", "block", "duration", "concurrency",
-                                                  "prompt_chars", "num_prefixes", "stream_chunks")}
+                                                  "prompt_chars", "num_prefixes", "stream_chunks", "users")}
         | {"router_args": router_extra},
         "pinned": {"router": sorted(split[0]), "stubs_and_client": sorted(split[1])} if split else None,
         "policies": {},
