@@ -21,6 +21,9 @@ from typing import Any
 
 from aiohttp import web
 
+# what /get_load reports until POST /stub/load sets it
+REPORTED: dict[str, float] = {"num_reqs": 0, "num_waiting_tokens": 0, "prefill_tokens_per_s": 0.0, "forward_steps": 0}
+
 
 def create_stub_app(port: int, dp_size: int = 1, delay_ms: float = 0.0, stream_chunks: int = 4,
                     disaggregation_mode: str | None = None, bootstrap_port: int | None = None) -> web.Application:
@@ -29,8 +32,7 @@ def create_stub_app(port: int, dp_size: int = 1, delay_ms: float = 0.0, stream_c
     fail = {"status": 0, "count": 0}
     ranks: list[int | None] = []
     bodies: list[dict[str, Any]] = []  # the last few request bodies, for tests
-    reported: dict[str, float] = {"num_reqs": 0, "num_waiting_tokens": 0, "prefill_tokens_per_s": 0.0,
-                                  "forward_steps": 0}
+    reported: dict[str, float] = dict(REPORTED)
 
     async def generate(request: web.Request) -> web.StreamResponse:
         seen[request.path] += 1
