@@ -49,7 +49,8 @@ def _info_routes(app: FastAPI, tm: TokenizerManager, model_path: str, pids: dict
             **tm.info,
             "pids": pids,
             # what SGLang's gateway reads that our fields do not already say
-            "context_length": tm.context_len, "pp_size": 1, "is_embedding": False, "weight_version": "default",
+            "context_length": tm.info.get("context_len"), "pp_size": 1, "is_embedding": False,
+            "weight_version": "default",
             "cache_events_endpoint": cache_events[0] if cache_events else None,
             "cache_events_endpoints": cache_events,
             "kv_events_endpoint": kv_events,
