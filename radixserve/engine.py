@@ -39,7 +39,7 @@ from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import InputLogprobsOut, OutRow
 from radixserve.sched.req import Req
-from radixserve.sched.request_checks import check_request
+from radixserve.sched.request_checks import check_request, logprob_start
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -255,12 +255,11 @@ class Engine:
                 req.to_abort = err
             else:
                 req.to_abort = check_request(req, limits)  # what the scheduler trusts (request_checks.py)
-            if logprob_start_len is not None and logprob_start_len != -1 and req.to_abort is None:
-                if 0 <= logprob_start_len < len(ids):
-                    req.want_input_logprobs(logprob_start_len)
-                else:
-                    req.to_abort = FINISH_ABORT(f"logprob_start_len must be -1 or a prompt position in [0, {len(ids)})",
-                                                param="logprob_start_len")
+            start = logprob_start(logprob_start_len, len(ids))
+            if isinstance(start, FINISH_ABORT):
+                req.to_abort = req.to_abort or start
+            elif start is not None:
+                req.want_input_logprobs(start)
             reqs.append(req)
         return single, reqs
 

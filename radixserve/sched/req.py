@@ -145,10 +145,6 @@ class Req:
         self.input_logprobs = [None] * (self.prompt_len - start)
         self.input_top_logprobs = [None] * (self.prompt_len - start)
 
-    @property
-    def input_logprobs_pending(self) -> bool:
-        return self.input_logprob_start is not None and not self.output_ids
-
     def match_key(self) -> RadixKey:
         """What to look up in the prefix cache: every token but the last, whose logits give the next
         token (so at least one token is always computed). While prompt logprobs are pending, only the

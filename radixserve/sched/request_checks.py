@@ -7,7 +7,8 @@ live settings, deadline admission, the queue cap (``intake.py``).
 - the output budget: an asked ``max_new_tokens`` is clipped to what the context leaves (SGLang's
   rule; OpenAI's endpoints refuse instead, ``clip=False``), none means as many as fit; either way it
   must stay below what the KV pool holds with the prompt (``new_token_room``), or the request would
-  wait forever.
+  wait forever;
+- the prompt logprobs asked for (``logprob_start_len``): -1 / none, or a position in the prompt.
 """
 
 from __future__ import annotations
@@ -42,6 +43,17 @@ def prompt_error(ids: Sequence[int], limits: Limits, param: str = "prompt",
         return FINISH_ABORT(f"This model's maximum context length is {limits.context_len} tokens; the prompt has "
                             f"{len(ids)}.", code="context_length_exceeded", param=param)
     return None
+
+
+def logprob_start(start: int | None, prompt_len: int, param: str = "logprob_start_len") -> int | None | FINISH_ABORT:
+    """The prompt token from which prompt logprobs are wanted (None: none; -1 is SGLang's "the output
+    only"), or the refusal."""
+    if start is None or start == -1:
+        return None
+    if not 0 <= start < prompt_len:
+        return FINISH_ABORT(f"{param} must be -1 or a prompt position in [0, {prompt_len}), got {start}",
+                            param=param, code="invalid_value")
+    return start
 
 
 def max_new_tokens(prompt_len: int, asked: int | None, limits: Limits, *, clip: bool = True,

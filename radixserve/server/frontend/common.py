@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 from radixserve.model.tokenizer import ChatTemplateError, Tokenizer
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import OutRow
-from radixserve.sched.request_checks import Limits, max_new_tokens, prompt_error
+from radixserve.sched.request_checks import Limits, logprob_start, max_new_tokens, prompt_error
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
 from radixserve.server.frontend.chat_protocol import ChatMessage
 from radixserve.server.frontend.protocol import APIError, unsupported
@@ -77,14 +77,12 @@ def check_prompt(tm: TokenizerManager, ids: list[int], param: str) -> None:
 def input_logprob_start(tm: TokenizerManager, start: int | None, prompt_len: int, param: str) -> int | None:
     """The prompt token from which a request's prompt logprobs are wanted (None: none; -1 is SGLang's
     "the output only"), checked against the prompt and the server's mode."""
-    if start is None or start == -1:
-        return None
-    if start < -1 or start >= prompt_len:
-        raise APIError(f"{param} must be -1 or a prompt position in [0, {prompt_len}), got {start}", param=param,
-                       code="invalid_value")
-    if tm.args.disaggregation_mode != "null":
+    got = logprob_start(start, prompt_len, param)
+    if isinstance(got, FINISH_ABORT):
+        raise abort_error(got)
+    if got is not None and tm.args.disaggregation_mode != "null":
         raise unsupported(param, "prompt logprobs are not available with prefill/decode disaggregation")
-    return start
+    return got
 
 
 def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, max_tokens: int | None, prompt_param: str,
