@@ -50,8 +50,7 @@ def advertised_kv_endpoint(kv_events_config: str | None, host: str) -> str | Non
         return None
     cfg = KVEventsConfig.parse(kv_events_config)
     ep = cfg.endpoint
-    binds = cfg.bind if cfg.bind is not None else ("*" in ep or "::" in ep or ep.startswith(("ipc://", "inproc://")))
-    if not cfg.enabled or not binds or not ep.startswith(("tcp://", "ipc://")):
+    if not cfg.enabled or not _binds(ep, cfg.bind) or not ep.startswith(("tcp://", "ipc://")):
         return None
     if ep.startswith("ipc://"):
         return ep
@@ -63,12 +62,17 @@ def advertised_kv_endpoint(kv_events_config: str | None, host: str) -> str | Non
     return ep
 
 
+def _binds(endpoint: str, bind: bool | None) -> bool:
+    """Whether the socket binds: as ``bind`` says, else as vLLM decides (a wildcard host, ipc or
+    inproc binds; a plain address is connected to)."""
+    if bind is not None:
+        return bind
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
 def _open(sock: zmq.Socket, endpoint: str, bind: bool | None) -> str:
-    """Bind or connect as vLLM decides (a wildcard host, ipc or inproc binds), unless ``bind`` says;
-    returns the endpoint (a bound wildcard port as the one it got)."""
-    if bind is None:
-        bind = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-    if not bind:
+    """Bind or connect (``_binds``); returns the endpoint (a bound wildcard port as the one it got)."""
+    if not _binds(endpoint, bind):
         sock.connect(endpoint)
         return endpoint
     try:
