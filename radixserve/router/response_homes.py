@@ -39,14 +39,16 @@ class ResponseHomes:
     def home(self, response_id: str | None) -> str | None:
         return self.homes.get(response_id) if response_id else None
 
-    def home_of_body(self, raw: bytes) -> str | None:
-        """The home of the response a ``/v1/responses`` body continues (its ``previous_response_id``)."""
+    def home_of_body(self, raw: bytes, body: object = None) -> str | None:
+        """The home of the response a ``/v1/responses`` body continues (its ``previous_response_id``);
+        ``body``: the body already parsed, if it was."""
         if b"previous_response_id" not in raw:  # most bodies: no parse
             return None
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):
-            return None
+        if body is None:
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError):
+                return None
         prev = body.get("previous_response_id") if isinstance(body, dict) else None
         return self.home(prev) if isinstance(prev, str) else None
 

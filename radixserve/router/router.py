@@ -185,7 +185,7 @@ class Router:
         rreq = self.route_request(path, body, request.headers) if self.needs_key and body is not None \
             else RouteRequest()
         headers = self.upstream_headers(request)
-        home = self.homes.home_of_body(raw) if path == "/v1/responses" else None
+        home = self.homes.home_of_body(raw, body) if path == "/v1/responses" else None
         a = self.args
         session = routing_key(request.headers, body, self.key_headers, a.routing_key_user) \
             if self.affinity is not None else None
