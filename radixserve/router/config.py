@@ -85,6 +85,11 @@ class RouterArgs:
     balance_affinity: bool = option(
         False, "cache_aware: when imbalanced, pick the best prefix match among the workers within the "
         "balance window of the least loaded one instead of the least loaded alone.", group="policy")
+    consistent_misses: bool = option(
+        False, "cache_aware: a request whose prompt no worker holds enough of goes to the worker a hash of "
+        "the prompt ranks first among those within the balance window (instead of the least loaded), so "
+        "router replicas, whose in-flight counts differ, route alike (docs/fleet-operations.md).",
+        group="policy")
     prefix_match: str = option(
         "chars", "cache_aware: match characters of the prompt (sgl-router) or tokens (the router "
         "tokenizes with the model's tokenizer, so the match rate is the real cache hit rate).",

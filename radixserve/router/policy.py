@@ -21,7 +21,11 @@ Policies (``--policy``):
       the least loaded (branch ``cache_hit``);
     - else the target holding the smallest part of the tree (branch ``cache_miss``); with cache
       events (``miss_by_load``) the least loaded, ties to the smallest tree, since there the
-      busiest worker holds the smallest real cache.
+      busiest worker holds the smallest real cache. With ``consistent_misses``, among the targets
+      within the balance window of the least loaded (those not imbalanced against it), the one
+      that ranks first for the prompt by rendezvous hashing (``blake2b(digest(key) + target)``):
+      router replicas see different in-flight counts, and this rule, unlike "least loaded",
+      rarely lets that change the decision; spread over many prompts it is even.
   The chosen target's path is then inserted into the tree. Ties go to the target listed first.
 
   With a session's preferred target (``RouteRequest.home``, affinity.py), that target wins among
@@ -42,7 +46,9 @@ To add a policy: subclass ``RouterPolicy``, decorate it with ``@register_router_
 
 from __future__ import annotations
 
+import hashlib
 import random
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -115,6 +121,9 @@ class PolicyConfig:
     # cache_miss by load instead of tree size: what a tree that follows the workers' real caches
     # needs (their busiest worker holds the smallest cache, and would get every new prefix)
     miss_by_load: bool = False
+    # cache_miss by a hash of the prompt among the targets within the balance window: decisions that
+    # do not hang on one router's own in-flight counts, so replicas of the router agree
+    consistent_misses: bool = False
     seed: int | None = None
 
 
@@ -158,6 +167,14 @@ def make_router_policy(name: str, config: PolicyConfig | None = None) -> RouterP
 
 def router_policy_names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def key_digest(key: Sequence[Any]) -> bytes:
+    """A digest of a routing key's first 1,024 elements, the same in every process (unlike
+    ``hash`` of a string)."""
+    head = key[:1024]
+    raw = head.encode() if isinstance(head, str) else array("q", head).tobytes()
+    return hashlib.blake2b(raw, digest_size=16).digest()
 
 
 def least_loaded(targets: Sequence[Target]) -> Target:
@@ -212,6 +229,14 @@ class CacheAware(RouterPolicy):
         return max_load - min_load > c.balance_abs_threshold and max_load > min_load * c.balance_rel_threshold
 
     def select(self, targets: Sequence[Target], req: RouteRequest) -> Decision:
+        d = self.choose(targets, req)
+        if req.key:
+            self.tree.insert(req.key, d.target.key)
+        return d
+
+    def choose(self, targets: Sequence[Target], req: RouteRequest) -> Decision:
+        """The decision ``select`` makes, without recording the chosen target's path in the tree
+        (what another router replica would decide: the simulator's replica agreement)."""
         key = req.key
         loads = [t.load for t in targets]
         lo, hi = min(loads), max(loads)
@@ -230,14 +255,17 @@ class CacheAware(RouterPolicy):
                 branch = "cache_hit" if best / len(key) > self.config.cache_threshold else "cache_miss"
         elif req.home is not None and any(t.key == req.home for t in targets):
             chosen, branch = next(t for t in targets if t.key == req.home), "affinity"
+        elif self.config.consistent_misses:
+            window = [t for t in targets if not self.imbalanced(t.load, lo)]
+            digest = key_digest(key)
+            chosen = max(window, key=lambda t: hashlib.blake2b(digest + t.key.encode(), digest_size=8).digest())
+            branch = "cache_miss"
         elif self.config.miss_by_load:
             chosen = min(targets, key=lambda t: (t.load, self.tree.tenant_size(t.key)))
             branch = "cache_miss"
         else:
             chosen = min(targets, key=lambda t: (self.tree.tenant_size(t.key), t.load))
             branch = "cache_miss"
-        if key:
-            self.tree.insert(key, chosen.key)
         return Decision(chosen, branch, rate, per.get(chosen.key, 0))
 
     def _rebalance(self, targets: Sequence[Target], lo: int, per: dict[str, int]) -> tuple[Target, str]:
@@ -288,9 +316,9 @@ class DeadlineAware(CacheAware):
 
     name = "deadline_aware"
 
-    def select(self, targets: Sequence[Target], req: RouteRequest) -> Decision:
+    def choose(self, targets: Sequence[Target], req: RouteRequest) -> Decision:
         if req.deadline_ms is None:
-            return super().select(targets, req)
+            return super().choose(targets, req)
         key = req.key
         n = req.num_tokens
         matched, per = self.tree.match(key) if key else (0, {})
@@ -311,7 +339,5 @@ class DeadlineAware(CacheAware):
             branch = "deadline_hit"
         else:
             chosen, branch = min(feasible, key=lambda t: preds[t.key]), "deadline_fastest"
-        if key:
-            self.tree.insert(key, chosen.key)
         return Decision(chosen, branch, matched / len(key) if key else 0.0, per.get(chosen.key, 0))
 

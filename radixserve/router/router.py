@@ -64,7 +64,8 @@ class Router:
         config = PolicyConfig(
             cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
             balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
-            balance_affinity=args.balance_affinity, miss_by_load=args.enable_cache_events, seed=args.seed)
+            balance_affinity=args.balance_affinity, miss_by_load=args.enable_cache_events,
+            consistent_misses=args.consistent_misses, seed=args.seed)
         # one policy per pool of workers: the plain fleet (role None), or PD's prefill and decode pools
         self.policies: dict[str | None, RouterPolicy]
         if args.pd_disaggregation:

@@ -120,7 +120,7 @@ def main(ns: argparse.Namespace) -> int:
 # --- the fleet (--num-workers, --router-policy, --dp-size, --concurrency) ----------------------------
 def is_fleet(ns: argparse.Namespace) -> bool:
     return bool(ns.router_policy or ns.num_workers > 1 or ns.dp_size > 1 or ns.dp_aware or ns.router_cache_events
-                or ns.concurrency or ns.router_max_concurrent_requests >= 0)
+                or ns.concurrency or ns.router_max_concurrent_requests >= 0 or ns.router_replicas > 1)
 
 
 def fleet_config(ns: argparse.Namespace) -> FleetConfig:
@@ -131,7 +131,7 @@ def fleet_config(ns: argparse.Namespace) -> FleetConfig:
                        match=ns.router_match, cache_events=ns.router_cache_events,
                        concurrency=ns.concurrency, router_max_concurrent=ns.router_max_concurrent_requests,
                        router_queue_size=ns.router_queue_size, router_priority=ns.router_priority,
-                       router_tenant_fairness=ns.router_tenant_fairness)
+                       router_tenant_fairness=ns.router_tenant_fairness, router_replicas=ns.router_replicas)
 
 
 def fleet_main(ns: argparse.Namespace, runs: list[tuple[str, ServerArgs]], specs: list[RequestSpec],

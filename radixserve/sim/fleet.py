@@ -46,6 +46,7 @@ from radixserve.options import parse_tenant_weights
 from radixserve.router.admission import NO_PRIORITY_RANK, AdmissionQueue, TenantCounters
 from radixserve.router.affinity import SessionAffinity, decide
 from radixserve.router.policy import (
+    CacheAware,
     NoTargetMeetsDeadline,
     RouteRequest,
     RouterPolicy,
@@ -121,6 +122,16 @@ class FleetTrace:
     wall_s: float = 0.0
     cpu_s: float = 0.0
     cache_events: int = 0  # insert + evict events the router's tree received
+    replica_agreement: float | None = None  # router_replicas > 1: share of requests all replicas routed alike
+
+
+@dataclass
+class Replica:
+    """One router replica: its policy (its own tree), its own in-flight counts, its own sessions."""
+
+    policy: RouterPolicy
+    affinity: SessionAffinity | None
+    targets: list[Target] = field(default_factory=list)
 
 
 class Fleet:
@@ -130,17 +141,22 @@ class Fleet:
         self.stream = stream
         # as the HTTP router: a tree that follows the real caches picks a cache miss's target by load
         pcfg = dataclasses.replace(cfg.policy_config, miss_by_load=True) if cfg.cache_events else cfg.policy_config
-        self.policy: RouterPolicy = make_router_policy(cfg.policy, pcfg)
-        self.uses_key = self.policy.uses_tree
         pc = cfg.policy_config  # session affinity keyed by conversation, as the router keys it by a header
-        self.affinity = SessionAffinity(1800.0, pc.balance_abs_threshold, pc.balance_rel_threshold) \
-            if cfg.session_affinity else None
+        self.replicas = [Replica(make_router_policy(cfg.policy, pcfg),
+                                 SessionAffinity(1800.0, pc.balance_abs_threshold, pc.balance_rel_threshold)
+                                 if cfg.session_affinity else None) for _ in range(cfg.router_replicas)]
+        self.policy: RouterPolicy = self.replicas[0].policy
+        self.uses_key = self.policy.uses_tree
+        self.arrivals = 0
+        self.agreed = 0  # requests every other replica would have routed as the one that did
         self.engines: list[Engine] = []
-        self.targets: list[Target] = []
+        self.targets: list[Target] = []  # the first replica's (each replica counts its own loads)
         self.by_target: dict[str, list[Engine]] = {}
         for w in range(cfg.num_workers):
             ranks = [Target(f"w{w}", dp_rank=r) for r in range(cfg.dp_size)] if cfg.dp_aware else [Target(f"w{w}")]
-            self.targets.extend(ranks)
+            for rep in self.replicas:
+                rep.targets.extend([Target(t.url, t.dp_rank) for t in ranks])
+            ranks = self.replicas[0].targets[-len(ranks):]
             for r in range(cfg.dp_size):
                 target = ranks[r] if cfg.dp_aware else ranks[0]
                 sink = self._sink(target.key) if cfg.cache_events else None
@@ -150,6 +166,7 @@ class Fleet:
                 eng = Engine(sched, runner, clock, w, r, target)
                 self.engines.append(eng)
                 self.by_target.setdefault(target.key, []).append(eng)
+        self.targets = self.replicas[0].targets
         self.next_rank = dict.fromkeys(self.by_target, 0)  # a worker's DP controller: round robin
         self.routed: dict[str, Routed] = {}
         self.convs: list[list[RequestSpec]] = []  # closed loop: the conversations, in the order clients take them
@@ -169,9 +186,20 @@ class Fleet:
         return chars_key(ids) if self.cfg.match == "chars" else ids
 
     def _sink(self, target_key: str) -> Callable[[CacheEvent], None] | None:
-        from radixserve.sim.fleet_events import event_sink  # the radix cache's event hook
+        """The radix cache's event hook: every replica's tree receives every event."""
+        from radixserve.sim.fleet_events import event_sink
 
-        return event_sink(target_key, self.policy, self._key, self._count_event)
+        sinks = [event_sink(target_key, rep.policy, self._key, lambda: None) for rep in self.replicas]
+        live = [f for f in sinks if f is not None]
+        if not live:
+            return None
+
+        def sink(ev: CacheEvent) -> None:
+            self._count_event()
+            for f in live:
+                f(ev)
+
+        return sink
 
     def _count_event(self) -> None:
         self.events += 1
@@ -233,8 +261,12 @@ class Fleet:
         if self.reports:
             self._report_loads()
         session = f"c:{spec.conversation}" if spec.conversation is not None else None
+        rep = self.replicas[self.arrivals % len(self.replicas)]  # the replica the request reached, in turn
+        self.arrivals += 1
+        if len(self.replicas) > 1:
+            self._compare(rep, route)
         try:
-            d = decide(self.policy, self.affinity, self.targets, route, session, t)
+            d = decide(rep.policy, rep.affinity, rep.targets, route, session, t)
         except NoTargetMeetsDeadline as e:  # refused at the router: it never reaches an engine
             self._refuse(t, req, conversation, "deadline_refused", str(e))
             return False
@@ -253,12 +285,23 @@ class Fleet:
             self._push(max(t, eng.clock.now), STEP, eng)
         return True
 
+    def _compare(self, rep: Replica, route: RouteRequest) -> None:
+        """Would every other replica route this request where ``rep`` is about to? Each decides from
+        its own tree (the shared events plus its own routed paths) and its own in-flight counts."""
+        policies = [rep.policy] + [o.policy for o in self.replicas if o is not rep]
+        trees = [p for p in policies if isinstance(p, CacheAware)]
+        if len(trees) < len(policies):
+            raise ValueError(f"router_replicas: {self.cfg.policy} has no decision to compare (use a tree policy)")
+        mine = trees[0].choose(rep.targets, route).target.key
+        others = [o for o in self.replicas if o is not rep]
+        self.agreed += all(p.choose(o.targets, route).target.key == mine for p, o in zip(trees[1:], others, strict=True))
+
     def _report_loads(self) -> None:
         """What the workers' /get_load says (deadline_aware): each target's waiting prompt tokens and
         its ranks' measured prefill speed. Read at every routing decision: fresher than the HTTP
         router's one-second reports."""
         for engines in self.by_target.values():
-            target = engines[0].target
+            target = engines[0].target  # NOTE: the first replica's; the others are not reported to
             target.waiting_tokens = sum(int(e.sched.get_load()["num_waiting_tokens"]) for e in engines) + \
                 sum(len(r.origin_input_ids) for e in engines for r in e.pending)
             target.prefill_tokens_per_s = sum(e.sched.deadlines.throughput.tokens_per_s for e in engines)
@@ -336,6 +379,8 @@ class Fleet:
         trace.cpu_s = time.process_time() - cpu0
         trace.duration = max(e.clock.now for e in self.engines)
         trace.cache_events = self.events
+        if len(self.replicas) > 1:
+            trace.replica_agreement = self.agreed / self.arrivals if self.arrivals else None
         return trace
 
     def _client_next(self, t: float, c: int) -> None:
@@ -361,7 +406,7 @@ class Fleet:
                                    f"({len(eng.sched.queues.waiting)} waiting)")
             eng.sched.step()  # the idle step (the scheduler's own self-check with --idle-self-check)
             eng.sched.kv.check_invariant()
-        leaked = {t.key: t.load for t in self.targets if t.load}
+        leaked = {t.key: t.load for rep in self.replicas for t in rep.targets if t.load}
         if self.queue.waiting or self.queue.in_flight:
             raise RuntimeError(f"router queue left over: {self.queue.waiting} waiting, {self.queue.in_flight} slots held")
         if leaked or self.routed:

@@ -28,12 +28,17 @@ class FleetConfig:
     router_priority: bool = False  # the router's --enable-priority-scheduling: its queue by priority
     router_tenant_fairness: bool = False  # the router's --tenant-fairness: its queue by VTC counters
     session_affinity: bool = False  # the router's session affinity, a conversation's id as the routing key
+    # router replicas behind one address: requests reach them in turn, each routes with its own tree
+    # and in-flight counts, all follow the same cache events; reports how often they would agree
+    router_replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.dp_size < 1:
             raise ValueError("--num-workers and --dp-size must be at least 1")
         if self.match not in ROUTER_MATCHES:
             raise ValueError(f"--router-match: choose from {ROUTER_MATCHES}, not {self.match!r}")
+        if self.router_replicas < 1:
+            raise ValueError("router_replicas must be at least 1")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("--concurrency must be at least 1")
 

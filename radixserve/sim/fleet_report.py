@@ -91,6 +91,9 @@ def summarize_fleet(trace: FleetTrace, args: ServerArgs | None = None) -> dict[s
             "priority": cfg.router_priority, "tenant_fairness": cfg.router_tenant_fairness},
     }
     res["router"] = router_figures(trace.records, cfg.num_workers)
+    if cfg.router_replicas > 1:
+        res["router"]["replicas"] = cfg.router_replicas
+        res["router"]["replica_agreement"] = trace.replica_agreement
     if cfg.dp_size > 1:
         per_rank = [0] * (cfg.num_workers * cfg.dp_size)
         for r in trace.records:
@@ -151,6 +154,9 @@ def fleet_text(r: dict[str, Any], max_workers: int = 16) -> str:
         f"router: branches {ro['branches']}; imbalance (max/mean requests per worker) {_f(ro['imbalance'], 3)}"
         + (f", per rank {_f(ro['rank_imbalance'], 3)}" if "rank_imbalance" in ro else ""),
     ]
+    if "replicas" in ro:
+        lines.append(f"router replicas: {ro['replicas']}, requests each would have routed alike "
+                     f"{_f(ro['replica_agreement'], 4)}")
     q = f.get("router_queue")
     if q:
         lines.append(f"router queue: at most {q['max_concurrent']} in flight, "

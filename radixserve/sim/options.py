@@ -124,6 +124,10 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--router-cache-events", action="store_true",
                    help="cache_aware: each engine's radix cache inserts and evictions also update the router's "
                         "tree (as the router's --enable-cache-events does), so it forgets what the engines evicted.")
+    f.add_argument("--router-replicas", type=int, default=1,
+                   help="Router replicas behind one address: requests reach them in turn, each routes with its own "
+                        "tree and in-flight counts (all follow the same cache events with --router-cache-events); "
+                        "reports the share of requests every replica would have routed alike.")
     f.add_argument("--cache-threshold", type=float, default=0.3,
                    help="cache_aware: a match rate above this routes to the target holding the prefix.")
     f.add_argument("--balance-abs-threshold", type=int, default=64,

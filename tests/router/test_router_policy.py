@@ -217,3 +217,27 @@ def test_miss_by_load_picks_the_least_loaded_not_the_smallest_tree() -> None:
     p.select([ts[1]], text("a" * 40))  # w1 holds the biggest tree but is the least loaded
     d = p.select(ts, text("z" * 10))
     assert d.branch == "cache_miss" and d.target is ts[1]
+
+
+def test_consistent_misses_agree_across_replicas_and_spread_evenly() -> None:
+    """Two replicas with the same cache events but their own in-flight counts: a miss goes where the
+    prompt's hash says among the targets within the balance window, the same on both; a hit still
+    goes to the holder; an imbalanced target takes no miss; over many prompts the misses spread."""
+    cfg = PolicyConfig(consistent_misses=True, miss_by_load=True, balance_abs_threshold=4)
+    a, b = make_router_policy("cache_aware", cfg), make_router_policy("cache_aware", cfg)
+    ta, tb = targets(0, 3, 1, 2), targets(2, 0, 3, 1)
+    for p, ts in ((a, ta), (b, tb)):
+        assert isinstance(p, CacheAware)
+        p.on_cache_stored(ts[2].key, [7] * 40)  # the same event reaches both
+    rng = random.Random(0)
+    prompts = [RouteRequest(tokens=[rng.randrange(1000) for _ in range(30)]) for _ in range(2000)]
+    picks = [a.choose(ta, r).target.key for r in prompts]
+    assert picks == [b.choose(tb, r).target.key for r in prompts]  # loads differ, decisions do not
+    assert all(a.choose(ta, r).branch == "cache_miss" for r in prompts)
+    assert max(picks.count(t.key) for t in ta) < 1.2 * min(picks.count(t.key) for t in ta)
+    hit = a.choose(ta, RouteRequest(tokens=[7] * 40))
+    assert hit.branch == "cache_hit" and hit.target is ta[2]
+    heavy = targets(0, 1, 9, 1)  # w2 is past the window (9 - 0 > 4 and 9 > 0 * 1.5)
+    assert all(a.choose(heavy, r).target is not heavy[2] for r in prompts)
+    plain = make_router_policy("cache_aware", PolicyConfig(miss_by_load=True))
+    assert [plain.choose(ta, r).target for r in prompts[:5]] == [ta[0]] * 5  # the least loaded, always

@@ -219,3 +219,20 @@ def test_session_affinity_keeps_each_conversation_on_one_worker() -> None:
     assert hit > runs[False][1]
     _, item = fleet_item(FleetConfig(), "round_robin:session_affinity=1")
     assert item.session_affinity
+
+
+def test_router_replicas_agree_when_misses_do_not_hang_on_their_own_loads() -> None:
+    """Two router replicas fed the same cache events, requests reaching them in turn: misses by load
+    (each replica's own in-flight counts) split their decisions; consistent misses keep them alike."""
+    specs = _specs(workload="multi-turn", num_turns=4, num_requests=160, request_rate=80.0)
+    agreement = {}
+    for consistent in (False, True):
+        _, trace = _fleet(specs, num_workers=4, cache_events=True, router_replicas=2,
+                          policy_config=PolicyConfig(consistent_misses=consistent))
+        assert len(trace.records) == 160
+        agreement[consistent] = trace.replica_agreement
+        assert summarize_fleet(trace)["router"]["replica_agreement"] == trace.replica_agreement
+    assert agreement[True] is not None and agreement[False] is not None
+    assert agreement[True] >= 0.95 > agreement[False], agreement
+    _, single = _fleet(specs, num_workers=4, cache_events=True)
+    assert single.replica_agreement is None
