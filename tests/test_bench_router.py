@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from radixserve.bench.router_bench_common import BENCH_SERVE_DEFAULTS
-from radixserve.bench.router_bench_real import _serve_namespace
+from radixserve.bench.router_bench_common import BENCH_SERVE_DEFAULTS, _policies
+from radixserve.bench.router_bench_real import _serve_namespace, launch_command
 from radixserve.bench.serving import RequestResult, ServingBenchmark
 from radixserve.cli import build_parser, main
 
@@ -84,3 +84,17 @@ def test_bench_serve_reports_the_cache_hit_rate_of_the_requests_that_tell() -> N
     assert rep["total_cached_tokens"] == 60 and rep["cache_hit_rate"] == 60 / 150
     rep = ServingBenchmark(ns).report("m", results[2:], 2.0)
     assert rep["total_cached_tokens"] is None and rep["cache_hit_rate"] is None
+
+
+def test_real_workers_mode_runs_a_policy_with_and_without_cache_events(capsys: Any) -> None:
+    ns = build_parser().parse_args(["bench", "router", "--real-workers", "2",
+                                    "--compare-policies", "cache_aware,cache_aware+events"])
+    plain, events = (launch_command(ns, p, 40000) for p in _policies(ns))
+    assert "--enable-cache-events" not in plain and plain[plain.index("--policy") + 1] == "cache_aware"
+    assert events[events.index("--policy") + 1] == "cache_aware"
+    i = events.index("--cache-events-port")
+    assert not 40000 <= int(events[i + 1]) <= 40002 and "--enable-cache-events" in events
+    assert events[events.index("--prefix-match") + 1] == "tokens"
+    # against stub workers there are no caches to follow
+    assert main(["bench", "router", "--compare-policies", "cache_aware+events", "--disable-tqdm"]) == 1
+    assert "cache_aware+events" in capsys.readouterr().err

@@ -53,7 +53,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, default="cache_aware", help="Router policy.")
     p.add_argument("--compare-policies", default=None,
                    help="Comma-separated policies to run one after another (e.g. cache_aware,round_robin); "
-                        "overrides --policy.")
+                        "overrides --policy. With --real-workers, NAME+events runs NAME with the workers "
+                        "publishing cache events and the router following them (--prefix-match tokens).")
     p.add_argument("--num-stub-workers", type=int, default=2, help="Stub workers behind the router.")
     p.add_argument("--requests", type=int, default=1000, help="Latency samples per side (direct, routed).")
     p.add_argument("--block", type=int, default=20, help="Latency: requests per block before switching side.")

@@ -32,12 +32,16 @@ def _split_args(items: Sequence[str]) -> list[str]:
 
 
 def _policies(ns: argparse.Namespace) -> list[str]:
+    """The policies to run: ``--policy``, or ``--compare-policies`` items, each a policy name, or with
+    real workers ``NAME+events`` (the router follows the workers' cache events)."""
     if not ns.compare_policies:
         return [ns.policy]
     names = [x.strip() for x in ns.compare_policies.split(",") if x.strip()]
-    bad = [x for x in names if x not in POLICIES]
+    real = getattr(ns, "real_workers", None) is not None
+    bad = [x for x in names if x.removesuffix("+events" if real else "") not in POLICIES]
     if bad or not names:
-        raise BenchError(f"--compare-policies: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}")
+        raise BenchError(f"--compare-policies: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}"
+                         + (" (with --real-workers, NAME+events too)" if real else ""))
     return names
 
 

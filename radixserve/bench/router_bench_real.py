@@ -38,6 +38,22 @@ def _serve_namespace(ns: argparse.Namespace, base_url: str) -> argparse.Namespac
     return sns
 
 
+def launch_command(ns: argparse.Namespace, policy: str, port: int) -> list[str]:
+    """``radixserve launch`` for one run: ``policy`` is a policy name, or ``NAME+events``, where the
+    workers publish their cache events and the router's tree follows them (by token)."""
+    n = ns.real_workers
+    base, events = policy.removesuffix("+events"), policy.endswith("+events")
+    follow = []
+    if events:
+        ev = free_ports(n, consecutive=True)[0]
+        while ev <= port + n and port <= ev + n:  # not the HTTP ports' block, which nothing binds yet
+            ev = free_ports(n, consecutive=True)[0]
+        follow = ["--cache-events-port", str(ev), "--enable-cache-events", "--prefix-match", "tokens"]
+    return [sys.executable, "-m", "radixserve.cli", "launch", "--num-workers", str(n), "--port", str(port),
+            "--policy", base, "--log-level", "warning", "--max-total-tokens", str(ns.max_total_tokens),
+            *_split_args(ns.launch_arg), *_split_args(ns.router_arg), *follow]
+
+
 async def _real_once(ns: argparse.Namespace, procs: Procs, policy: str, rnd: int) -> dict[str, Any]:
     import aiohttp
 
@@ -46,9 +62,7 @@ async def _real_once(ns: argparse.Namespace, procs: Procs, policy: str, rnd: int
     n = ns.real_workers
     port = ns.port or free_ports(n + 1, consecutive=True)[0]
     name = f"launch-{policy}-{rnd}"
-    cmd = [sys.executable, "-m", "radixserve.cli", "launch", "--num-workers", str(n), "--port", str(port),
-           "--policy", policy, "--log-level", "warning", "--max-total-tokens", str(ns.max_total_tokens),
-           *_split_args(ns.launch_arg), *_split_args(ns.router_arg)]
+    cmd = launch_command(ns, policy, port)
     url = f"http://127.0.0.1:{port}"
     print(f"[bench router] {policy} (round {rnd + 1}): starting {n} workers: {shlex.join(cmd[2:])}", file=sys.stderr)
     proc = procs.start(name, cmd)
