@@ -33,7 +33,7 @@ fi
 # why it is unavailable (without the fused ops it runs with the torch ones, with a warning).
 ext_stamp=.build/.cpu-paged-setup
 ext_want=$(cat radixserve/model/csrc/*.cpp radixserve/model/paged_attention.py radixserve/model/fused_ops.py \
-    radixserve/model/quant.py radixserve/model/cpp_build.py | sha1sum | cut -d' ' -f1)
+    radixserve/model/quant.py radixserve/model/dequant.py radixserve/model/cpp_build.py | sha1sum | cut -d' ' -f1)
 if [ ! -f "$ext_stamp" ] || [ "$(cat "$ext_stamp")" != "$ext_want" ]; then
     if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null || true
@@ -46,6 +46,10 @@ if [ ! -f "$ext_stamp" ] || [ "$(cat "$ext_stamp")" != "$ext_want" ]; then
     if ! python -m radixserve.model.fused_ops; then
         ext_ok=0
         echo "warning: the fused small ops could not be built; the model uses the torch ones" >&2
+    fi
+    if ! python -m radixserve.model.dequant; then
+        ext_ok=0
+        echo "warning: the GGUF dequantizer could not be built; loading uses gguf-py's (slower)" >&2
     fi
     if ! python -m radixserve.model.quant; then
         ext_ok=0

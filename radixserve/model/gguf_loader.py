@@ -2,9 +2,9 @@
 
 llama.cpp's ``convert_hf_to_gguf.py`` renames every tensor, stores shapes in ``ne`` order (reversed
 from torch) and, for the ``llama`` architecture only, permutes the rows of ``q_proj`` and ``k_proj``
-so that its RoPE can rotate adjacent pairs. We dequantize (any type ``gguf.quants`` knows: F32, F16,
-BF16, Q4_0, Q4_1, Q8_0, K-quants...), rename back, and undo that permutation so the weights are the
-ones the HF checkpoint had and HF's ``rotate_half`` RoPE applies.
+so that its RoPE can rotate adjacent pairs. We dequantize (dequant.py: the common types in C++, bit
+for bit as ``gguf.quants``, which takes any other type it knows), rename back, and undo that
+permutation so the weights are the ones the HF checkpoint had and HF's ``rotate_half`` RoPE applies.
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ def load_gguf(
     path: str, dtype: torch.dtype = torch.float32, progress: bool = True
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and HF-named, dequantized state dict of a GGUF file."""
-    from gguf import quants
     from tqdm import tqdm
+
+    from radixserve.model.dequant import dequantize
 
     reader = open_gguf(path)
     config = ModelConfig.from_gguf_metadata(reader.metadata)
@@ -104,7 +105,7 @@ def load_gguf(
         raise ValueError(f"{path}: GGUF tensors this loader cannot map: {unknown[:8]}")
     permute = config.arch in ("llama", "granite")  # convert_hf_to_gguf permutes q/k for LlamaModel and its subclasses
     for t in tqdm(reader.tensors, desc="loading gguf", unit="tensor", file=sys.stderr, disable=not progress):
-        arr = quants.dequantize(t.data, t.tensor_type)
+        arr = dequantize(t.data, t.tensor_type)
         shape = tuple(reversed(t.shape))  # ne order -> torch order
         arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
         if not arr.flags.writeable:  # F32 tensors come back as views of the read-only memmap

@@ -1,9 +1,9 @@
-"""A real fleet: ``radixserve launch --num-workers 2`` (two ``radixserve serve`` workers with the
+"""A real fleet: ``radixserve launch --num-workers 3`` (three ``radixserve serve`` workers with the
 model, and the router), driven through the router with the ``openai`` client and
 ``radixserve bench serve``. A worker killed under load must leave rotation within one
-health interval and no accepted request is lost, after a rolling restart of both workers (SIGTERM:
-each drains and exits) under steady load that failed no request. The fixture's
-teardown is a check too: Ctrl-C stops the router and both workers, with exit code 0."""
+health interval and no accepted request is lost, after a rolling restart of all three workers
+(SIGTERM: each drains and exits) under steady load that failed no request. The fixture's
+teardown is a check too: Ctrl-C stops the router and every worker, with exit code 0."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ class LaunchedFleet:
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.worker_ports = [self.port + 1, self.port + 2]
+        self.worker_ports = [self.port + 1, self.port + 2, self.port + 3]
         self.log = tempfile.NamedTemporaryFile(prefix="radixserve-test-fleet-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "radixserve.cli", "launch", "--num-workers", "2", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "radixserve.cli", "launch", "--num-workers", "3", "--port", str(self.port),
                "--max-total-tokens", "4096", "--dp-aware", "--policy", "cache_aware",
                "--health-check-interval-secs", str(HEALTH_INTERVAL_S), "--health-failure-threshold", "1",
                "--health-success-threshold", "1", "--retry-initial-backoff-ms", "20"]
@@ -166,7 +166,7 @@ def _sent_to(fleet: LaunchedFleet, url: str) -> float:
 def test_a_rolling_restart_under_steady_load_loses_nothing(fleet: LaunchedFleet) -> None:
     """Under steady load, each worker in turn gets SIGTERM (it drains: /health says so, the router
     stops sending, what it runs finishes, it exits) and is started again on its port. No request
-    fails, none gets a 5xx, and both restarted workers are back in rotation."""
+    fails, none gets a 5xx, and every restarted worker is back in rotation."""
     stop = threading.Event()
     statuses: list[int] = []
 
@@ -201,10 +201,10 @@ def test_a_rolling_restart_under_steady_load_loses_nothing(fleet: LaunchedFleet)
     before = [_sent_to(fleet, u) for u in urls]
     hits = [httpx.post(f"{fleet.url}/generate", json={"text": f"fresh prompt number {i} " * 3,
                                                       "sampling_params": {"max_new_tokens": 1}}, timeout=60)
-            for i in range(4)]
+            for i in range(6)]
     assert all(h.status_code == 200 for h in hits)
-    assert sum(_sent_to(fleet, u) for u in urls) == sum(before) + 4
-    assert all(w["healthy"] and w["eligible"] for w in fleet.workers())  # both back in rotation
+    assert sum(_sent_to(fleet, u) for u in urls) == sum(before) + 6
+    assert len(fleet.workers()) == 3 and all(w["healthy"] and w["eligible"] for w in fleet.workers())
 
 
 def test_a_worker_killed_under_load_is_ejected_and_nothing_is_lost(fleet: LaunchedFleet) -> None:

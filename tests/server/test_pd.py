@@ -199,41 +199,37 @@ def _kill_mid_request(pd: PD, survivor: ServerProcess, dead: ServerProcess, bpor
     return fs.result()
 
 
-def test_decode_worker_killed_mid_transfer(pd: PD) -> None:
-    """The decode worker dies while the prefill worker prefills for it: the prefill worker's room
-    is never registered or never acknowledged, expires, drops its KV copy, and it keeps serving."""
-    dead = ServerProcess("--disaggregation-mode", "decode",
-                         "--disaggregation-timeout-secs", str(TIMEOUT_S))
-    try:
-        dead.wait_ready()
-        before = disagg(pd.prefill)["rooms_expired"]
-        assert _kill_mid_request(pd, pd.prefill, dead, pd.bport).status_code == 200
-        assert _poll(lambda: disagg(pd.prefill)["rooms_expired"] > before, TIMEOUT_S + 10)
-    finally:
-        dead.kill()
-    assert_memory_ok(wait_idle(pd.prefill.client(), timeout=TIMEOUT_S + 10))
-    r = pd.post("/generate", native(PROMPTS[0]))  # the prefill worker still serves
-    assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] != "abort", r.text
-
-
-def test_prefill_worker_killed_mid_transfer(pd: PD) -> None:
-    """The prefill worker dies before its KV arrives: the decode worker's reservation expires with a
-    clear error, its pool is back to idle, and it keeps serving."""
+def test_a_worker_killed_mid_transfer_leaves_its_peer_serving(pd: PD) -> None:
+    """Two faults at once, each with a doomed worker of its own (started together):
+    - a decode worker dies while the prefill worker prefills for it: the prefill worker's room is
+      never registered or never acknowledged, expires, drops its KV copy, and it keeps serving;
+    - a prefill worker dies before its KV arrives: the decode worker's reservation expires with a
+      clear error, its pool is back to idle, and it keeps serving."""
     bport = free_port()
-    dead = ServerProcess("--disaggregation-mode", "prefill",
-                         "--disaggregation-bootstrap-port", str(bport), "--disaggregation-timeout-secs", str(TIMEOUT_S))
+    doomed_decode = ServerProcess("--disaggregation-mode", "decode", "--disaggregation-timeout-secs", str(TIMEOUT_S))
+    doomed_prefill = ServerProcess("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bport),
+                                   "--disaggregation-timeout-secs", str(TIMEOUT_S))
     try:
-        dead.wait_ready()
-        before = disagg(pd.decode)["rooms_timed_out"]
-        r = _kill_mid_request(pd, pd.decode, dead, bport)
+        doomed_decode.wait_ready()
+        doomed_prefill.wait_ready()
+        expired, timed_out = disagg(pd.prefill)["rooms_expired"], disagg(pd.decode)["rooms_timed_out"]
+        with ThreadPoolExecutor(2) as faults:
+            to_prefill = faults.submit(_kill_mid_request, pd, pd.prefill, doomed_decode, pd.bport)
+            to_decode = faults.submit(_kill_mid_request, pd, pd.decode, doomed_prefill, bport)
+            assert to_prefill.result().status_code == 200
+            r = to_decode.result()
         assert "no KV from the prefill worker" in r.text, r.text
         assert r.status_code == 504 or r.json()["meta_info"]["finish_reason"]["type"] == "abort", r.text
-        assert disagg(pd.decode)["rooms_timed_out"] == before + 1
+        assert disagg(pd.decode)["rooms_timed_out"] == timed_out + 1
+        assert _poll(lambda: disagg(pd.prefill)["rooms_expired"] > expired, TIMEOUT_S + 10)
     finally:
-        dead.kill()
-    assert_memory_ok(wait_idle(pd.decode.client(), timeout=TIMEOUT_S + 10))
-    r = pd.post("/generate", native(PROMPTS[1]))  # the decode worker still serves
-    assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] != "abort", r.text
+        doomed_decode.kill()
+        doomed_prefill.kill()
+    for srv in (pd.prefill, pd.decode):
+        assert_memory_ok(wait_idle(srv.client(), timeout=TIMEOUT_S + 10))
+    for prompt in PROMPTS:  # both still serve
+        r = pd.post("/generate", native(prompt))
+        assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] != "abort", r.text
 
 
 def test_both_workers_idle_with_the_invariant(pd: PD) -> None:

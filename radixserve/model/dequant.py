@@ -1,0 +1,63 @@
+"""GGUF tensors to float32: csrc/gguf_dequant.cpp where it builds, ``gguf.quants`` otherwise.
+
+The C++ dequantizers (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+IQ4_NL, IQ4_XS) reproduce gguf-py's reference bit for bit (same float32 operations in the same
+order, no fused multiply-add: tests/model/test_dequant.py compares every type), in parallel over
+blocks; gguf-py's numpy versions make several full-size temporaries per tensor. Any other type, or
+a machine without a compiler, goes to ``gguf.quants.dequantize``.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixserve.model.cpp_build import load_extension
+
+_SOURCE = Path(__file__).with_name("csrc") / "gguf_dequant.cpp"
+
+
+@functools.lru_cache(maxsize=1)
+def _ext() -> tuple[Any, str | None]:
+    return load_extension("radixserve_gguf_dequant", _SOURCE, ["-ffp-contract=off"])
+
+
+def native_types() -> frozenset[int]:
+    """The GGML type ids the C++ dequantizer handles here (empty without the extension)."""
+    ext, _ = _ext()
+    if ext is None:
+        return frozenset()
+    return frozenset(t for t in range(64) if ext.supported(t))
+
+
+def dequantize(data: np.ndarray, qtype: Any) -> np.ndarray:
+    """The float32 values of a GGUF tensor's raw ``data`` (as ``gguf``'s reader gives it: blocks as
+    uint8, or F32/F16/BF16 values), flat, in the file's order."""
+    ext, _ = _ext()
+    code = int(qtype)
+    if ext is None or not ext.supported(code):
+        from gguf import quants
+
+        return np.asarray(quants.dequantize(data, qtype), dtype=np.float32).reshape(-1)
+    flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    with warnings.catch_warnings():  # a read-only memmap of the file: the kernel only reads it
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        raw = torch.from_numpy(flat)
+    return np.asarray(ext.dequantize(raw, code).numpy())
+
+
+if __name__ == "__main__":  # python -m radixserve.model.dequant: build it now (scripts/setup.sh)
+    import sys
+
+    from radixserve.model.cpp_build import build_dir
+
+    ext_, err_ = _ext()
+    if ext_ is None:
+        print(f"GGUF dequantizer: unavailable: {err_}")
+        sys.exit(1)
+    print(f"GGUF dequantizer: built in {build_dir()}")
