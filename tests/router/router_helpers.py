@@ -58,6 +58,15 @@ class Fleet:
         self.url = f"http://127.0.0.1:{port}"
         return self.router
 
+    async def until_workers(self, urls: set[str], timeout: float = 5.0) -> None:
+        """Wait until the router's workers are exactly ``urls`` (discovery acts in the background)."""
+        assert self.router is not None
+        for _ in range(int(timeout / 0.05)):
+            if set(self.router.workers) == urls:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"workers {set(self.router.workers)}, wanted {urls}")
+
     def loads(self) -> list[int]:
         assert self.router is not None
         return [t.load for w in self.router.workers.values() for t in w.targets]

@@ -42,23 +42,16 @@ def test_a_router_follows_its_discovery_file(tmp_path: Path) -> None:
                                           discovery_interval_secs=0.05)
         assert set(router.workers) == {a, cli}  # read before the first request
 
-        async def until(urls: set[str]) -> None:
-            for _ in range(100):
-                if set(router.workers) == urls:
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError(f"workers {set(router.workers)}, wanted {urls}")
-
         write([a, {"url": b}])
-        await until({a, b, cli})
+        await fleet.until_workers({a, b, cli})
         ports = {(await post(client, f"{fleet.url}/generate", {"text": "x"}))[1]["worker"] for _ in range(6)}
         assert len(ports) == 3
         write([b])  # a leaves; the command line's worker stays
-        await until({b, cli})
+        await fleet.until_workers({b, cli})
         write("[{broken")  # a half-written file: nothing changes
         await asyncio.sleep(0.3)
         assert set(router.workers) == {b, cli} and router.fleet.discovery.errors >= 1
         write([])
-        await until({cli})
+        await fleet.until_workers({cli})
 
     run(scenario)

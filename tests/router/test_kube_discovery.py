@@ -169,30 +169,23 @@ def test_a_router_follows_the_pods(kube_api: tuple[FakeKubeAPI, int]) -> None:
                                           discovery_namespace=NAMESPACE, discovery_interval_secs=1.0)
         assert set(router.workers) == {a}  # the first list is in before the first request
 
-        async def until(urls: set[str]) -> None:
-            for _ in range(100):
-                if set(router.workers) == urls:
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError(f"workers {set(router.workers)}, wanted {urls}")
-
         api.put(pod("pod-b", ports[1], ready=False))  # scheduled, not ready yet
         await asyncio.sleep(0.3)
         assert set(router.workers) == {a}
         api.put(pod("pod-b", ports[1]))  # ready: a watch event brings it in
-        await until({a, b})
+        await fleet.until_workers({a, b})
         answered = {(await post(client, f"{fleet.url}/generate", {"text": "x"}))[1]["worker"] for _ in range(4)}
         assert len(answered) == 2
         api.put(pod("pod-a", ports[0], terminating=True))  # being deleted: leaves before it is gone
-        await until({b})
+        await fleet.until_workers({b})
         api.fail(True)  # the API server down: nothing changes, the errors are counted
         await asyncio.sleep(1.5)
         assert set(router.workers) == {b} and router.fleet.discovery.errors >= 1
         api.put(pod("pod-c", ports[2]))  # created during the outage: found by the next list
         api.fail(False)
-        await until({b, c})
+        await fleet.until_workers({b, c})
         api.delete("pod-b")
-        await until({c})
+        await fleet.until_workers({c})
         assert api.lists >= 3
 
     run(scenario)

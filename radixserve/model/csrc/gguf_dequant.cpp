@@ -129,23 +129,9 @@ inline void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
     }
 }
 
-void q4_k(const uint8_t* b, float* y) {  // d, dmin, scales[12], qs[128]
+// qh: Q5_K's fifth bits (bit `sub` of qh[l] for value l of sub-block `sub`); null for Q4_K
+void k_quant_4_5(const uint8_t* b, const uint8_t* qh, const uint8_t* qs, float* y) {
     const float d = f16(b), dmin = f16(b + 2);
-    const uint8_t* qs = b + 16;
-    for (int sub = 0; sub < 8; ++sub) {
-        int sc, m;
-        k_scale_min(b + 4, sub, &sc, &m);
-        const float ds = d * static_cast<float>(sc), dm = dmin * static_cast<float>(m);
-        const uint8_t* q = qs + (sub / 2) * 32;
-        const int shift = 4 * (sub % 2);
-        for (int l = 0; l < 32; ++l) y[sub * 32 + l] = ds * static_cast<float>((q[l] >> shift) & 0x0F) - dm;
-    }
-}
-
-void q5_k(const uint8_t* b, float* y) {  // d, dmin, scales[12], qh[32], qs[128]
-    const float d = f16(b), dmin = f16(b + 2);
-    const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + 48;
     for (int sub = 0; sub < 8; ++sub) {
         int sc, m;
         k_scale_min(b + 4, sub, &sc, &m);
@@ -153,11 +139,15 @@ void q5_k(const uint8_t* b, float* y) {  // d, dmin, scales[12], qh[32], qs[128]
         const uint8_t* q = qs + (sub / 2) * 32;
         const int shift = 4 * (sub % 2);
         for (int l = 0; l < 32; ++l) {
-            const int v = ((q[l] >> shift) & 0x0F) | (((qh[l] >> sub) & 1) << 4);
+            const int v = ((q[l] >> shift) & 0x0F) | (qh ? ((qh[l] >> sub) & 1) << 4 : 0);
             y[sub * 32 + l] = ds * static_cast<float>(v) - dm;
         }
     }
 }
+
+void q4_k(const uint8_t* b, float* y) { k_quant_4_5(b, nullptr, b + 16, y); }  // d, dmin, scales[12], qs[128]
+
+void q5_k(const uint8_t* b, float* y) { k_quant_4_5(b, b + 16, b + 48, y); }  // ..., qh[32], qs[128]
 
 void q6_k(const uint8_t* b, float* y) {  // ql[128], qh[64], scales int8[16], d
     const uint8_t* ql = b;
