@@ -132,6 +132,7 @@ class Replica:
     policy: RouterPolicy
     affinity: SessionAffinity | None
     targets: list[Target] = field(default_factory=list)
+    by_key: dict[str, Target] = field(default_factory=dict)
 
 
 class Fleet:
@@ -155,7 +156,9 @@ class Fleet:
         for w in range(cfg.num_workers):
             ranks = [Target(f"w{w}", dp_rank=r) for r in range(cfg.dp_size)] if cfg.dp_aware else [Target(f"w{w}")]
             for rep in self.replicas:
-                rep.targets.extend([Target(t.url, t.dp_rank) for t in ranks])
+                mine = [Target(t.url, t.dp_rank) for t in ranks]
+                rep.targets.extend(mine)
+                rep.by_key.update((t.key, t) for t in mine)
             ranks = self.replicas[0].targets[-len(ranks):]
             for r in range(cfg.dp_size):
                 target = ranks[r] if cfg.dp_aware else ranks[0]
@@ -300,12 +303,13 @@ class Fleet:
         """What the workers' /get_load says (deadline_aware): each target's waiting prompt tokens and
         its ranks' measured prefill speed. Read at every routing decision: fresher than the HTTP
         router's one-second reports."""
-        for engines in self.by_target.values():
-            target = engines[0].target  # NOTE: the first replica's; the others are not reported to
-            target.waiting_tokens = sum(int(e.sched.get_load()["num_waiting_tokens"]) for e in engines) + \
+        for key, engines in self.by_target.items():
+            waiting = sum(int(e.sched.get_load()["num_waiting_tokens"]) for e in engines) + \
                 sum(len(r.origin_input_ids) for e in engines for r in e.pending)
-            target.prefill_tokens_per_s = sum(e.sched.deadlines.throughput.tokens_per_s for e in engines)
-            target.sent_tokens = 0
+            speed = sum(e.sched.deadlines.throughput.tokens_per_s for e in engines)
+            for rep in self.replicas:  # every replica reads the same report
+                target = rep.by_key[key]
+                target.waiting_tokens, target.prefill_tokens_per_s, target.sent_tokens = waiting, speed, 0
 
     def _step(self, t: float, eng: Engine, trace: FleetTrace) -> None:
         eng.scheduled = False

@@ -39,6 +39,9 @@ class FleetConfig:
             raise ValueError(f"--router-match: choose from {ROUTER_MATCHES}, not {self.match!r}")
         if self.router_replicas < 1:
             raise ValueError("router_replicas must be at least 1")
+        if self.router_replicas > 1 and self.session_affinity:
+            raise ValueError("router_replicas > 1 with session_affinity is not modelled (each replica's "
+                             "sessions would be its own)")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("--concurrency must be at least 1")
 

@@ -236,3 +236,8 @@ def test_router_replicas_agree_when_misses_do_not_hang_on_their_own_loads() -> N
     assert agreement[True] >= 0.95 > agreement[False], agreement
     _, single = _fleet(specs, num_workers=4, cache_events=True)
     assert single.replica_agreement is None
+    fleet, trace = _fleet(specs[:40], num_workers=2, policy="deadline_aware", router_replicas=2)
+    assert trace.replica_agreement is not None  # every replica reads the workers' reports
+    assert all(t.prefill_tokens_per_s > 0 for rep in fleet.replicas for t in rep.targets)
+    with pytest.raises(ValueError, match="session_affinity"):
+        FleetConfig(router_replicas=2, session_affinity=True)
