@@ -37,7 +37,7 @@ def _policies(ns: argparse.Namespace) -> list[str]:
     if not ns.compare_policies:
         return [ns.policy]
     names = [x.strip() for x in ns.compare_policies.split(",") if x.strip()]
-    real = getattr(ns, "real_workers", None) is not None
+    real = getattr(ns, "real_workers", 0) > 0
     bad = [x for x in names if x.removesuffix("+events" if real else "") not in POLICIES]
     if bad or not names:
         raise BenchError(f"--compare-policies: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}"
