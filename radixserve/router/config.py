@@ -88,7 +88,7 @@ class RouterArgs:
     consistent_misses: bool = option(
         False, "cache_aware: a request whose prompt no worker holds enough of goes to the worker a hash of "
         "the prompt ranks first among those within the balance window (instead of the least loaded), so "
-        "router replicas, whose in-flight counts differ, route alike (docs/fleet-operations.md).",
+        "router replicas, whose in-flight counts differ, route alike (docs/router.md).",
         group="policy")
     prefix_match: str = option(
         "chars", "cache_aware: match characters of the prompt (sgl-router) or tokens (the router "

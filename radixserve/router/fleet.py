@@ -68,10 +68,9 @@ class Fleet:
                              *(self.add_worker(u, wait=True, role="decode") for u in a.decode_urls))
         from radixserve.router.discovery import provider
 
-        if provider(a) == "file":
+        if a.discovery_file is not None:  # the file provider, named or not (config refuses file + kubernetes)
             from radixserve.router.discovery import FileDiscovery
 
-            assert a.discovery_file is not None
             self.discovery = FileDiscovery(a.discovery_file, self, a.discovery_interval_secs)
         elif provider(a) == "kubernetes":
             from radixserve.router.kube_discovery import KubernetesDiscovery

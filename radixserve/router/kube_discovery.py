@@ -135,14 +135,16 @@ class KubernetesDiscovery(Reconciler):
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._lists.put_nowait, self.workers())
 
-    def _follow(self) -> None:
-        """The thread: list, watch for an interval, again; an error waits an interval and lists."""
+    def _follow(self, version: str | None) -> None:
+        """The thread: watch from ``version`` (the last list's) for an interval, list again, and so
+        on; an error waits an interval and lists."""
         from kubernetes import watch
 
         while not self._stopping.is_set():
             try:
-                version = self._list()
-                self._hand_over()
+                if version is None:
+                    version = self._list()
+                    self._hand_over()
                 self._watch = watch.Watch()
                 for ev in self._watch.stream(self.api.list_namespaced_pod, self.namespace,
                                              label_selector=self.selector, resource_version=version,
@@ -160,8 +162,10 @@ class KubernetesDiscovery(Reconciler):
                 if self._stopping.is_set():
                     return
                 self.errors += 1
-                logger.warning("%s: %s; the fleet is left as it is", self.source, str(e).splitlines()[0])
+                why = (str(e).splitlines() or [type(e).__name__])[0]
+                logger.warning("%s: %s; the fleet is left as it is", self.source, why)
                 self._stopping.wait(self.interval)
+            version = None  # the watch ended (its timeout, 410 Gone, an error): list again
 
     async def sync(self) -> None:
         """Connect, take the first list and apply it (before the router takes requests), then start
@@ -173,13 +177,14 @@ class KubernetesDiscovery(Reconciler):
             raise
         except Exception as e:  # no in-cluster service account and no usable kubeconfig
             raise DiscoveryError(f"{self.source}: no Kubernetes credentials: {e}") from None
+        version = None
         try:
-            await asyncio.to_thread(self._list)
+            version = await asyncio.to_thread(self._list)
             await self.apply(self.workers())
         except Exception as e:
             self.errors += 1
             logger.warning("%s: the first list failed (%s); following the pods from now on", self.source, e)
-        threading.Thread(target=self._follow, name="kube-discovery", daemon=True).start()
+        threading.Thread(target=self._follow, args=(version,), name="kube-discovery", daemon=True).start()
 
     async def run(self) -> None:
         while True:

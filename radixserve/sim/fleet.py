@@ -24,6 +24,11 @@ are routed when a request finishes; past ``router_queue_size`` waiting, a reques
 from its engines at every decision (the HTTP router reads ``/get_load`` once a second); a request
 it refuses never reaches an engine and is recorded as aborted (branch ``deadline_refused``).
 
+Router replicas (``router_replicas`` R > 1): R policy objects, each with its own tree and its own
+in-flight counts (fleet_state.Replica); arrivals go to them in turn and every cache event reaches all
+of them. After a replica routes a request, the others are asked what they would have chosen
+(``CacheAware.choose``, which records nothing); the share that agree is ``replica_agreement``.
+
 An engine only ever sees its own requests, and a step is processed at its start with everything
 that arrived up to then, so one engine behaves exactly as in ``simulator.run`` (a test holds them
 equal). The router's load is its in-flight count per target (what sgl-router counts); the workers'
@@ -35,9 +40,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import ServerArgs
@@ -53,86 +56,15 @@ from radixserve.router.policy import (
     Target,
     make_router_policy,
 )
-from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.req import Req
 from radixserve.sim.cost_model import CostModel
 from radixserve.sim.fleet_config import FleetConfig, chars_key
-from radixserve.sim.simulator import (
-    ReqRecord,
-    SimRunner,
-    VirtualClock,
-    _record,
-    build_sim_scheduler,
-    make_req,
-    submit,
-)
+from radixserve.sim.fleet_state import Engine, FleetRecord, FleetTrace, Replica, Routed
+from radixserve.sim.simulator import _record, build_sim_scheduler, make_req, submit
 from radixserve.sim.workload import RequestSpec
 
 FINISH, ARRIVAL, STEP = 0, 1, 2
-# --- the fleet -------------------------------------------------------------------------------------
-class Engine:
-    """One simulated scheduler (a worker, or one DP rank of it) and what the fleet loop keeps of it."""
-
-    def __init__(self, sched: SchedulerCore, runner: SimRunner, clock: VirtualClock, worker: int, rank: int,
-                 target: Target) -> None:
-        self.sched, self.runner, self.clock = sched, runner, clock
-        self.worker, self.rank = worker, rank
-        self.target = target  # the router target its requests are counted under
-        self.pending: list[Req] = []  # routed here, not yet handed to the scheduler
-        self.live: dict[str, Req] = {}
-        self.scheduled = False  # a STEP event for it is in the heap
-        self.steps = 0
-        self.usage_sum = 0.0
-        self.usage_max = 0.0
-        self.max_running = 0
-        self.max_waiting = 0
-
-
-@dataclass
-class Routed:
-    """A request between its routing and its finish."""
-
-    target: Target
-    engine: Engine
-    branch: str
-    predicted: float | None  # the share of the prompt the router believed the target holds
-    conversation: int  # closed loop: index into the fleet's conversation list
-
-
-@dataclass
-class FleetRecord:
-    rid: str
-    record: ReqRecord
-    worker: int
-    rank: int
-    branch: str
-    predicted: float | None
-
-
-@dataclass
-class FleetTrace:
-    label: str
-    config: FleetConfig
-    records: list[FleetRecord] = field(default_factory=list)
-    engines: list[Engine] = field(default_factory=list)
-    step_sched_s: list[float] = field(default_factory=list)
-    step_sched_cpu_s: list[float] = field(default_factory=list)
-    duration: float = 0.0
-    wall_s: float = 0.0
-    cpu_s: float = 0.0
-    cache_events: int = 0  # insert + evict events the router's tree received
-    replica_agreement: float | None = None  # router_replicas > 1: share of requests all replicas routed alike
-
-
-@dataclass
-class Replica:
-    """One router replica: its policy (its own tree), its own in-flight counts, its own sessions."""
-
-    policy: RouterPolicy
-    affinity: SessionAffinity | None
-    targets: list[Target] = field(default_factory=list)
-    by_key: dict[str, Target] = field(default_factory=dict)
 
 
 class Fleet:
@@ -148,8 +80,11 @@ class Fleet:
                                  if cfg.session_affinity else None) for _ in range(cfg.router_replicas)]
         self.policy: RouterPolicy = self.replicas[0].policy
         self.uses_key = self.policy.uses_tree
+        if cfg.router_replicas > 1 and not isinstance(self.policy, CacheAware):
+            raise ValueError(f"router_replicas: {cfg.policy} keeps no tree whose decisions could be compared")
         self.arrivals = 0
-        self.agreed = 0  # requests every other replica would have routed as the one that did
+        self.compared = 0  # requests routed while there were replicas to compare with
+        self.agreed = 0  # of those, the ones every other replica would have routed alike
         self.engines: list[Engine] = []
         self.targets: list[Target] = []  # the first replica's (each replica counts its own loads)
         self.by_target: dict[str, list[Engine]] = {}
@@ -266,13 +201,13 @@ class Fleet:
         session = f"c:{spec.conversation}" if spec.conversation is not None else None
         rep = self.replicas[self.arrivals % len(self.replicas)]  # the replica the request reached, in turn
         self.arrivals += 1
-        if len(self.replicas) > 1:
-            self._compare(rep, route)
         try:
             d = decide(rep.policy, rep.affinity, rep.targets, route, session, t)
         except NoTargetMeetsDeadline as e:  # refused at the router: it never reaches an engine
             self._refuse(t, req, conversation, "deadline_refused", str(e))
             return False
+        if len(self.replicas) > 1:
+            self._compare(rep, route, d.target.key)
         d.target.load += 1
         ranks = self.by_target[d.target.key]
         i = self.next_rank[d.target.key]
@@ -288,16 +223,16 @@ class Fleet:
             self._push(max(t, eng.clock.now), STEP, eng)
         return True
 
-    def _compare(self, rep: Replica, route: RouteRequest) -> None:
-        """Would every other replica route this request where ``rep`` is about to? Each decides from
-        its own tree (the shared events plus its own routed paths) and its own in-flight counts."""
-        policies = [rep.policy] + [o.policy for o in self.replicas if o is not rep]
-        trees = [p for p in policies if isinstance(p, CacheAware)]
-        if len(trees) < len(policies):
-            raise ValueError(f"router_replicas: {self.cfg.policy} has no decision to compare (use a tree policy)")
-        mine = trees[0].choose(rep.targets, route).target.key
-        others = [o for o in self.replicas if o is not rep]
-        self.agreed += all(p.choose(o.targets, route).target.key == mine for p, o in zip(trees[1:], others, strict=True))
+    def _compare(self, rep: Replica, route: RouteRequest, chosen: str) -> None:
+        """Would every other replica have routed this request to ``chosen``, as ``rep`` did? Each
+        decides from its own tree (the shared events plus its own routed paths) and its own
+        in-flight counts, without recording anything."""
+        self.compared += 1
+        try:
+            self.agreed += all(isinstance(o.policy, CacheAware) and o.policy.choose(o.targets, route).target.key == chosen
+                               for o in self.replicas if o is not rep)
+        except NoTargetMeetsDeadline:  # another replica would have refused it
+            pass
 
     def _report_loads(self) -> None:
         """What the workers' /get_load says (deadline_aware): each target's waiting prompt tokens and
@@ -384,7 +319,7 @@ class Fleet:
         trace.duration = max(e.clock.now for e in self.engines)
         trace.cache_events = self.events
         if len(self.replicas) > 1:
-            trace.replica_agreement = self.agreed / self.arrivals if self.arrivals else None
+            trace.replica_agreement = self.agreed / self.compared if self.compared else None
         return trace
 
     def _client_next(self, t: float, c: int) -> None:
@@ -431,7 +366,3 @@ def run_fleet(args: ServerArgs, specs: Sequence[RequestSpec], cost: CostModel, c
               skip_req_to_token_writes: bool = False, stream: bool = False) -> FleetTrace:
     fleet = Fleet(args, cost, context_len, cfg, skip_req_to_token_writes, stream)
     return fleet.run(specs, label, progress)
-
-
-def branch_counts(records: Sequence[FleetRecord]) -> dict[str, int]:
-    return dict(sorted(Counter(r.branch for r in records).items()))

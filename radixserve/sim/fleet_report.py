@@ -11,8 +11,8 @@ import numpy as np
 
 from radixserve.config import ServerArgs
 from radixserve.router.policy import PolicyConfig, router_policy_names
-from radixserve.sim.fleet import FleetRecord, FleetTrace, branch_counts
 from radixserve.sim.fleet_config import FleetConfig
+from radixserve.sim.fleet_state import FleetRecord, FleetTrace, branch_counts
 from radixserve.sim.report import _f, class_table, fairness_line, table
 from radixserve.sim.simulator import SimTrace
 from radixserve.sim.summary import summarize

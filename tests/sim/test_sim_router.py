@@ -13,9 +13,10 @@ from radixserve.cli import main as cli_main
 from radixserve.config import ServerArgs
 from radixserve.router.policy import PolicyConfig
 from radixserve.sim.cost_model import make_cost_model
-from radixserve.sim.fleet import Fleet, FleetTrace, run_fleet
+from radixserve.sim.fleet import Fleet, run_fleet
 from radixserve.sim.fleet_config import FleetConfig, chars_key
 from radixserve.sim.fleet_report import fleet_item, summarize_fleet
+from radixserve.sim.fleet_state import FleetTrace
 from radixserve.sim.simulator import run
 from radixserve.sim.workload import RequestSpec, WorkloadConfig, generate
 

@@ -8,9 +8,10 @@ from typing import Any
 from radixserve.config import ServerArgs
 from radixserve.router.admission import AdmissionQueue, TenantCounters
 from radixserve.sim.cost_model import make_cost_model
-from radixserve.sim.fleet import Fleet, FleetTrace
+from radixserve.sim.fleet import Fleet
 from radixserve.sim.fleet_config import FleetConfig
 from radixserve.sim.fleet_report import fleet_item, summarize_fleet
+from radixserve.sim.fleet_state import FleetTrace
 from radixserve.sim.workload import RequestSpec
 
 CTX = 2048
