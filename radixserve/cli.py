@@ -233,8 +233,8 @@ def _bench_offline_parser(bsub: Any) -> None:
     bo.add_argument("--attention-backend", default="auto", choices=["auto", "torch_native", "cpu_paged"],
                     help="Attention implementation (see radixserve serve --help).")
     bo.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
-                    help="Weight-only quantized linears for small decode steps (see radixserve serve --help; "
-                         "docs/model.md).")
+                    help="How the linear weights are held: a GGUF's own blocks, float, or int8/int4 copies "
+                         "(see radixserve serve --help; docs/model.md).")
     bo.add_argument("--scheduler", default="sglang", choices=["sglang", "unified"], help="Scheduler.")
     bo.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens.")
     bo.add_argument("--max-running-requests", type=int, default=None,

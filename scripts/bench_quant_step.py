@@ -5,6 +5,10 @@
 
 A quantization may name its kernel (quant.py ``quantize_weight``): ``int4:aten`` against ``int4:block``
 compares ATen's kernel with csrc/block_gemm.cpp in one run; plain ``int4`` is the engine's choice.
+``gguf`` reads a GGUF model's own blocks at every batch (gguf_blocks.py; row by row up to the
+engine's default rows unless ``--quant-max-rows`` says otherwise)::
+
+    python scripts/bench_quant_step.py --batches 1 4 16 64 --quantizations none gguf
 
 One runner per quantization, all loaded in this process; for each batch the runners are timed in
 turn, round after round (``--rounds``), so a busy machine slows them alike. Prints the median and
@@ -42,7 +46,7 @@ def weight_bytes(runner: ModelRunner, rows: int) -> int:
         if not isinstance(m, Linear):
             continue
         q = m._quant
-        if q is not None and rows <= m.quant_max_rows:
+        if q is not None and (rows <= m.quant_max_rows or m.in_blocks):
             total += q.nbytes
         else:
             total += m.out_features * m.in_features * runner.dtype.itemsize
@@ -56,7 +60,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64])
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"],
-                    help="none, int8 or int4, each optionally :block or :aten (the kernel)")
+                    help="none, gguf, int8 or int4, the last two optionally :block or :aten (the kernel)")
     ap.add_argument("--quant-max-rows", type=int, default=None,
                     help=f"rows up to which the quantized kernel runs (default: every batch measured; "
                          f"the engine's default is {DEFAULT_MAX_ROWS_BF16} in bfloat16, {DEFAULT_MAX_ROWS} in float32)")
@@ -68,7 +72,8 @@ def main() -> None:
     runners = {
         q: ModelRunner(args.model, dtype=args.dtype, attention_backend=args.attention_backend,
                        quantization=q.partition(":")[0], quant_kernel=q.partition(":")[2] or "auto",
-                       quant_max_rows=max_rows, num_threads=args.threads, progress=False)
+                       quant_max_rows=args.quant_max_rows if q == "gguf" else max_rows, num_threads=args.threads,
+                       progress=False)
         for q in args.quantizations
     }
     first = next(iter(runners.values()))

@@ -39,17 +39,20 @@ class ModelOptions:
         "here, else torch_native (and torch_native for layers with sliding windows or soft-capped scores: Gemma).",
         ("auto", "torch_native", "cpu_paged"), group="model")
     quantization: str = option(
-        "auto", "Weight-only quantized copies of the linear weights, read by decode steps of at most "
-        "--quantization-max-batch rows (larger steps keep the float weights). gguf: the GGUF file's own "
-        "Q4_1 / Q8_0 blocks, bit for bit (needs AVX512-VNNI; about 2x faster at batch 1 than bfloat16). "
-        "int4 (groups of 32 with a scale and a minimum, Q4_1's layout) and int8 (blocks of 32, Q8_0's; one "
-        "scale per row where ATen's kernel runs): quantize any model. auto: gguf for a GGUF model in "
-        "bfloat16 where the kernel runs, else none (float32 stays the exact reference). Tolerance and "
-        "figures in docs/model.md.", ("auto", "none", "gguf", "int8", "int4"), group="model")
+        "auto", "How the linear weights are held. gguf: a GGUF file's quantized matrices stay in their blocks "
+        "(Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS; no float copy: weights take the file's size) and every "
+        "forward reads them there, row by row for steps of at most --quantization-max-batch rows, else by "
+        "dequantized tiles through the GEMM; the results are the dequantized weights' to float rounding. "
+        "none: float weights (a GGUF's expanded at load). int4 (groups of 32 with a scale and a minimum, "
+        "Q4_1's layout) and int8 (blocks of 32, Q8_0's; one scale per row where ATen's kernel runs): "
+        "quantized copies of float weights for small steps. auto: gguf for a GGUF model (none under "
+        "tensor parallelism, whose column shards would cut blocks), else none. docs/model.md.",
+        ("auto", "none", "gguf", "int8", "int4"), group="model")
     quantization_max_batch: int | None = option(
-        None, "Most rows (tokens) of a forward that uses the quantized weights; above it the float weights run "
-        "(faster there). Default: 5 when the float weights are bfloat16, 8 when float32 (where each was "
-        "measured to stop paying: docs/benchmarks.md).", group="model")
+        None, "Most rows (tokens) of a forward that uses the int8/int4 copies (above it the float weights "
+        "run), or that GGUF blocks read row by row (above it: dequantized tiles and the GEMM). Default: "
+        "int8/int4 5 when the float weights are bfloat16, 8 when float32; GGUF blocks 8 in bfloat16, 24 in "
+        "float32 (where each stopped paying: docs/benchmarks.md, quant.py).", group="model")
     random_seed: int = option(0, "Seed of the global sampler generator.", group="model")
     num_threads: int | None = option(None, "torch intra-op threads (default: torch's choice).", group="model")
 

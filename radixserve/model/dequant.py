@@ -1,5 +1,7 @@
 """GGUF tensors to float32: csrc/gguf_dequant.cpp where it builds, ``gguf.quants`` otherwise.
 
+The same extension multiplies by weights kept in their blocks (``linear``, gguf_blocks.py).
+
 The C++ dequantizers (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
 IQ4_NL, IQ4_XS) reproduce gguf-py's reference bit for bit (same float32 operations in the same
 order, no fused multiply-add: tests/model/test_dequant.py compares every type), in parallel over
@@ -33,6 +35,31 @@ def native_types() -> frozenset[int]:
     if ext is None:
         return frozenset()
     return frozenset(t for t in range(64) if ext.supported(t))
+
+
+# the float types: kept as float tensors of the model's dtype, never as blocks
+FLOAT_TYPES = frozenset({0, 1, 30})  # F32, F16, BF16
+
+
+def block_shape(qtype: int) -> tuple[int, int]:
+    """(values per block, bytes per block) of a GGML type."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    return int(block), int(size)
+
+
+def block_types() -> frozenset[int]:
+    """The quantized GGML types a weight can stay in here (its blocks read by ``linear``)."""
+    return native_types() - FLOAT_TYPES
+
+
+def linear_ext() -> Any:
+    """The extension, or RuntimeError saying why it is unavailable (the caller asked for blocks)."""
+    ext, err = _ext()
+    if ext is None:
+        raise RuntimeError(f"the GGUF block kernels are unavailable: {err}")
+    return ext
 
 
 def dequantize(data: np.ndarray, qtype: Any) -> np.ndarray:

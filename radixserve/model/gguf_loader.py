@@ -2,9 +2,13 @@
 
 llama.cpp's ``convert_hf_to_gguf.py`` renames every tensor, stores shapes in ``ne`` order (reversed
 from torch) and, for the ``llama`` architecture only, permutes the rows of ``q_proj`` and ``k_proj``
-so that its RoPE can rotate adjacent pairs. We dequantize (dequant.py: the common types in C++, bit
-for bit as ``gguf.quants``, which takes any other type it knows), rename back, and undo that
-permutation so the weights are the ones the HF checkpoint had and HF's ``rotate_half`` RoPE applies.
+so that its RoPE can rotate adjacent pairs. We rename back and undo that permutation so the weights
+are the ones the HF checkpoint had and HF's ``rotate_half`` RoPE applies.
+
+With ``keep_blocks`` every quantized matrix of a type the block kernels read stays in its blocks
+(``GGUFBlocks``, gguf_blocks.py: a view of the memory-mapped file where no row moves); otherwise,
+and for every other tensor, we dequantize (dequant.py: the common types in C++, bit for bit as
+``gguf.quants``, which takes any other type it knows).
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import numpy as np
 import torch
 
 from radixserve.model.config import ModelConfig
+from radixserve.model.gguf_blocks import GGUFBlocks
 from radixserve.model.gguf_file import open_gguf
-from radixserve.model.safetensors_loader import canonical_names
+from radixserve.model.safetensors_loader import Weights, canonical_names
 
 # Tensors outside the blocks.
 _GLOBAL_NAMES = {
@@ -89,22 +94,32 @@ def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def load_gguf(
-    path: str, dtype: torch.dtype = torch.float32, progress: bool = True
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and HF-named, dequantized state dict of a GGUF file."""
+    path: str, dtype: torch.dtype = torch.float32, progress: bool = True, keep_blocks: bool = False
+) -> tuple[ModelConfig, Weights]:
+    """Config and HF-named state dict of a GGUF file: float tensors of ``dtype``, and with
+    ``keep_blocks`` the quantized matrices as ``GGUFBlocks``."""
     from tqdm import tqdm
 
-    from radixserve.model.dequant import dequantize
+    from radixserve.model.dequant import block_types, dequantize
 
     reader = open_gguf(path)
     config = ModelConfig.from_gguf_metadata(reader.metadata)
-    state: dict[str, torch.Tensor] = {}
+    state: Weights = {}
+    in_blocks = block_types() if keep_blocks else frozenset()
     names = [t.name for t in reader.tensors]
     unknown = [n for n in names if n not in _SPECIAL and not _is_known(n, config.arch)]
     if unknown:
         raise ValueError(f"{path}: GGUF tensors this loader cannot map: {unknown[:8]}")
     permute = config.arch in ("llama", "granite")  # convert_hf_to_gguf permutes q/k for LlamaModel and its subclasses
     for t in tqdm(reader.tensors, desc="loading gguf", unit="tensor", file=sys.stderr, disable=not progress):
+        if int(t.tensor_type) in in_blocks and len(t.shape) >= 2 and t.name not in _SPECIAL:
+            name = gguf_to_hf_name(t.name, config.arch)
+            blocks = _blocks(t)
+            if permute and (".q_proj." in name or ".k_proj." in name):
+                n_head = config.num_heads if ".q_proj." in name else config.num_kv_heads
+                blocks = GGUFBlocks(unpermute_qk(blocks.data, n_head), blocks.qtype, blocks.cols)
+            state[name] = blocks
+            continue
         arr = dequantize(t.data, t.tensor_type)
         shape = tuple(reversed(t.shape))  # ne order -> torch order
         arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
@@ -139,20 +154,21 @@ def load_gguf(
     return config, state
 
 
-def gguf_tensor_types(path: str) -> dict[str, str]:
-    """HF name -> GGUF type name (``Q4_1``, ``Q8_0``, ``F32``...) of every weight in the file, under
-    the names ``load_gguf`` gives its parts (a fused or stacked tensor's type is each part's)."""
-    reader = open_gguf(path)
-    config = ModelConfig.from_gguf_metadata(reader.metadata)
-    out: dict[str, str] = {}
-    for t in reader.tensors:
-        if t.name in _SPECIAL:
-            continue
-        name = gguf_to_hf_name(t.name, config.arch)
-        shape = tuple(reversed(t.shape))
-        parts = canonical_names(config, {name: torch.empty(shape, device="meta")})
-        out.update(dict.fromkeys(parts, t.tensor_type.name))
-    return out
+def _blocks(t: object) -> GGUFBlocks:
+    """A quantized tensor's blocks as a read-only view of the memory-mapped file (no copy)."""
+    import warnings
+
+    shape = tuple(int(d) for d in reversed(t.shape))  # type: ignore[attr-defined]
+    raw = np.asarray(t.data).view(np.uint8).reshape(*shape[:-1], -1)  # type: ignore[attr-defined]
+    with warnings.catch_warnings():  # the kernels only read it
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        data = torch.from_numpy(raw)
+    return GGUFBlocks(data, int(t.tensor_type), shape[-1])  # type: ignore[attr-defined]
+
+
+def gguf_tensor_bytes(path: str) -> int:
+    """The bytes of every tensor in a GGUF file (what its weights take in memory, read in place)."""
+    return sum(int(t.data.nbytes) for t in open_gguf(path).tensors)
 
 
 def _is_known(name: str, arch: str) -> bool:

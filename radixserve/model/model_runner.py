@@ -27,10 +27,12 @@ import torch
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, PromptLogprobs
 from radixserve.mem.kv_pool import JournaledReqToTokenPool, KVPool, ReqToTokenPool
 from radixserve.model.config import ModelConfig
+from radixserve.model.gguf_blocks import GGUFWeight
+from radixserve.model.linear import Linear
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import load_model, parse_dtype, resolve_model_path
 from radixserve.model.parallel import TPGroup, check_tp_size, send_step, send_stop
-from radixserve.model.quant import block_kernel_error, check_quantization, default_max_rows
+from radixserve.model.quant import check_quantization, default_max_rows
 from radixserve.model.sampler import Sampler, prompt_logprobs
 from radixserve.model.tokenizer import Tokenizer
 
@@ -107,23 +109,26 @@ def tune_malloc() -> bool:
     return _MALLOC_TUNED
 
 
-def resolve_quantization(name: str, dtype: torch.dtype, model_path: str | None) -> str:
-    """``auto``: ``gguf`` (the file's own 4/8-bit blocks for small steps: the weights bit for bit,
-    activations to ~15 bits, about twice as fast at batch 1) for a GGUF model in bfloat16 where the
-    block kernel runs; ``none`` in float32 (the exact reference, HF parity), for other formats, and
-    without the kernel. Any other name is returned as it is (``gguf`` checked to be a GGUF)."""
+def resolve_quantization(name: str, model_path: str | None, tensor_parallel: bool = False) -> str:
+    """``auto``: ``gguf`` for a GGUF model (its quantized matrices stay in their blocks and every
+    forward reads them there: gguf_blocks.py) where the block kernels build, else ``none`` (float
+    weights). ``gguf`` insists on that. Under tensor parallelism the blocks are not kept (a column
+    shard would cut blocks): ``auto`` is ``none`` there. Any other name is returned as it is."""
     if name not in ("auto", "gguf"):
         return name
+    from radixserve.model.dequant import block_types
+
     is_gguf = resolve_model_path(model_path)[0] == "gguf"
     if name == "gguf":
         if not is_gguf:
             raise ValueError("--quantization gguf needs a GGUF model (it keeps the file's own blocks)")
-        if block_kernel_error() is not None:
-            raise RuntimeError(f"--quantization gguf needs the block kernel: {block_kernel_error()}")
+        if tensor_parallel:
+            raise ValueError("--quantization gguf does not run under tensor parallelism (shards would cut "
+                             "blocks); use --quantization auto or none")
+        if not block_types():
+            raise RuntimeError("--quantization gguf needs the GGUF block kernels, which did not build here")
         return name
-    if dtype == torch.float32 or not is_gguf or block_kernel_error() is not None:
-        return "none"
-    return "gguf"
+    return "gguf" if is_gguf and not tensor_parallel and block_types() else "none"
 
 
 def windowed(config: ModelConfig, context_length: int | None) -> tuple[ModelConfig, int]:
@@ -169,13 +174,15 @@ class ModelRunner:
         """Load the model at ``model_path`` (None: bundled SmolLM2-135M-Instruct GGUF).
 
         ``pack_weights``: pre-pack linear weights for oneDNN (float32, and bfloat16 where the CPU has
-        native bf16: faster on CPU; the plain copies are then freed). ``quantization``: ``none``,
-        ``int8`` or ``int4`` weight-only copies of every linear, ``gguf`` copies in the file's own
-        Q4_1 / Q8_0 blocks, or ``auto`` (``resolve_quantization``); the copies serve inputs of at
-        most ``quant_max_rows`` rows (None: ``default_max_rows`` of the dtype; quant.py;
-        ``quant_kernel``: ``auto``, ``block`` or ``aten``, see ``quantize_weight``). Quantized copies are made from float32 weights, so a bfloat16 model's
-        copies hold the file's values, not their bfloat16 rounding. ``seed`` seeds the sampler's generator for unseeded
-        requests.
+        native bf16: faster on CPU; the plain copies are then freed). ``quantization``: ``gguf``
+        (a GGUF file's quantized matrices kept in their blocks, no float copy), ``none`` (float
+        weights), ``int8`` or ``int4`` weight-only copies of every float linear, or ``auto``
+        (``resolve_quantization``). ``quant_max_rows``: the inputs up to which the int8/int4
+        copies serve, and the block kernel multiplies row by row instead of by tiles (None:
+        ``default_max_rows`` of the dtype; quant.py; ``quant_kernel``: ``auto``, ``block`` or
+        ``aten``, see ``quantize_weight``). int8/int4 copies are made from float32 weights, so a
+        bfloat16 model's copies hold the file's values, not their bfloat16 rounding. ``seed``
+        seeds the sampler's generator for unseeded requests.
         ``tune_malloc_arena``: see ``tune_malloc`` (process-wide glibc setting).
         ``tp_group``: load this rank's shard of a tensor-parallel model (a group of size 1 is none).
         ``context_length``: the longest sequence it will run (default: the model's span; a
@@ -188,13 +195,14 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype)
         t0 = time.perf_counter()
         self.tp = tp_group if tp_group is not None and tp_group.size > 1 else None
-        self.quantization = resolve_quantization(check_quantization(quantization), self.dtype, model_path)
+        self.quantization = resolve_quantization(check_quantization(quantization), model_path, self.tp is not None)
+        in_blocks = self.quantization == "gguf"
         if quant_max_rows is None:
-            quant_max_rows = default_max_rows(self.dtype)
+            quant_max_rows = default_max_rows(self.dtype, in_blocks)
         self.quant_max_rows = quant_max_rows
-        # quantized copies are cut from the float32 weights, then the model is cast
-        load_dtype = torch.float32 if self.quantization != "none" else self.dtype
-        config, state = load_model(model_path, load_dtype, progress=progress)
+        # int8/int4 copies are cut from the float32 weights, then the model is cast
+        load_dtype = torch.float32 if self.quantization in ("int8", "int4") else self.dtype
+        config, state = load_model(model_path, load_dtype, progress=progress, keep_blocks=in_blocks)
         if self.tp is not None:
             check_tp_size(config, self.tp.size)
         config, self.context_len = windowed(config, context_length)
@@ -202,7 +210,8 @@ class ModelRunner:
             config, state, load_dtype, attention_backend, self.tp, self.context_len
         )
         del state
-        self.quantized_linears = self._quantize(model_path, quant_max_rows, quant_kernel)
+        self.model.set_block_rows(quant_max_rows)
+        self.quantized_linears = self._quantize(quant_max_rows, quant_kernel)
         if self.model.dtype != self.dtype:
             self.model.cast_(self.dtype)
         self.packed_linears = self.model.pack_linears(drop_plain_weights=True) if pack_weights else 0
@@ -216,23 +225,36 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self._log_loaded(config, quantization)
 
-    def _quantize(self, model_path: str | None, max_rows: int, kernel: str) -> int:
-        """The weight-only quantized copies ``--quantization`` asks for: how many linears got one."""
-        if self.quantization == "gguf":
-            from radixserve.model.gguf_loader import gguf_tensor_types
-
-            types = gguf_tensor_types(resolve_model_path(model_path)[1])
-            return self.model.quantize_like_file(types, max_rows)
-        if self.quantization != "none":
+    def _quantize(self, max_rows: int, kernel: str) -> int:
+        """The linears in a quantized layout: GGUF blocks, or the int8/int4 copies ``--quantization``
+        asks for."""
+        if self.quantization in ("int8", "int4"):
             return self.model.quantize_linears(self.quantization, max_rows, kernel)
-        return 0
+        return sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.in_blocks)
 
     def _log_loaded(self, config: ModelConfig, quantization: str) -> None:
-        q = (f"quantized ({quantization}, up to {self.quant_max_rows} rows)" if self.quantized_linears
-             else "quantized")
-        logger.info("loaded %s (%s, %d layers) as %s in %.1fs, %d threads, %d linears packed, %d %s",
-                    config.name or self.model_path, config.arch, config.num_layers, self.dtype, self.load_seconds,
-                    self.num_threads, self.packed_linears, self.quantized_linears, q)
+        if self.quantization == "gguf":
+            q = f"kept in their GGUF blocks ({', '.join(self.block_types())})"
+        elif self.quantized_linears:
+            q = f"quantized ({self.quantization}, up to {self.quant_max_rows} rows)"
+        else:
+            q = "quantized"
+        logger.info("loaded %s (%s, %d layers) as %s in %.1fs, %d threads, %d linears packed, %d %s; "
+                    "weights %.0f MiB", config.name or self.model_path, config.arch, config.num_layers, self.dtype,
+                    self.load_seconds, self.num_threads, self.packed_linears, self.quantized_linears, q,
+                    self.model.weight_bytes() / 2**20)
+
+    def block_types(self) -> list[str]:
+        """The GGUF types the linears read in place, each with how many linears hold it."""
+        from gguf.constants import GGMLQuantizationType
+
+        counts: dict[str, int] = {}
+        for m in self.model.modules():
+            if isinstance(m, Linear) and isinstance(m._quant, GGUFWeight):
+                for t in dict.fromkeys(m._quant.type_ids):
+                    name = GGMLQuantizationType(t).name
+                    counts[name] = counts.get(name, 0) + 1
+        return [f"{n} x{k}" for n, k in sorted(counts.items())]
 
     # ------------------------------------------------------------------ sizes and pools
     @property

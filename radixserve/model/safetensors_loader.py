@@ -12,10 +12,17 @@ import json
 import os
 import re
 import sys
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
 from radixserve.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from radixserve.model.gguf_blocks import GGUFBlocks
+
+# a loaded checkpoint: HF name -> float tensor, or a GGUF matrix kept in its blocks
+Weights: TypeAlias = "dict[str, torch.Tensor | GGUFBlocks]"
 
 # Buffers some checkpoints carry that are recomputed here.
 _SKIP_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -32,9 +39,10 @@ _LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model."
 _VISION = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
 
 
-def canonical_names(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` renamed and split into the tensors llama.py loads (views: nothing is copied)."""
-    out: dict[str, torch.Tensor] = {}
+def canonical_names(config: ModelConfig, state: Weights) -> Weights:
+    """``state`` renamed and split into the tensors llama.py loads (views: nothing is copied; GGUF
+    blocks are cut by rows the same way)."""
+    out: Weights = {}
     for key, t in state.items():
         if key.startswith(_VISION):
             continue
@@ -76,7 +84,7 @@ def safetensors_files(directory: str) -> list[str]:
 
 def load_safetensors_dir(
     directory: str, dtype: torch.dtype = torch.float32, progress: bool = True
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+) -> tuple[ModelConfig, Weights]:
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -89,7 +97,7 @@ def load_safetensors_dir(
     files = safetensors_files(directory)
     handles = [safe_open(path, framework="pt") for path in files]
     keys = [(h, k) for h in handles for k in h.keys()]
-    state: dict[str, torch.Tensor] = {}
+    state: Weights = {}
     for handle, key in tqdm(
         keys, desc="loading safetensors", unit="tensor", file=sys.stderr, disable=not progress
     ):

@@ -108,7 +108,6 @@ def test_prefill_extend_and_decode_match_transformers(
 
 
 def test_gguf_and_hf_checkpoints_load_the_same_model(family: tuple[str, str, Any], tmp_path: Any) -> None:
-    from radixserve.model.gguf_loader import gguf_tensor_types
     from radixserve.model.loader import load_model
 
     _, d, _ = family
@@ -131,11 +130,29 @@ def test_gguf_and_hf_checkpoints_load_the_same_model(family: tuple[str, str, Any
     for k in hf_sd:  # llama.cpp's Gemma files hold each norm weight plus its offset from 1
         offset = hf_cfg.norm_weight_offset - g_cfg.norm_weight_offset if k.endswith("norm.weight") else 0
         assert torch.equal(g_sd[k], hf_sd[k] + offset), k
-    # the per-tensor types name exactly the tensors the model's linears are made of
-    types = gguf_tensor_types(path)
-    runner = ModelRunner(path, dtype="float32", progress=False, pack_weights=False)
-    sources = {n for names in runner.model.linear_sources().values() for n in names}
-    assert sources <= set(types) and set(types.values()) == {"F32"}
+    # the same file with its matrices in Q8_0 blocks: read in place, the same model as expanded
+    qpath = write_gguf(d, str(tmp_path / "q8.gguf"), blocks=_q8_0)
+    seq = ids(30, seed=5)
+    logits = {}
+    for q in ("gguf", "none"):
+        r = ModelRunner(qpath, dtype="float32", progress=False, quantization=q, context_length=128)
+        kv, r2t = r.make_kv_pool(1024, page_size=16), r.make_req_to_token_pool(4)
+        r.attach_pools(kv, r2t)
+        h = Harness(kv, r2t)
+        logits[q] = r.forward(h.batch([h.new_request()], [seq])).logits[0]
+        if q == "gguf":  # every linear whose input size holds whole blocks (Mixtral's 48-wide down is float)
+            want = [m.in_features % 32 == 0 for m in r.model.linear_sources()]
+            assert [m.in_blocks for m in r.model.linear_sources()] == want and any(want)
+    assert rel_err(logits["gguf"], logits["none"]) < REL_TOL
+
+
+def _q8_0(name: str, arr: Any) -> Any:
+    """``write_gguf``'s ``blocks``: every matrix whose rows hold whole blocks, in Q8_0."""
+    from gguf import GGMLQuantizationType, quants
+
+    if arr.shape[-1] % 32:
+        return None
+    return quants.quantize(arr, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
 
 
 def test_phi3_long_context_uses_the_long_factors(family: tuple[str, str, Any]) -> None:

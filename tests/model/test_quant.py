@@ -123,6 +123,7 @@ def test_quantization_option_is_validated() -> None:
     from radixserve.model.quant import default_max_rows
 
     assert default_max_rows(torch.bfloat16) == 5 and default_max_rows(torch.float32) == 8
+    assert default_max_rows(torch.float32, in_blocks=True) == 24  # GGUF blocks read in place
 
 
 @pytest.fixture(scope="module")
@@ -275,44 +276,3 @@ def test_block_weight_keeps_the_gguf_blocks_bit_for_bit(tensor: str, bits: int, 
     else:
         assert torch.equal((bw.qs.reshape(n, -1, 32).to(torch.int16) - 128).to(torch.int8).view(torch.uint8), blocks[..., 2:])
     assert torch.equal(bw.dequantize(), w)
-
-
-def test_auto_quantization_resolves_by_dtype_format_and_kernel(tmp_path: Any) -> None:
-    from radixserve.model.model_runner import resolve_quantization
-    from radixserve.model.quant import block_kernel_error
-
-    kernel = block_kernel_error() is None
-    assert resolve_quantization("auto", torch.float32, None) == "none"  # the exact reference
-    assert resolve_quantization("auto", torch.bfloat16, None) == ("gguf" if kernel else "none")
-    assert resolve_quantization("int4", torch.float32, None) == "int4"
-    st = tmp_path / "m"
-    st.mkdir()
-    (st / "config.json").write_text("{}")
-    assert resolve_quantization("auto", torch.bfloat16, str(st)) == "none"  # not a GGUF
-    with pytest.raises(ValueError, match="GGUF"):
-        resolve_quantization("gguf", torch.bfloat16, str(st))
-
-
-def test_bf16_runner_keeps_the_files_blocks(fp32_runner: Any) -> None:
-    """The default (``auto``) bfloat16 runner gives every linear a copy in its GGUF format, cut from
-    the float32 weights: equal to the float32 model's weights, not to their bfloat16 rounding."""
-    from radixserve.model.model_runner import ModelRunner
-    from radixserve.model.quant import BlockWeight, block_kernel_error
-
-    if block_kernel_error() is not None:
-        pytest.skip(f"block kernel unavailable: {block_kernel_error()}")
-    r = ModelRunner(None, dtype="bfloat16", progress=False)
-    assert r.quantization == "gguf" and r.model.dtype == torch.bfloat16
-    assert r.quantized_linears == 4 * r.model_config.num_layers + 1
-    # the default row threshold follows the float weights' dtype: 5 rows against bfloat16
-    assert r.quant_max_rows == 5 and all(m.quant_max_rows == 5 for m in (r.model.lm_head, r.model.layers[0].mlp.down_proj))
-    lm = r.model.lm_head
-    assert lm.quantization == "int8" and isinstance(lm._quant, BlockWeight)
-    down = r.model.layers[3].mlp.down_proj
-    assert down.quantization == "int4" and isinstance(down._quant, BlockWeight)
-    ref = fp32_runner.model.layers[3].mlp.down_proj
-    want = ref.weight if ref.weight.numel() else None
-    if want is None:  # packed float32: unpack through an identity input
-        want = ref(torch.eye(ref.in_features)).t()
-    assert torch.equal(down._quant.dequantize(), want.float())
-    assert r.model.embed_tokens.dtype == torch.bfloat16 and r.model.cos_cache.dtype == torch.bfloat16

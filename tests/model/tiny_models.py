@@ -80,11 +80,14 @@ def make_tiny_model(directory: str, family: str, seed: int = 0, vocab_size: int 
     return directory
 
 
-def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) -> str:
+def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None,
+               blocks: Any = None) -> str:
     """The checkpoint at ``hf_dir`` as a float32 GGUF file, laid out as llama.cpp's converter lays
     it out: its tensor names, q/k rows permuted for the llama architecture, experts stacked into one
     tensor per projection, Phi-3's q/k/v and gate/up fused, LongRoPE factors as tensors.
-    ``tokenizer``: ``tokenizer.ggml.*`` metadata to write instead of the byte tokenizer's."""
+    ``tokenizer``: ``tokenizer.ggml.*`` metadata to write instead of the byte tokenizer's.
+    ``blocks(name, float32 array)``: ``(uint8 blocks, GGMLQuantizationType)`` to store instead of a
+    tensor, or None to keep it float32."""
     import gguf
     from safetensors.torch import load_file
 
@@ -102,7 +105,12 @@ def write_gguf(hf_dir: str, path: str, tokenizer: dict[str, Any] | None = None) 
     def put(name: str, t: torch.Tensor) -> None:
         if c.norm_weight_offset and name.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + w
             t = t + c.norm_weight_offset
-        w.add_tensor(name, t.float().contiguous().numpy())
+        arr = t.float().contiguous().numpy()
+        q = blocks(name, arr) if blocks is not None and arr.ndim >= 2 else None
+        if q is None:
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, q[0], raw_dtype=q[1])
 
     put("token_embd.weight", sd["model.embed_tokens.weight"])
     put("output_norm.weight", sd["model.norm.weight"])

@@ -11,8 +11,14 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -180,6 +186,94 @@ void iq4_xs(const uint8_t* b, float* y) {  // d, scales_h (16 bits), scales_l[4]
     }
 }
 
+#if defined(__AVX2__)
+// AVX2 versions of the types decode reads most. Same float32 operations in the same order as the
+// loops above (a multiply, then an add or subtract, never fused), so the same bits.
+inline __m256 f32x8(__m128i bytes8, bool is_signed) {  // the low 8 bytes of `bytes8` as floats
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8));
+}
+
+enum Offset { kNone, kAdd, kSub };
+
+// y[0..32) = scale(i) * v[i], then + off or - off (or neither: adding 0 would turn -0 into +0);
+// v: 32 bytes; scale(i): lo16 for i < 16, hi16 after
+inline void affine32(__m256i v, bool is_signed, __m256 lo16, __m256 hi16, __m256 off, Offset op, float* y) {
+    const __m128i a = _mm256_castsi256_si128(v), b = _mm256_extracti128_si256(v, 1);
+    const __m128i parts[4] = {a, _mm_srli_si128(a, 8), b, _mm_srli_si128(b, 8)};
+    for (int p = 0; p < 4; ++p) {
+        const __m256 t = _mm256_mul_ps(p < 2 ? lo16 : hi16, f32x8(parts[p], is_signed));
+        _mm256_storeu_ps(y + 8 * p, op == kAdd ? _mm256_add_ps(t, off) : op == kSub ? _mm256_sub_ps(t, off) : t);
+    }
+}
+
+inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes -> their 16 low nibbles, then 16 high
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+}
+
+void q4_0_simd(const uint8_t* b, float* y) {
+    const __m256 d = _mm256_set1_ps(f16(b)), zero = _mm256_setzero_ps();
+    const __m256i v = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+    affine32(v, true, d, d, zero, kNone, y);
+}
+
+void q4_1_simd(const uint8_t* b, float* y) {
+    const __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(f16(b + 2));
+    affine32(nibbles32(b + 4), false, d, d, m, kAdd, y);
+}
+
+void q8_0_simd(const uint8_t* b, float* y) {
+    const __m256 d = _mm256_set1_ps(f16(b));
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    const __m128i a = _mm256_castsi256_si128(v), c = _mm256_extracti128_si256(v, 1);
+    const __m128i parts[4] = {a, _mm_srli_si128(a, 8), c, _mm_srli_si128(c, 8)};
+    for (int p = 0; p < 4; ++p) _mm256_storeu_ps(y + 8 * p, _mm256_mul_ps(f32x8(parts[p], true), d));
+}
+
+void k_quant_4_5_simd(const uint8_t* b, const uint8_t* qh, const uint8_t* qs, float* y) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i high = qh ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
+    for (int sub = 0; sub < 8; ++sub) {
+        int sc, m;
+        k_scale_min(b + 4, sub, &sc, &m);
+        const __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc)), dm = _mm256_set1_ps(dmin * static_cast<float>(m));
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (sub / 2) * 32));
+        __m256i v = _mm256_and_si256(sub % 2 ? _mm256_srli_epi16(q, 4) : q, mask);
+        if (qh) {
+            const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(sub)), one);
+            v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
+        }
+        affine32(v, false, ds, ds, dm, kSub, y + sub * 32);
+    }
+}
+
+void q4_k_simd(const uint8_t* b, float* y) { k_quant_4_5_simd(b, nullptr, b + 16, y); }
+
+void q5_k_simd(const uint8_t* b, float* y) { k_quant_4_5_simd(b, b + 16, b + 48, y); }
+
+void q6_k_simd(const uint8_t* b, float* y) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16(b + 208);
+    const __m256i mask4 = _mm256_set1_epi8(0x0F), mask2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
+    const __m256 zero = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + h * 32));
+        for (int c = 0; c < 4; ++c) {  // values h * 128 + c * 32 + l, l < 32
+            const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + h * 64 + (c % 2) * 32));
+            const __m256i lo = _mm256_and_si256(c / 2 ? _mm256_srli_epi16(lb, 4) : lb, mask4);
+            const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), mask2);
+            const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off);
+            const int e = h * 128 + c * 32;
+            const __m256 s0 = _mm256_set1_ps(d * static_cast<float>(sc[e / 16]));
+            const __m256 s1 = _mm256_set1_ps(d * static_cast<float>(sc[e / 16 + 1]));
+            affine32(v, true, s0, s1, zero, kNone, y + e);
+        }
+    }
+}
+#endif
+
 void f16_to_f32(const uint8_t* b, float* y) { *y = f16(b); }
 
 void bf16_to_f32(const uint8_t* b, float* y) {
@@ -201,16 +295,25 @@ bool format_of(int64_t type, Format* f) {
     switch (type) {
         case 0: *f = {f32_copy, 1, 4}; return true;
         case 1: *f = {f16_to_f32, 1, 2}; return true;
+#if defined(__AVX2__)
+        case 2: *f = {q4_0_simd, 32, 18}; return true;
+        case 3: *f = {q4_1_simd, 32, 20}; return true;
+        case 8: *f = {q8_0_simd, 32, 34}; return true;
+        case 12: *f = {q4_k_simd, 256, 144}; return true;
+        case 13: *f = {q5_k_simd, 256, 176}; return true;
+        case 14: *f = {q6_k_simd, 256, 210}; return true;
+#else
         case 2: *f = {q4_0, 32, 18}; return true;
         case 3: *f = {q4_1, 32, 20}; return true;
-        case 6: *f = {q5_0, 32, 22}; return true;
-        case 7: *f = {q5_1, 32, 24}; return true;
         case 8: *f = {q8_0, 32, 34}; return true;
-        case 10: *f = {q2_k, 256, 84}; return true;
-        case 11: *f = {q3_k, 256, 110}; return true;
         case 12: *f = {q4_k, 256, 144}; return true;
         case 13: *f = {q5_k, 256, 176}; return true;
         case 14: *f = {q6_k, 256, 210}; return true;
+#endif
+        case 6: *f = {q5_0, 32, 22}; return true;
+        case 7: *f = {q5_1, 32, 24}; return true;
+        case 10: *f = {q2_k, 256, 84}; return true;
+        case 11: *f = {q3_k, 256, 110}; return true;
         case 20: *f = {iq4_nl, 32, 18}; return true;
         case 23: *f = {iq4_xs, 256, 136}; return true;
         case 30: *f = {bf16_to_f32, 1, 2}; return true;
@@ -243,7 +346,147 @@ torch::Tensor dequantize(torch::Tensor raw, int64_t type) {
     return out;
 }
 
+// --- weights kept in their blocks -------------------------------------------------------------------
+// A weight [N, K] is its N rows of K / block_size blocks each (GGUF stores rows whole: K is the
+// fastest dimension). The linear below never holds more than one tile of it in float.
+namespace {
+
+inline void dequant_row(const Format& f, const uint8_t* row, int64_t nblocks, float* y) {
+    for (int64_t b = 0; b < nblocks; ++b) f.fn(row + b * f.type_size, y + b * f.block_size);
+}
+
+// sum_k a[k] * b[k]; fused multiply-adds through intrinsics (this file is built without contraction)
+inline float dot(const float* a, const float* b, int64_t n) {
+    int64_t k = 0;
+    float s = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (; k + 32 <= n; k += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k + 16), _mm512_loadu_ps(b + k + 16), acc1);
+    }
+    s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(),
+           acc3 = _mm256_setzero_ps();
+    for (; k + 32 <= n; k += 32) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), acc1);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16), _mm256_loadu_ps(b + k + 16), acc2);
+        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), acc3);
+    }
+    const __m256 v = _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    s = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+#endif
+    for (; k < n; ++k) s += a[k] * b[k];
+    return s;
+}
+
+// out[i * ldo] = dot(x + i * ldx, w, n) for i < R: w is loaded once for all R rows
+template <int R>
+inline void dot_rows(const float* x, int64_t ldx, const float* w, int64_t n, float* out, int64_t ldo) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if (R > 1 && n % 8 == 0) {
+        __m256 acc[R];
+        for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < n; k += 8) {
+            const __m256 wv = _mm256_loadu_ps(w + k);
+            for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), wv, acc[i]);
+        }
+        for (int i = 0; i < R; ++i) {
+            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+            const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            out[i * ldo] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < R; ++i) out[i * ldo] = dot(x + i * ldx, w, n);
+}
+
+Format checked_format(const torch::Tensor& w, int64_t type, int64_t k) {
+    Format f;
+    TORCH_CHECK(format_of(type, &f), "no dequantizer for GGML type ", type);
+    TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "weight blocks must be contiguous uint8 [N, row bytes]");
+    TORCH_CHECK(k % f.block_size == 0 && w.size(1) == k / f.block_size * f.type_size,
+                "weight rows of ", w.size(1), " bytes do not hold ", k, " values of GGML type ", type);
+    return f;
+}
+
+}  // namespace
+
+// x [M, K] (any float dtype) times the block weight [N, K] transposed -> [M, N] in x's dtype.
+// Up to `small_rows` rows (decode): each weight row is dequantized once into a buffer that stays
+// in L1 and dotted with every input row in float32, so the weights are read once, in their blocks.
+// More rows (prefill): tiles of weight rows are dequantized to x's dtype and multiplied by the
+// BLAS GEMM; a tile holds about a million values, whatever the weight's size.
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t small_rows) {
+    TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
+    const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+    const Format f = checked_format(w, type, k);
+    const int64_t nb = k / f.block_size, rb = w.size(1);
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    if (m <= small_rows) {
+        torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+        torch::Tensor y = torch::empty({m, n}, xf.options());
+        const float* xp = xf.data_ptr<float>();
+        float* yp = y.data_ptr<float>();
+        at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+            std::vector<float> row(k);
+            for (int64_t j = begin; j < end; ++j) {
+                dequant_row(f, wp + j * rb, nb, row.data());
+                const float* r = row.data();
+                int64_t i = 0;
+                for (; i + 4 <= m; i += 4) dot_rows<4>(xp + i * k, k, r, k, yp + i * n + j, n);
+                switch (m - i) {
+                    case 3: dot_rows<3>(xp + i * k, k, r, k, yp + i * n + j, n); break;
+                    case 2: dot_rows<2>(xp + i * k, k, r, k, yp + i * n + j, n); break;
+                    case 1: dot_rows<1>(xp + i * k, k, r, k, yp + i * n + j, n); break;
+                    default: break;
+                }
+            }
+        });
+        return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
+    }
+    torch::Tensor xc = x.contiguous();
+    torch::Tensor y = torch::empty({m, n}, xc.options());
+    const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(n, (1 << 20) / std::max<int64_t>(k, 1)));
+    torch::Tensor buf = torch::empty({tile, k}, torch::kFloat32);
+    float* bp = buf.data_ptr<float>();
+    for (int64_t n0 = 0; n0 < n; n0 += tile) {
+        const int64_t t = std::min(tile, n - n0);
+        at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
+            for (int64_t j = begin; j < end; ++j) dequant_row(f, wp + (n0 + j) * rb, nb, bp + j * k);
+        });
+        torch::Tensor wt = buf.narrow(0, 0, t);
+        if (xc.scalar_type() != torch::kFloat32) wt = wt.to(xc.scalar_type());
+        y.narrow(1, n0, t).copy_(at::mm(xc, wt.t()));
+    }
+    return y;
+}
+
+// The float32 rows `index` of the block weight [N, K] (an embedding lookup).
+torch::Tensor rows(torch::Tensor w, int64_t type, int64_t k, torch::Tensor index) {
+    const Format f = checked_format(w, type, k);
+    TORCH_CHECK(index.dtype() == torch::kInt64 && index.dim() == 1, "index must be int64 [T]");
+    torch::Tensor idx = index.contiguous();
+    const int64_t t = idx.numel(), n = w.size(0), nb = k / f.block_size, rb = w.size(1);
+    const int64_t* ip = idx.data_ptr<int64_t>();
+    for (int64_t i = 0; i < t; ++i) TORCH_CHECK_INDEX(ip[i] >= 0 && ip[i] < n, "row ", ip[i], " out of range [0, ", n, ")");
+    torch::Tensor y = torch::empty({t, k}, torch::kFloat32);
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, t, 8, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) dequant_row(f, wp + ip[i] * rb, nb, yp + i * k);
+    });
+    return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("dequantize", &dequantize, "GGUF blocks (uint8) of a GGML type to float32");
     m.def("supported", &supported, "whether a GGML type has a dequantizer here");
+    m.def("linear", &linear, "x [M, K] @ block weight [N, K].T");
+    m.def("rows", &rows, "float32 rows of a block weight");
 }

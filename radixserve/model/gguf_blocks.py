@@ -1,0 +1,136 @@
+"""GGUF weights kept in their blocks: a quantized matrix is never expanded to float in memory.
+
+A GGUF tensor of torch shape ``[N, K]`` is N rows of ``K / block_size`` blocks, each row whole and
+contiguous in the file (K is the fastest dimension). ``GGUFBlocks`` holds such a tensor as a uint8
+``[..., N, row_bytes]`` array plus its type, and offers the few operations loading needs, all on
+whole rows: llama.cpp's q/k row permutation, fused q/k/v and gate/up cut into their parts, one
+expert out of a stacked ``[experts, N, K]`` tensor, parts joined again (``GGUFWeight``). A column
+slice (a tensor-parallel shard of ``o_proj``/``down_proj``) would have to cut blocks, so tensor
+parallelism loads float weights instead.
+
+``GGUFWeight`` is the linear's side: ``x @ W.T`` by csrc/gguf_dequant.cpp's ``linear``, which
+dequantizes one weight row at a time for small inputs (decode: the weights are read once, in their
+blocks) and tiles of rows into the BLAS GEMM for large ones (prefill). A fused linear whose parts
+have different types (Q4_K_M files keep some ``attn_v`` / ``ffn_down`` in Q6_K) holds one segment
+per type and writes each segment's columns of the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from radixserve.model.dequant import block_shape, linear_ext
+from radixserve.model.quant import QuantizedWeight
+
+
+class GGUFBlocks:
+    """A GGUF tensor in its blocks: ``data`` uint8 ``[..., rows, row_bytes]``, ``qtype`` its GGML type
+    id, ``cols`` the values per row. ``shape`` is the float tensor's shape."""
+
+    __slots__ = ("cols", "data", "qtype")
+
+    def __init__(self, data: torch.Tensor, qtype: int, cols: int) -> None:
+        if data.dtype != torch.uint8 or data.dim() < 2:
+            raise ValueError("GGUF blocks are uint8 [..., rows, row_bytes]")
+        block, size = block_shape(qtype)
+        if cols % block or data.shape[-1] != cols // block * size:
+            raise ValueError(f"rows of {data.shape[-1]} bytes do not hold {cols} values of GGML type {qtype}")
+        self.data, self.qtype, self.cols = data, qtype, cols
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.data.shape[:-1], self.cols))
+
+    def dim(self) -> int:
+        return self.data.dim()
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def _rows(self, data: torch.Tensor) -> GGUFBlocks:
+        return GGUFBlocks(data, self.qtype, self.cols)
+
+    def __getitem__(self, index: Any) -> GGUFBlocks:
+        """Rows (a slice or an integer on the leading dimension); ``[:, a:b]`` only when it is every column."""
+        if isinstance(index, tuple):
+            rows, cols = index
+            if cols != slice(None) and range(self.cols)[cols] != range(self.cols):
+                raise ValueError("GGUF blocks cannot be cut by columns (a block holds 32-256 of them)")
+            index = rows
+        return self._rows(self.data[index])
+
+    def split(self, sizes: Sequence[int]) -> tuple[GGUFBlocks, ...]:
+        return tuple(self._rows(d) for d in self.data.split(list(sizes)))
+
+    def chunk(self, n: int) -> tuple[GGUFBlocks, ...]:
+        return tuple(self._rows(d) for d in self.data.chunk(n))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 tensor these blocks stand for."""
+        flat = self.data.contiguous().reshape(-1, self.data.shape[-1])
+        ext = linear_ext()
+        rows = ext.rows(flat, self.qtype, self.cols, torch.arange(flat.shape[0]))
+        return rows.reshape(self.shape)
+
+    def lookup(self, index: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``index`` of a 2-D tensor (an embedding lookup)."""
+        return linear_ext().rows(self.data, self.qtype, self.cols, index.reshape(-1).to(torch.int64))
+
+    def contiguous(self) -> GGUFBlocks:
+        return self if self.data.is_contiguous() else self._rows(self.data.contiguous())
+
+
+def cat_rows(parts: Sequence[torch.Tensor | GGUFBlocks]) -> torch.Tensor | list[GGUFBlocks]:
+    """Parts of a fused weight stacked by rows: a float tensor when any part is float (every part
+    dequantized), else the block parts with consecutive parts of one type joined."""
+    if not all(isinstance(p, GGUFBlocks) for p in parts):
+        return torch.cat([p.dequantize() if isinstance(p, GGUFBlocks) else p.float() for p in parts])
+    out: list[GGUFBlocks] = []
+    for p in parts:
+        assert isinstance(p, GGUFBlocks)
+        if out and out[-1].qtype == p.qtype and out[-1].cols == p.cols:
+            out[-1] = GGUFBlocks(torch.cat([out[-1].data, p.data]), p.qtype, p.cols)
+        else:
+            out.append(p.contiguous())
+    return out
+
+
+class GGUFWeight(QuantizedWeight):
+    """A linear's ``[out, in]`` weight as GGUF blocks, in one or more row segments; ``__call__``
+    serves every input size (no float copy exists). ``small_rows``: inputs up to this many rows
+    take the row-at-a-time kernel, larger ones the tiled GEMM."""
+
+    method = "gguf"
+
+    def __init__(self, segments: Sequence[GGUFBlocks], small_rows: int) -> None:
+        if not segments or len({s.cols for s in segments}) != 1:
+            raise ValueError("a GGUF weight needs segments of one input size")
+        self.segments = [s.contiguous() for s in segments]
+        self.small_rows = small_rows
+        self.in_features = segments[0].cols
+        self.out_features = sum(s.data.shape[0] for s in segments)
+        self._ext = linear_ext()
+
+    @property
+    def type_ids(self) -> list[int]:
+        return [s.qtype for s in self.segments]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if len(self.segments) == 1:
+            s = self.segments[0]
+            y = self._ext.linear(rows, s.data, s.qtype, self.small_rows)
+        else:
+            y = torch.cat([self._ext.linear(rows, s.data, s.qtype, self.small_rows) for s in self.segments], dim=-1)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([s.dequantize() for s in self.segments])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
