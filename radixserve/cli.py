@@ -15,7 +15,11 @@ def _generate(ns: argparse.Namespace) -> int:
 
     args = ServerArgs.from_cli_args(ns)
     kwargs = {k: v for k, v in vars(args).items() if k != "model_path"}
-    engine = Engine(args.model_path, **kwargs)
+    try:
+        engine = Engine(args.model_path, **kwargs)
+    except (OSError, ValueError, NotImplementedError, RuntimeError) as e:  # the model cannot be loaded: say why
+        print(f"error: cannot load the model: {e}", file=sys.stderr)
+        return 1
     prompt = ns.prompt
     if ns.chat:
         prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])
@@ -52,6 +56,12 @@ def _serve(ns: argparse.Namespace) -> int:
 
 def _bench_serve(ns: argparse.Namespace) -> int:
     from radixserve.bench.serving import main
+
+    return main(ns)
+
+
+def _bench_model(ns: argparse.Namespace) -> int:
+    from radixserve.bench.model_bench import main
 
     return main(ns)
 
@@ -166,6 +176,13 @@ def _bench_parsers(bsub: Any) -> None:
 
     _bench_serve_args(bs)
     bs.set_defaults(func=_bench_serve)
+    bm = bsub.add_parser("model", help="One GGUF file served by radixserve and by llama.cpp's llama-server in turn: "
+                         "single-stream TPOT, concurrent output tokens/s, time to healthy, RSS, and the ratios.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from radixserve.bench.model_bench import add_args as _bench_model_args
+
+    _bench_model_args(bm)
+    bm.set_defaults(func=_bench_model)
     br = bsub.add_parser("router", help="What the router costs (added latency, requests per router-CPU-second) "
                          "against stub workers; with --real-workers, cache hit rate and TTFT per policy.",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)

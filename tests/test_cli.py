@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from radixserve.cli import build_parser
@@ -80,3 +82,27 @@ def test_reliability_benches_explain_every_option(command: str, capsys: pytest.C
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["bench", command, "--help"])
     assert e.value.code == 0 and "--base-url" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # two CLI processes
+def test_an_unreadable_model_file_is_one_line_and_exit_1(tmp_path: Any) -> None:
+    """A truncated GGUF (serve) and a file that is not one (generate): the reason on one line, no
+    traceback, exit code 1, before any model process starts."""
+    import subprocess
+    import sys
+
+    from radixserve.bench.subprocs import free_ports
+    from radixserve.model.loader import default_model_path
+
+    truncated = tmp_path / "truncated.gguf"
+    with open(default_model_path(), "rb") as f:
+        truncated.write_bytes(f.read(20_000_000))
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"\x00" * 100)
+    for command, path, why in (("serve", truncated, "past the end of the file"),
+                               ("generate", garbage, "no GGUF magic")):
+        args = ["--port", str(free_ports(1)[0])] if command == "serve" else ["hello"]
+        r = subprocess.run([sys.executable, "-m", "radixserve.cli", command, "--model-path", str(path), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1, r.stderr
+        assert why in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -31,7 +31,7 @@ import uvicorn
 from tqdm import tqdm
 
 from radixserve.config import ServerArgs
-from radixserve.model.loader import resolve_model_path
+from radixserve.model.loader import load_config, resolve_model_path
 from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.detokenizer_proc import run_detokenizer_process
 from radixserve.server.frontend.http_server import create_app, pid_map
@@ -71,6 +71,7 @@ def launch_server(args: ServerArgs) -> int:
             return launch_tp_node(args)
         _check_port(args.host, args.port)  # fail before the model loads, not after
         served_model_name(args)
+        load_config(args.model_path)  # an unreadable file or an unknown architecture: one line, before any child
     except (OSError, ValueError, NotImplementedError) as e:
         logger.error("cannot start: %s", e)
         return 1

@@ -1,0 +1,45 @@
+"""``radixserve bench model``: the llama-server command line it builds, and a small real run of
+radixserve alone (a real server started and stopped by the benchmark) checked through its JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from radixserve.bench.model_bench import _commands, add_args
+
+
+def _ns(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_llama_server_gets_a_slot_per_concurrent_request_and_their_context() -> None:
+    ns = _ns("--llama-server", "/opt/llama-server", "--threads", "2", "--concurrency", "8", "--input-len", "100",
+             "--output-len", "20", "--llama-args=--no-warmup")
+    cmds = _commands(ns, "/m.gguf", 1234)
+    llama = cmds["llama-server"]
+    assert llama[:3] == ["/opt/llama-server", "-m", "/m.gguf"]
+    assert llama[llama.index("-np") + 1] == "8" and llama[llama.index("-c") + 1] == str(8 * 136)
+    assert llama[-1] == "--no-warmup" and "--num-threads" in cmds["radixserve"]
+    assert set(_commands(_ns(), "/m.gguf", 1)) == {"radixserve"}  # no binary: radixserve alone
+
+
+@pytest.mark.slow  # starts a real server
+def test_bench_model_measures_a_real_server(tmp_path: Path) -> None:
+    from radixserve.cli import main
+
+    out = tmp_path / "model.json"
+    code = main(["bench", "model", "--rounds", "1", "--input-len", "16", "--output-len", "4", "--single-prompts",
+                 "2", "--concurrency", "2", "--concurrent-prompts", "2",
+                 "--server-args=--max-total-tokens 4096", "--output", str(out)])
+    assert code == 0
+    rep = json.loads(out.read_text())
+    m = rep["medians"]["radixserve"]
+    assert set(rep["medians"]) == {"radixserve"} and len(rep["rounds"]["radixserve"]) == 1
+    assert 0 < m["healthy_s"] < 600 and m["rss_mb"] > 50 and m["tpot_p50_ms"] > 0
+    assert m["concurrent_output_tok_s"] > 0 and rep["output_len"] == 4
