@@ -51,7 +51,7 @@ class ModelOptions:
     quantization_max_batch: int | None = option(
         None, "Most rows (tokens) of a forward that uses the int8/int4 copies (above it the float weights "
         "run), or that GGUF blocks read row by row (above it: dequantized tiles and the GEMM). Default: "
-        "int8/int4 5 when the float weights are bfloat16, 8 when float32; GGUF blocks 8 in bfloat16, 24 in "
+        "int8/int4 5 when the float weights are bfloat16, 8 when float32; GGUF blocks 8 in bfloat16, 64 in "
         "float32 (where each stopped paying: docs/benchmarks.md, quant.py).", group="model")
     random_seed: int = option(0, "Seed of the global sampler generator.", group="model")
     num_threads: int | None = option(None, "torch intra-op threads (default: torch's choice).", group="model")

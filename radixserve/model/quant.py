@@ -52,9 +52,10 @@ DEFAULT_MAX_ROWS: Final = 8
 DEFAULT_MAX_ROWS_BF16: Final = 5
 # GGUF blocks read in place (gguf_blocks.py): up to this many rows the row-at-a-time kernel beats
 # dequantized tiles through the GEMM. Measured in float32 on an AVX2 host (every layer of the
-# bundled model, both paths): 43 vs 73 ms at 8 rows, 97 vs 110 at 24, even at 32. bfloat16 tiles
-# run native bf16 GEMMs where the CPU has them, so the crossover comes sooner there (not measured).
-DEFAULT_BLOCK_ROWS: Final = 24
+# bundled model, both paths, one after the other): 113 vs 122 ms at 32 rows, 226 vs 349 at 64,
+# 259 vs 226 at 96, 732 vs 511 at 256. bfloat16 tiles run native bf16 GEMMs where the CPU has
+# them, so the crossover comes sooner there (not measured).
+DEFAULT_BLOCK_ROWS: Final = 64
 DEFAULT_BLOCK_ROWS_BF16: Final = 8
 COMPUTE_DTYPE: Final = torch.bfloat16
 

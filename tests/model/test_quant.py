@@ -123,7 +123,7 @@ def test_quantization_option_is_validated() -> None:
     from radixserve.model.quant import default_max_rows
 
     assert default_max_rows(torch.bfloat16) == 5 and default_max_rows(torch.float32) == 8
-    assert default_max_rows(torch.float32, in_blocks=True) == 24  # GGUF blocks read in place
+    assert default_max_rows(torch.float32, in_blocks=True) == 64  # GGUF blocks read in place
 
 
 @pytest.fixture(scope="module")

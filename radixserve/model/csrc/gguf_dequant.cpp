@@ -231,6 +231,48 @@ struct Q4_1x {
     }
 };
 
+// byte i = 0x10 where bit i of `bits` is set, else 0 (Q5_0/Q5_1's fifth bits, in nibbles32's order)
+inline __m256i fifth_bits32(uint32_t bits) {
+    // each 128-bit lane holds the 4 bytes of `bits` (broadcast); byte i takes byte i / 8 of them
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(bits)),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i want = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));  // bit i % 8
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, want), want);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+struct Q5_0x {
+    static constexpr int kValues = 32, kBytes = 22;
+    template <class Sink> static void run(const uint8_t* b, Sink& sink) {
+        uint32_t qh;
+        std::memcpy(&qh, b + 2, 4);
+        const __m256 d = _mm256_set1_ps(f16(b)), zero = _mm256_setzero_ps();
+        const __m256i v = _mm256_or_si256(nibbles32(b + 6), fifth_bits32(qh));
+        affine32(_mm256_sub_epi8(v, _mm256_set1_epi8(16)), true, d, d, zero, kNone, 0, sink);
+    }
+};
+
+struct Q5_1x {
+    static constexpr int kValues = 32, kBytes = 24;
+    template <class Sink> static void run(const uint8_t* b, Sink& sink) {
+        uint32_t qh;
+        std::memcpy(&qh, b + 4, 4);
+        const __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(f16(b + 2));
+        affine32(_mm256_or_si256(nibbles32(b + 8), fifth_bits32(qh)), false, d, d, m, kAdd, 0, sink);
+    }
+};
+
+struct IQ4_NLx {
+    static constexpr int kValues = 32, kBytes = 18;
+    template <class Sink> static void run(const uint8_t* b, Sink& sink) {
+        const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(KVALUES_IQ4NL));
+        const __m256i values = _mm256_shuffle_epi8(_mm256_set_m128i(table, table), nibbles32(b + 2));
+        const __m256 d = _mm256_set1_ps(f16(b)), zero = _mm256_setzero_ps();
+        affine32(values, true, d, d, zero, kNone, 0, sink);
+    }
+};
+
 struct Q8_0x {
     static constexpr int kValues = 32, kBytes = 34;
     template <class Sink> static void run(const uint8_t* b, Sink& sink) {
@@ -326,6 +368,9 @@ bool format_of(int64_t type, Format* f) {
 #if defined(__AVX2__)
         case 2: *f = {dequant_simd<Q4_0x>, 32, 18}; return true;
         case 3: *f = {dequant_simd<Q4_1x>, 32, 20}; return true;
+        case 6: *f = {dequant_simd<Q5_0x>, 32, 22}; return true;
+        case 7: *f = {dequant_simd<Q5_1x>, 32, 24}; return true;
+        case 20: *f = {dequant_simd<IQ4_NLx>, 32, 18}; return true;
         case 8: *f = {dequant_simd<Q8_0x>, 32, 34}; return true;
         case 12: *f = {dequant_simd<Q4_Kx>, 256, 144}; return true;
         case 13: *f = {dequant_simd<Q5_Kx>, 256, 176}; return true;
@@ -333,16 +378,16 @@ bool format_of(int64_t type, Format* f) {
 #else
         case 2: *f = {q4_0, 32, 18}; return true;
         case 3: *f = {q4_1, 32, 20}; return true;
+        case 6: *f = {q5_0, 32, 22}; return true;
+        case 7: *f = {q5_1, 32, 24}; return true;
         case 8: *f = {q8_0, 32, 34}; return true;
         case 12: *f = {q4_k, 256, 144}; return true;
         case 13: *f = {q5_k, 256, 176}; return true;
         case 14: *f = {q6_k, 256, 210}; return true;
+        case 20: *f = {iq4_nl, 32, 18}; return true;
 #endif
-        case 6: *f = {q5_0, 32, 22}; return true;
-        case 7: *f = {q5_1, 32, 24}; return true;
         case 10: *f = {q2_k, 256, 84}; return true;
         case 11: *f = {q3_k, 256, 110}; return true;
-        case 20: *f = {iq4_nl, 32, 18}; return true;
         case 23: *f = {iq4_xs, 256, 136}; return true;
         case 30: *f = {bf16_to_f32, 1, 2}; return true;
         default: return false;
@@ -412,6 +457,14 @@ inline float dot(const float* a, const float* b, int64_t n) {
     return s;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum8(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+#endif
+
 // out[i * ldo] = dot(x + i * ldx, w, n) for i < R: w is loaded once for all R rows
 template <int R>
 inline void dot_rows(const float* x, int64_t ldx, const float* w, int64_t n, float* out, int64_t ldo) {
@@ -434,6 +487,48 @@ inline void dot_rows(const float* x, int64_t ldx, const float* w, int64_t n, flo
     for (int i = 0; i < R; ++i) out[i * ldo] = dot(x + i * ldx, w, n);
 }
 
+// Input rows [i, m) dotted with one weight row w into column `col` of y [m, ldy].
+inline void dot_tail(const float* x, int64_t i, int64_t m, int64_t k, const float* w, float* y, int64_t ldy, int64_t col) {
+    for (; i + 4 <= m; i += 4) dot_rows<4>(x + i * k, k, w, k, y + i * ldy + col, ldy);
+    switch (m - i) {
+        case 3: dot_rows<3>(x + i * k, k, w, k, y + i * ldy + col, ldy); break;
+        case 2: dot_rows<2>(x + i * k, k, w, k, y + i * ldy + col, ldy); break;
+        case 1: dot_rows<1>(x + i * k, k, w, k, y + i * ldy + col, ldy); break;
+        default: break;
+    }
+}
+
+// 4 input rows times 2 weight rows (columns col, col + 1 of y): 8 sums, each loaded vector used
+// twice or four times, so the loop is bound by its multiply-adds rather than by its loads. Returns
+// the first input row it did not do (all of them where it runs).
+inline int64_t dot_4x2(const float* x, int64_t m, int64_t k, const float* w0, const float* w1, float* y, int64_t ldy,
+                       int64_t col) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if (k % 8) return 0;
+    for (; i + 4 <= m; i += 4) {
+        __m256 a[4][2];
+        for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+        const float* xi = x + i * k;
+        for (int64_t c = 0; c < k; c += 8) {
+            const __m256 v0 = _mm256_loadu_ps(w0 + c), v1 = _mm256_loadu_ps(w1 + c);
+            for (int r = 0; r < 4; ++r) {
+                const __m256 xv = _mm256_loadu_ps(xi + r * k + c);
+                a[r][0] = _mm256_fmadd_ps(xv, v0, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(xv, v1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < 4; ++r) {
+            y[(i + r) * ldy + col] = hsum8(a[r][0]);
+            y[(i + r) * ldy + col + 1] = hsum8(a[r][1]);
+        }
+    }
+#else
+    (void)x, (void)m, (void)k, (void)w0, (void)w1, (void)y, (void)ldy, (void)col;
+#endif
+    return i;
+}
+
 Format checked_format(const torch::Tensor& w, int64_t type, int64_t k) {
     Format f;
     TORCH_CHECK(format_of(type, &f), "no dequantizer for GGML type ", type);
@@ -444,12 +539,6 @@ Format checked_format(const torch::Tensor& w, int64_t type, int64_t k) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum8(__m256 v) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-}
-
 // out[r * ldo] = (weight row) . x[r] for r < R, without a buffer: each block is expanded once and
 // its vectors go straight into every input row's accumulators (A independent ones per row, so
 // that one row's sums do not wait on each other).
@@ -498,6 +587,9 @@ bool fused(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, int64_t nb, c
     switch (type) {
         case 2: fused_linear<Q4_0x>(wp, rb, n, nb, xp, m, k, yp); return true;
         case 3: fused_linear<Q4_1x>(wp, rb, n, nb, xp, m, k, yp); return true;
+        case 6: fused_linear<Q5_0x>(wp, rb, n, nb, xp, m, k, yp); return true;
+        case 7: fused_linear<Q5_1x>(wp, rb, n, nb, xp, m, k, yp); return true;
+        case 20: fused_linear<IQ4_NLx>(wp, rb, n, nb, xp, m, k, yp); return true;
         case 8: fused_linear<Q8_0x>(wp, rb, n, nb, xp, m, k, yp); return true;
         case 12: fused_linear<Q4_Kx>(wp, rb, n, nb, xp, m, k, yp); return true;
         case 13: fused_linear<Q5_Kx>(wp, rb, n, nb, xp, m, k, yp); return true;
@@ -531,18 +623,20 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t sma
         float* yp = y.data_ptr<float>();
         if (fused(type, wp, rb, n, nb, xp, m, k, yp)) return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
         at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-            std::vector<float> row(k);
-            for (int64_t j = begin; j < end; ++j) {
-                dequant_row(f, wp + j * rb, nb, row.data());
-                const float* r = row.data();
-                int64_t i = 0;
-                for (; i + 4 <= m; i += 4) dot_rows<4>(xp + i * k, k, r, k, yp + i * n + j, n);
-                switch (m - i) {
-                    case 3: dot_rows<3>(xp + i * k, k, r, k, yp + i * n + j, n); break;
-                    case 2: dot_rows<2>(xp + i * k, k, r, k, yp + i * n + j, n); break;
-                    case 1: dot_rows<1>(xp + i * k, k, r, k, yp + i * n + j, n); break;
-                    default: break;
-                }
+            std::vector<float> rows(2 * k);
+            float* r0 = rows.data();
+            float* r1 = r0 + k;
+            int64_t j = begin;
+            for (; j + 2 <= end; j += 2) {  // weight rows in pairs: dot_4x2
+                dequant_row(f, wp + j * rb, nb, r0);
+                dequant_row(f, wp + (j + 1) * rb, nb, r1);
+                const int64_t i = dot_4x2(xp, m, k, r0, r1, yp, n, j);
+                dot_tail(xp, i, m, k, r0, yp, n, j);
+                dot_tail(xp, i, m, k, r1, yp, n, j + 1);
+            }
+            if (j < end) {
+                dequant_row(f, wp + j * rb, nb, r0);
+                dot_tail(xp, 0, m, k, r0, yp, n, j);
             }
         });
         return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
