@@ -26,6 +26,8 @@ def test_llama_server_gets_a_slot_per_concurrent_request_and_their_context() -> 
     assert llama[:3] == ["/opt/llama-server", "-m", "/m.gguf"]
     assert llama[llama.index("-np") + 1] == "8" and llama[llama.index("-c") + 1] == str(8 * 136)
     assert llama[-1] == "--no-warmup" and "--num-threads" in cmds["radixserve"]
+    ours = cmds["radixserve"]
+    assert ours[ours.index("--max-total-tokens") + 1] == str(8 * 136)  # the same KV capacity
     assert set(_commands(_ns(), "/m.gguf", 1)) == {"radixserve"}  # no binary: radixserve alone
 
 
@@ -36,7 +38,7 @@ def test_bench_model_measures_a_real_server(tmp_path: Path) -> None:
     out = tmp_path / "model.json"
     code = main(["bench", "model", "--rounds", "1", "--input-len", "16", "--output-len", "4", "--single-prompts",
                  "2", "--concurrency", "2", "--concurrent-prompts", "2",
-                 "--server-args=--max-total-tokens 4096", "--output", str(out)])
+                 "--server-args=--max-running-requests 4", "--output", str(out)])
     assert code == 0
     rep = json.loads(out.read_text())
     m = rep["medians"]["radixserve"]

@@ -2,7 +2,8 @@
 ``llama-server``, side by side.
 
 For each round, each server in turn: start it alone on a free port (the other is stopped, so the
-two never share the CPUs), time how long until ``/health`` answers 200, read its resident memory,
+two never share the CPUs) with the same KV capacity (``--concurrency`` slots of the prompt and
+output length), time how long until ``/health`` answers 200, read its resident memory,
 then run the single-stream workload (``--input-len`` random tokens in, ``--output-len`` out, one
 request at a time) and the concurrent one (``--concurrency`` requests in flight), and stop it.
 Rounds alternate the order, so drift on a shared machine hits both alike. Prints per server the
@@ -109,12 +110,14 @@ class Server:
 
 
 def _commands(ns: argparse.Namespace, model: str, port: int) -> dict[str, list[str]]:
+    # the same KV capacity on both sides (llama-server's -c is shared by its slots), so that their
+    # resident memory compares like for like
     ctx = ns.input_len + ns.output_len + 16
+    slots = max(1, ns.concurrency)
     cmds = {"radixserve": [sys.executable, "-m", "radixserve.cli", "serve", "--model-path", model, "--host",
-                           "127.0.0.1", "--port", str(port), "--num-threads", str(ns.threads),
-                           *shlex.split(ns.server_args)]}
+                           "127.0.0.1", "--port", str(port), "--num-threads", str(ns.threads), "--max-total-tokens",
+                           str(slots * ctx), *shlex.split(ns.server_args)]}
     if ns.llama_server:
-        slots = max(1, ns.concurrency)
         cmds["llama-server"] = [ns.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port),
                                 "-np", str(slots), "-c", str(slots * ctx), "-t", str(ns.threads), "-tb",
                                 str(ns.threads), "--alias", "default", *shlex.split(ns.llama_args)]

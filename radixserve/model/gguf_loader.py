@@ -21,7 +21,7 @@ import torch
 
 from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_blocks import GGUFBlocks
-from radixserve.model.gguf_file import open_gguf
+from radixserve.model.gguf_file import GGUFTensor, open_gguf
 from radixserve.model.safetensors_loader import Weights, canonical_names
 
 # Tensors outside the blocks.
@@ -154,16 +154,16 @@ def load_gguf(
     return config, state
 
 
-def _blocks(t: object) -> GGUFBlocks:
+def _blocks(t: GGUFTensor) -> GGUFBlocks:
     """A quantized tensor's blocks as a read-only view of the memory-mapped file (no copy)."""
     import warnings
 
-    shape = tuple(int(d) for d in reversed(t.shape))  # type: ignore[attr-defined]
-    raw = np.asarray(t.data).view(np.uint8).reshape(*shape[:-1], -1)  # type: ignore[attr-defined]
+    shape = tuple(int(d) for d in reversed(t.shape))
+    raw = np.asarray(t.data).view(np.uint8).reshape(*shape[:-1], -1)
     with warnings.catch_warnings():  # the kernels only read it
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         data = torch.from_numpy(raw)
-    return GGUFBlocks(data, int(t.tensor_type), shape[-1])  # type: ignore[attr-defined]
+    return GGUFBlocks(data, int(t.tensor_type), shape[-1])
 
 
 def gguf_tensor_bytes(path: str) -> int:

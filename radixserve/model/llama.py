@@ -122,9 +122,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, sd: Weights) -> None:
         """Copy an HF-named state dict in, fusing q/k/v and gate/up. Every parameter must be set.
 
-        GGUF blocks (``GGUFBlocks``) stay blocks: a linear whose parts all are keeps them instead of
-        a float weight (``Linear.load``), the embedding is looked up from them; anything else that
-        arrives in blocks (a norm, the MoE router) is dequantized.
+        GGUF blocks stay blocks: a linear whose parts all are keeps them (``Linear.load``), the
+        embedding is looked up from them; anything else (a norm, the MoE router) is dequantized.
 
         Under tensor parallelism the whole tensors come in and this rank's rows / columns are cut
         out here: every rank reads the whole checkpoint, which is fine for small models (a large
