@@ -13,6 +13,7 @@ and for every other tensor, we dequantize (dequant.py: the common types in C++, 
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 
@@ -23,6 +24,8 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.gguf_blocks import GGUFBlocks
 from radixserve.model.gguf_file import GGUFTensor, open_gguf
 from radixserve.model.safetensors_loader import Weights, canonical_names
+
+logger = logging.getLogger(__name__)
 
 # Tensors outside the blocks.
 _GLOBAL_NAMES = {
@@ -100,12 +103,17 @@ def load_gguf(
     ``keep_blocks`` the quantized matrices as ``GGUFBlocks``."""
     from tqdm import tqdm
 
-    from radixserve.model.dequant import block_types, dequantize
+    from radixserve.model.dequant import FLOAT_TYPES, block_types, dequantize
 
     reader = open_gguf(path)
     config = ModelConfig.from_gguf_metadata(reader.metadata)
     state: Weights = {}
     in_blocks = block_types() if keep_blocks else frozenset()
+    expanded = sorted({t.tensor_type.name for t in reader.tensors if keep_blocks and len(t.shape) >= 2
+                       and int(t.tensor_type) not in in_blocks | FLOAT_TYPES})
+    if expanded:
+        logger.warning("%s: no block kernel here for %s: those tensors are expanded to float at load",
+                       path, ", ".join(expanded))
     names = [t.name for t in reader.tensors]
     unknown = [n for n in names if n not in _SPECIAL and not _is_known(n, config.arch)]
     if unknown:

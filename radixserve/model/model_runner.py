@@ -223,7 +223,7 @@ class ModelRunner:
         self.kv_pool: KVPool | None = None
         self.req_to_token_pool: ReqToTokenPool | None = None
         self.load_seconds = time.perf_counter() - t0
-        self._log_loaded(config, quantization)
+        self._log_loaded(config)
 
     def _quantize(self, max_rows: int, kernel: str) -> int:
         """The linears in a quantized layout: GGUF blocks, or the int8/int4 copies ``--quantization``
@@ -232,7 +232,7 @@ class ModelRunner:
             return self.model.quantize_linears(self.quantization, max_rows, kernel)
         return sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.in_blocks)
 
-    def _log_loaded(self, config: ModelConfig, quantization: str) -> None:
+    def _log_loaded(self, config: ModelConfig) -> None:
         if self.quantization == "gguf":
             q = f"kept in their GGUF blocks ({', '.join(self.block_types())})"
         elif self.quantized_linears:

@@ -134,7 +134,7 @@ def test_the_bundled_model_is_read_in_place(fp32_runner: Any) -> None:
     assert r.model.weight_bytes() >= 0.9 * file_bytes  # counted, not missed
 
 
-def _tiny_q4_k_m(directory: str) -> str:
+def _tiny_q4_k_m(directory: str, down_type: str = "Q6_K") -> str:
     """A tiny Llama (hidden 256: K-quant blocks are 256 wide) stored as a Q4_K_M file is: Q4_K
     matrices, v and down projections and the output in Q6_K, the embedding in Q8_0 (random blocks
     with small scales: the kernels' layout is what is under test, not a quantizer)."""
@@ -145,10 +145,15 @@ def _tiny_q4_k_m(directory: str) -> str:
     seeds = iter(range(1000))
 
     def blocks(name: str, arr: np.ndarray) -> tuple[np.ndarray, GGMLQuantizationType] | None:
-        kind = "Q8_0" if name == "token_embd.weight" else \
-            "Q6_K" if name == "output.weight" or name.endswith(("attn_v.weight", "ffn_down.weight")) else "Q4_K"
+        kind = "Q8_0" if name == "token_embd.weight" else down_type if name.endswith("ffn_down.weight") else \
+            "Q6_K" if name == "output.weight" or name.endswith("attn_v.weight") else "Q4_K"
         rows, cols = arr.reshape(-1, arr.shape[-1]).shape
         scale = 3e-3 if kind == "Q8_0" else 2e-4
+        if kind == "TQ2_0":  # ternary blocks of 256: 64 bytes of 2-bit values, a float16 scale
+            rng = np.random.default_rng(next(seeds))
+            raw = rng.integers(0, 256, size=(rows * cols // 256, 66), dtype=np.uint8)
+            raw[:, 64:] = (rng.standard_normal(len(raw)) * 0.02).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            return raw.reshape(*arr.shape[:-1], -1), GGMLQuantizationType.TQ2_0
         raw = sane_blocks(kind, rows, cols, seed=next(seeds), scale=scale)
         return raw.reshape(*arr.shape[:-1], -1), GGMLQuantizationType[kind]
 
@@ -174,3 +179,17 @@ def test_a_q4_k_m_model_in_place_matches_it_expanded(tmp_path: Any) -> None:
         assert a["output_ids"] == b["output_ids"]
         la, lb = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
         np.testing.assert_allclose(la, lb, rtol=1e-4, atol=1e-4)
+
+
+def test_a_type_without_a_block_kernel_is_expanded_at_load_and_said(tmp_path: Any,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    from radixserve.model.gguf_loader import load_gguf
+
+    path = _tiny_q4_k_m(str(tmp_path), down_type="TQ2_0")
+    with caplog.at_level("WARNING", logger="radixserve.model.gguf_loader"):
+        _, state = load_gguf(path, progress=False, keep_blocks=True)
+    assert "no block kernel here for TQ2_0" in caplog.text
+    down = state["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(down, torch.Tensor) and down.shape == (256, 512) and torch.isfinite(down).all()
+    assert isinstance(state["model.layers.0.mlp.up_proj.weight"], GGUFBlocks)
+
