@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model.gguf_blocks import GGUFBlocks, GGUFWeight, cat_rows
-from radixserve.model.quant import DEFAULT_MAX_ROWS, QuantizedWeight, quantize_weight
+from radixserve.model.quant import DEFAULT_BLOCK_ROWS, DEFAULT_MAX_ROWS, QuantizedWeight, quantize_weight
 
 
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -44,7 +44,7 @@ class Linear(nn.Module):
         self._quant: QuantizedWeight | None = None
         self.quant_max_rows = 0
 
-    def load(self, parts: list[torch.Tensor | GGUFBlocks], small_rows: int = DEFAULT_MAX_ROWS) -> None:
+    def load(self, parts: list[torch.Tensor | GGUFBlocks], small_rows: int = DEFAULT_BLOCK_ROWS) -> None:
         """Set the weight from its row parts (fused q/k/v, gate/up): float parts are copied in; if
         every part is GGUF blocks, the linear keeps them and holds no float weight at all."""
         w = cat_rows(parts)

@@ -207,22 +207,18 @@ class LlamaForCausalLM(nn.Module):
                 m._quant.small_rows = small_rows
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight the forward reads: parameters, GGUF blocks, packed and quantized copies."""
-        seen: set[int] = set()
-        total = 0
-        for t in [*self.parameters(), *self.buffers()]:
-            if t.data_ptr() not in seen and t.numel():
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        quants = {id(m._quant): m._quant for m in self.modules() if isinstance(m, Linear) and m._quant is not None}
-        total += sum(q.nbytes for q in quants.values())
-        if self.embed_blocks is not None and not (self.config.tie_word_embeddings and self.lm_head.in_blocks):
-            total += self.embed_blocks.nbytes
-        total += sum(
-            m._packed.numel() * m._packed.element_size()
-            for m in self.modules() if isinstance(m, Linear) and m._packed is not None
-        )
-        return total
+        """Bytes of every weight the forward reads: parameters, GGUF blocks, packed and quantized copies
+        (storage shared by two of them, as the tied embedding and LM head, counted once)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        blocks = [s.data for m in linears if isinstance(m._quant, GGUFWeight) for s in m._quant.segments]
+        if self.embed_blocks is not None:
+            blocks.append(self.embed_blocks.data)
+        sizes = {t.data_ptr(): t.numel() * t.element_size()
+                 for t in [*self.parameters(), *self.buffers(), *blocks] if t.numel()}
+        # oneDNN's packed weights (opaque: no data pointer) and int8/int4 copies are never shared
+        packed = sum(m._packed.numel() * m._packed.element_size() for m in linears if m._packed is not None)
+        copies = sum(m._quant.nbytes for m in linears if m._quant is not None and not isinstance(m._quant, GGUFWeight))
+        return sum(sizes.values()) + packed + copies
 
     @staticmethod
     def _mlps(layer: DecoderLayer, p: str) -> list[tuple[MLP, str]]:
