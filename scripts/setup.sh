@@ -32,7 +32,7 @@ fi
 # torch_native backend and the torch small ops need no compiler, and choosing cpu_paged then says
 # why it is unavailable (without the fused ops it runs with the torch ones, with a warning).
 ext_stamp=.build/.cpu-paged-setup
-ext_want=$(cat radixserve/model/csrc/*.cpp radixserve/model/paged_attention.py radixserve/model/fused_ops.py \
+ext_want=$(cat radixserve/model/csrc/*.cpp radixserve/model/csrc/*.h radixserve/model/paged_attention.py radixserve/model/fused_ops.py \
     radixserve/model/quant.py radixserve/model/dequant.py radixserve/model/cpp_build.py | sha1sum | cut -d' ' -f1)
 if [ ! -f "$ext_stamp" ] || [ "$(cat "$ext_stamp")" != "$ext_want" ]; then
     if ! command -v g++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.bench.model_bench import _commands, add_args
+from radixserve.bench.model_bench import _commands, add_args, main
 
 
 def _ns(*argv: str) -> argparse.Namespace:
@@ -29,6 +29,15 @@ def test_llama_server_gets_a_slot_per_concurrent_request_and_their_context() -> 
     ours = cmds["radixserve"]
     assert ours[ours.index("--max-total-tokens") + 1] == str(8 * 136)  # the same KV capacity
     assert set(_commands(_ns(), "/m.gguf", 1)) == {"radixserve"}  # no binary: radixserve alone
+
+
+def test_a_missing_model_or_binary_is_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_ns("--model-path", str(tmp_path / "none.gguf"))) == 1
+    assert capsys.readouterr().err.strip() == f"error: model path does not exist: {tmp_path / 'none.gguf'}"
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    assert main(_ns("--model-path", str(model), "--llama-server", str(tmp_path / "llama-server"))) == 1
+    assert "is not an executable file" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # starts a real server

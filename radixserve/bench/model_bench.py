@@ -146,9 +146,28 @@ def _figures(server: Server, single: dict[str, Any], many: dict[str, Any] | None
 
 
 def main(ns: argparse.Namespace) -> int:
+    try:
+        return _run(ns)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _inputs(ns: argparse.Namespace) -> str:
+    """The model file, after checking it and the llama-server binary exist (BenchError if not)."""
     from radixserve.model.loader import resolve_model_path
 
-    model = resolve_model_path(ns.model_path)[1]
+    try:
+        model = resolve_model_path(ns.model_path)[1]
+    except (FileNotFoundError, ValueError) as e:
+        raise BenchError(str(e)) from None
+    if ns.llama_server and not (os.path.isfile(ns.llama_server) and os.access(ns.llama_server, os.X_OK)):
+        raise BenchError(f"--llama-server {ns.llama_server} is not an executable file")
+    return model
+
+
+def _run(ns: argparse.Namespace) -> int:
+    model = _inputs(ns)
     runs: dict[str, list[dict[str, float]]] = {}
     names = list(_commands(ns, model, 0))
     for r in range(ns.rounds):

@@ -42,7 +42,9 @@ class ModelOptions:
         "auto", "How the linear weights are held. gguf: a GGUF file's quantized matrices stay in their blocks "
         "(Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS; no float copy: weights take the file's size) and every "
         "forward reads them there, row by row for steps of at most --quantization-max-batch rows, else by "
-        "dequantized tiles through the GEMM; the results are the dequantized weights' to float rounding. "
+        "dequantized tiles through the GEMM; the results are the dequantized weights' to float rounding "
+        "(a bfloat16 model on a CPU with AVX-512 runs integer VNNI dot products up to 4 rows, ~15-bit "
+        "activations, and bf16 dot products past that). "
         "none: float weights (a GGUF's expanded at load). int4 (groups of 32 with a scale and a minimum, "
         "Q4_1's layout) and int8 (blocks of 32, Q8_0's; one scale per row where ATen's kernel runs): "
         "quantized copies of float weights for small steps. auto: gguf for a GGUF model (none under "
@@ -51,8 +53,9 @@ class ModelOptions:
     quantization_max_batch: int | None = option(
         None, "Most rows (tokens) of a forward that uses the int8/int4 copies (above it the float weights "
         "run), or that GGUF blocks read row by row (above it: dequantized tiles and the GEMM). Default: "
-        "int8/int4 5 when the float weights are bfloat16, 8 when float32; GGUF blocks 8 in bfloat16, 64 in "
-        "float32 (where each stopped paying: docs/benchmarks.md, quant.py).", group="model")
+        "int8/int4 5 when the float weights are bfloat16, 8 when float32; GGUF blocks 64 in float32, in "
+        "bfloat16 256 with AVX512-BF16 (its bf16 row kernel), else 8 (where each stopped paying: "
+        "docs/benchmarks.md, quant.py).", group="model")
     random_seed: int = option(0, "Seed of the global sampler generator.", group="model")
     num_threads: int | None = option(None, "torch intra-op threads (default: torch's choice).", group="model")
 

@@ -1,6 +1,7 @@
 """GGUF tensors to float32: csrc/gguf_dequant.cpp where it builds, ``gguf.quants`` otherwise.
 
-The same extension multiplies by weights kept in their blocks (``linear``, gguf_blocks.py).
+The same extension multiplies by weights kept in their blocks (``linear``, gguf_blocks.py); on a
+CPU with AVX512-VNNI, csrc/gguf_vnni.cpp does it with integer dot products for bfloat16 models.
 
 The C++ dequantizers (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
 IQ4_NL, IQ4_XS) reproduce gguf-py's reference bit for bit (same float32 operations in the same
@@ -22,11 +23,29 @@ import torch
 from radixserve.model.cpp_build import load_extension
 
 _SOURCE = Path(__file__).with_name("csrc") / "gguf_dequant.cpp"
+_VNNI_SOURCE = Path(__file__).with_name("csrc") / "gguf_vnni.cpp"
 
 
 @functools.lru_cache(maxsize=1)
 def _ext() -> tuple[Any, str | None]:
     return load_extension("radixserve_gguf_dequant", _SOURCE, ["-ffp-contract=off"])
+
+
+@functools.lru_cache(maxsize=1)
+def _vnni() -> tuple[Any, str | None]:
+    return load_extension("radixserve_gguf_vnni", _VNNI_SOURCE)
+
+
+def has_bf16_kernel() -> bool:
+    """Whether ``linear`` has the AVX512-BF16 kernel for bfloat16 inputs (gguf_dequant.cpp)."""
+    ext, _ = _ext()
+    return ext is not None and bool(ext.has_bf16_kernel())
+
+
+def vnni_ext() -> Any | None:
+    """csrc/gguf_vnni.cpp (integer dot products on the blocks) where it builds with AVX512-VNNI."""
+    ext, _ = _vnni()
+    return ext if ext is not None and any(ext.supported(t) for t in range(64)) else None
 
 
 def native_types() -> frozenset[int]:
@@ -88,3 +107,6 @@ if __name__ == "__main__":  # python -m radixserve.model.dequant: build it now (
         print(f"GGUF dequantizer: unavailable: {err_}")
         sys.exit(1)
     print(f"GGUF dequantizer: built in {build_dir()}")
+    vnni_, verr = _vnni()
+    print(f"GGUF VNNI kernel: {'built' if vnni_ is not None else 'unavailable: ' + str(verr)}"
+          f"{'' if vnni_ is None or vnni_ext() is not None else ' (no AVX512-VNNI on this CPU: not used)'}")

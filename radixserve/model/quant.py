@@ -53,10 +53,12 @@ DEFAULT_MAX_ROWS_BF16: Final = 5
 # GGUF blocks read in place (gguf_blocks.py): up to this many rows the row-at-a-time kernel beats
 # dequantized tiles through the GEMM. Measured in float32 on an AVX2 host (every layer of the
 # bundled model, both paths, one after the other): 113 vs 122 ms at 32 rows, 226 vs 349 at 64,
-# 259 vs 226 at 96, 732 vs 511 at 256. bfloat16 tiles run native bf16 GEMMs where the CPU has
-# them, so the crossover comes sooner there (not measured).
+# 259 vs 226 at 96, 732 vs 511 at 256. In bfloat16 with AVX512-BF16 the kernel expands each weight
+# row into bf16 dot products: even with the tiles at 256 rows of one 576 x 3072 projection (5.4 vs
+# 5.3 ms), behind them at 512 (6.3 vs 5.7); without it the bf16 tiles win from a few rows.
 DEFAULT_BLOCK_ROWS: Final = 64
-DEFAULT_BLOCK_ROWS_BF16: Final = 8
+DEFAULT_BLOCK_ROWS_BF16: Final = 256
+DEFAULT_BLOCK_ROWS_BF16_NO_KERNEL: Final = 8
 COMPUTE_DTYPE: Final = torch.bfloat16
 
 
@@ -64,7 +66,11 @@ def default_max_rows(dtype: torch.dtype, in_blocks: bool = False) -> int:
     """The default ``--quantization-max-batch`` for a model whose float weights are ``dtype`` (or,
     ``in_blocks``, whose GGUF blocks are read in place and whose activations are ``dtype``)."""
     if in_blocks:
-        return DEFAULT_BLOCK_ROWS_BF16 if dtype == torch.bfloat16 else DEFAULT_BLOCK_ROWS
+        if dtype != torch.bfloat16:
+            return DEFAULT_BLOCK_ROWS
+        from radixserve.model.dequant import has_bf16_kernel
+
+        return DEFAULT_BLOCK_ROWS_BF16 if has_bf16_kernel() else DEFAULT_BLOCK_ROWS_BF16_NO_KERNEL
     return DEFAULT_MAX_ROWS_BF16 if dtype == torch.bfloat16 else DEFAULT_MAX_ROWS
 
 

@@ -16,20 +16,18 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "gguf_unpack.h"
 
 namespace {
 
-inline float f16(const uint8_t* p) {
-    uint16_t bits;
-    std::memcpy(&bits, p, 2);
-    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-constexpr int QK_K = 256;
-constexpr int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+using gguf::f16;
+using gguf::k_scale_min;
+using gguf::KVALUES_IQ4NL;
+using gguf::QK_K;
+#if defined(__AVX2__)
+using gguf::fifth_bits32;
+using gguf::nibbles32;
+#endif
 
 // --- blocks of 32 ---------------------------------------------------------------------------------
 void q4_0(const uint8_t* b, float* y) {  // d, qs[16]
@@ -124,17 +122,6 @@ void q3_k(const uint8_t* b, float* y) {  // hmask[32], qs[64], scales[12] (16 x 
     }
 }
 
-// Q4_K / Q5_K: 8 sub-blocks of 32, each a 6-bit scale and a 6-bit min packed in 12 bytes.
-inline void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
-    if (j < 4) {
-        *sc = s[j] & 0x3F;
-        *m = s[j + 4] & 0x3F;
-    } else {
-        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
-        *m = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-    }
-}
-
 // qh: Q5_K's fifth bits (bit `sub` of qh[l] for value l of sub-block `sub`); null for Q4_K
 void k_quant_4_5(const uint8_t* b, const uint8_t* qh, const uint8_t* qs, float* y) {
     const float d = f16(b), dmin = f16(b + 2);
@@ -209,12 +196,6 @@ inline void affine32(__m256i v, bool is_signed, __m256 lo16, __m256 hi16, __m256
     }
 }
 
-inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes -> their 16 low nibbles, then 16 high
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
-}
-
 struct Q4_0x {
     static constexpr int kValues = 32, kBytes = 18;
     template <class Sink> static void run(const uint8_t* b, Sink& sink) {
@@ -230,17 +211,6 @@ struct Q4_1x {
         affine32(nibbles32(b + 4), false, d, d, m, kAdd, 0, sink);
     }
 };
-
-// byte i = 0x10 where bit i of `bits` is set, else 0 (Q5_0/Q5_1's fifth bits, in nibbles32's order)
-inline __m256i fifth_bits32(uint32_t bits) {
-    // each 128-bit lane holds the 4 bytes of `bits` (broadcast); byte i takes byte i / 8 of them
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(static_cast<int>(bits)),
-        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-    const __m256i want = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));  // bit i % 8
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, want), want);
-    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
-}
 
 struct Q5_0x {
     static constexpr int kValues = 32, kBytes = 22;
@@ -602,10 +572,95 @@ bool fused(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, int64_t nb, c
 #endif
 }
 
+#if defined(__AVX2__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define RADIXSERVE_GGUF_BF16 1
+// bfloat16 inputs of a few to a few dozen rows: each weight row is expanded once into bfloat16 (the
+// rounding a bfloat16 model's float weights had) and dotted with every input row by vdpbf16ps, 32
+// products per instruction accumulated in float32, four weight rows against four input rows at a
+// time. The block scales are folded into the expanded row, so the inner loop is loads and dot
+// products only; every output element sums in the same order whatever M is.
+template <class T>
+void expand_bf16(const uint8_t* row, int64_t nb, uint16_t* y) {
+    for (int64_t b = 0; b < nb; ++b) {
+        uint16_t* yb = y + b * T::kValues;
+        auto store = [yb](int off, int, __m256 v) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(yb + off), reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(v)));
+        };
+        T::run(row + b * T::kBytes, store);
+    }
+}
+
+inline __m512bh load_bh(const uint16_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+
+template <int R, int W>
+inline void dot_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const* w, int64_t k, float* out, int64_t ldo) {
+    __m512 acc[R][W];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < W; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 32) {
+        __m512bh wv[W];
+        for (int c = 0; c < W; ++c) wv[c] = load_bh(w[c] + i);
+        for (int r = 0; r < R; ++r) {
+            const __m512bh xv = load_bh(x + r * ldx + i);
+            for (int c = 0; c < W; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < W; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+template <int W>
+void dot_rows_bf16(const uint16_t* x, int64_t m, int64_t k, const uint16_t* const* w, float* y, int64_t n, int64_t j) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) dot_bf16<4, W>(x + r * k, k, w, k, y + r * n + j, n);
+    switch (m - r) {
+        case 1: dot_bf16<1, W>(x + r * k, k, w, k, y + r * n + j, n); break;
+        case 2: dot_bf16<2, W>(x + r * k, k, w, k, y + r * n + j, n); break;
+        case 3: dot_bf16<3, W>(x + r * k, k, w, k, y + r * n + j, n); break;
+        default: break;
+    }
+}
+
+template <class T>
+void linear_bf16_rows(const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* xp, int64_t m, int64_t k, float* yp) {
+    const int64_t nb = k / T::kValues;
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+        std::vector<uint16_t> buf(4 * k);
+        const uint16_t* rows[4] = {buf.data(), buf.data() + k, buf.data() + 2 * k, buf.data() + 3 * k};
+        int64_t j = begin;
+        for (; j + 4 <= end; j += 4) {  // weight rows in fours
+            for (int c = 0; c < 4; ++c) expand_bf16<T>(wp + (j + c) * rb, nb, buf.data() + c * k);
+            dot_rows_bf16<4>(xp, m, k, rows, yp, n, j);
+        }
+        for (; j < end; ++j) {
+            expand_bf16<T>(wp + j * rb, nb, buf.data());
+            dot_rows_bf16<1>(xp, m, k, rows, yp, n, j);
+        }
+    });
+}
+
+bool bf16_kernel(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* xp, int64_t m, int64_t k, float* yp) {
+    if (k % 32) return false;
+    switch (type) {
+        case 2: linear_bf16_rows<Q4_0x>(wp, rb, n, xp, m, k, yp); return true;
+        case 3: linear_bf16_rows<Q4_1x>(wp, rb, n, xp, m, k, yp); return true;
+        case 6: linear_bf16_rows<Q5_0x>(wp, rb, n, xp, m, k, yp); return true;
+        case 7: linear_bf16_rows<Q5_1x>(wp, rb, n, xp, m, k, yp); return true;
+        case 20: linear_bf16_rows<IQ4_NLx>(wp, rb, n, xp, m, k, yp); return true;
+        case 8: linear_bf16_rows<Q8_0x>(wp, rb, n, xp, m, k, yp); return true;
+        case 12: linear_bf16_rows<Q4_Kx>(wp, rb, n, xp, m, k, yp); return true;
+        case 13: linear_bf16_rows<Q5_Kx>(wp, rb, n, xp, m, k, yp); return true;
+        case 14: linear_bf16_rows<Q6_Kx>(wp, rb, n, xp, m, k, yp); return true;
+        default: return false;
+    }
+}
+#endif
+
 }  // namespace
 
 // x [M, K] (any float dtype) times the block weight [N, K] transposed -> [M, N] in x's dtype.
-// Up to `small_rows` rows (decode): each weight row is dequantized once, straight into the dot
+// Up to `small_rows` rows (decode), bfloat16 inputs where the CPU has AVX512-BF16: the bf16 row
+// kernel above. Otherwise each weight row is dequantized once, straight into the dot
 // products of up to 4 input rows (the common types), or into a buffer that stays in L1 and is
 // dotted with every input row, in float32; so the weights are read once, in their blocks.
 // More rows (prefill): tiles of weight rows are dequantized to x's dtype and multiplied by the
@@ -617,6 +672,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t sma
     const int64_t nb = k / f.block_size, rb = w.size(1);
     const uint8_t* wp = w.data_ptr<uint8_t>();
     if (m <= small_rows) {
+#ifdef RADIXSERVE_GGUF_BF16
+        if (x.scalar_type() == torch::kBFloat16) {
+            torch::Tensor xb = x.contiguous();
+            torch::Tensor y = torch::empty({m, n}, xb.options().dtype(torch::kFloat32));
+            const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+            if (bf16_kernel(type, wp, rb, n, xp, m, k, y.data_ptr<float>())) return y.to(torch::kBFloat16);
+        }
+#endif
         torch::Tensor xf = x.to(torch::kFloat32).contiguous();
         torch::Tensor y = torch::empty({m, n}, xf.options());
         const float* xp = xf.data_ptr<float>();
@@ -679,9 +742,18 @@ torch::Tensor rows(torch::Tensor w, int64_t type, int64_t k, torch::Tensor index
     return y;
 }
 
+bool has_bf16_kernel() {
+#ifdef RADIXSERVE_GGUF_BF16
+    return true;
+#else
+    return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("dequantize", &dequantize, "GGUF blocks (uint8) of a GGML type to float32");
     m.def("supported", &supported, "whether a GGML type has a dequantizer here");
     m.def("linear", &linear, "x [M, K] @ block weight [N, K].T");
     m.def("rows", &rows, "float32 rows of a block weight");
+    m.def("has_bf16_kernel", &has_bf16_kernel, "whether bfloat16 inputs have the AVX512-BF16 row kernel");
 }

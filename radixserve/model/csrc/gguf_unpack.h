@@ -1,0 +1,56 @@
+// GGUF block layouts shared by the dequantizer (gguf_dequant.cpp) and the integer dot-product
+// kernel (gguf_vnni.cpp): scales, small tables, and the AVX2 unpacking of 4- and 5-bit values.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace gguf {
+
+inline float f16(const uint8_t* p) {
+    uint16_t bits;
+    std::memcpy(&bits, p, 2);
+    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+constexpr int QK_K = 256;
+constexpr int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// Q4_K / Q5_K: 8 sub-blocks of 32, each a 6-bit scale and a 6-bit min packed in 12 bytes.
+inline void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
+    if (j < 4) {
+        *sc = s[j] & 0x3F;
+        *m = s[j + 4] & 0x3F;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+
+#if defined(__AVX2__)
+inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes -> their 16 low nibbles, then 16 high
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+}
+
+// byte i = 0x10 where bit i of `bits` is set, else 0 (Q5_0/Q5_1's fifth bits, in nibbles32's order)
+inline __m256i fifth_bits32(uint32_t bits) {
+    // each 128-bit lane holds the 4 bytes of `bits` (broadcast); byte i takes byte i / 8 of them
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(bits)),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i want = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));  // bit i % 8
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, want), want);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+#endif
+
+}  // namespace gguf

@@ -1,0 +1,107 @@
+"""The AVX-512 kernels a bfloat16 model's decode batches take on GGUF blocks: the VNNI integer
+kernel (csrc/gguf_vnni.cpp, up to ``VNNI_MAX_ROWS`` rows) and the bf16 row kernel
+(csrc/gguf_dequant.cpp), each against the dequantized matrix for every type it reads, each row
+the same whatever the batch, and ``GGUFWeight`` choosing between them and the tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from radixserve.model.dequant import has_bf16_kernel, linear_ext, vnni_ext
+from radixserve.model.gguf_blocks import VNNI_MAX_ROWS, GGUFWeight
+from tests.model.test_gguf_blocks import blocks_of
+
+VNNI_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+BF16_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
+
+needs_vnni = pytest.mark.skipif(vnni_ext() is None, reason="no AVX512-VNNI on this CPU")
+needs_bf16 = pytest.mark.skipif(not has_bf16_kernel(), reason="no AVX512-BF16 on this CPU")
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", VNNI_TYPES)
+def test_vnni_kernel_equals_the_dequantized_matmul(name: str) -> None:
+    ext = vnni_ext()
+    b = blocks_of(name, rows=41, cols=512)
+    w = b.dequantize().double()
+    for rows in (1, 2, 3, 4, 5, 9, 33):  # up to 4: unpacked straight into the products; then buffered
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        got = ext.linear(x, b.data, b.qtype)
+        assert got.dtype == torch.float32 and got.shape == (rows, 41)
+        # activations keep ~15 bits per group of 32: measured 1e-5 to 5e-5 of the largest output
+        assert rel_err(got, x.double() @ w.t()) < 2e-4
+        alone = torch.cat([ext.linear(x[i : i + 1], b.data, b.qtype) for i in range(rows)])
+        assert torch.equal(alone, got)  # a row's result does not depend on its batch
+        xb = x.to(torch.bfloat16)
+        got_b = ext.linear(xb, b.data, b.qtype)
+        assert got_b.dtype == torch.bfloat16 and rel_err(got_b, xb.double() @ w.t()) < 1e-2
+
+
+@needs_vnni
+def test_vnni_kernel_zero_and_non_finite_rows() -> None:
+    ext = vnni_ext()
+    b = blocks_of("Q4_K", rows=8, cols=256)
+    x = torch.randn(3, 256)
+    x[0] = 0.0
+    x[2, 17] = float("nan")
+    y = ext.linear(x, b.data, b.qtype)
+    assert torch.equal(y[0], torch.zeros(8))
+    assert torch.isfinite(y[1]).all() and torch.isnan(y[2]).all()  # NaN spreads as in float, to its row only
+    with pytest.raises(RuntimeError, match="do not hold"):
+        ext.linear(torch.randn(1, 512), b.data, b.qtype)
+    with pytest.raises(RuntimeError, match="no VNNI kernel"):
+        ext.linear(x, b.data, int(GGMLQuantizationType.Q2_K))
+    assert not ext.supported(int(GGMLQuantizationType.Q2_K))
+
+
+@needs_bf16
+@pytest.mark.parametrize("name", BF16_TYPES)
+def test_bf16_kernel_equals_the_bf16_weights_matmul(name: str) -> None:
+    """Each weight row expanded to bf16 (the rounding bf16 float weights have), products summed in
+    float32: within bf16 output rounding of the same matmul in float64, and batch invariant."""
+    ext = linear_ext()
+    b = blocks_of(name, rows=43, cols=512)  # not a multiple of 4 weight rows
+    w = b.dequantize().to(torch.bfloat16).double()
+    x = torch.randn(33, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    full = ext.linear(x, b.data, b.qtype, 256)
+    assert full.dtype == torch.bfloat16 and full.shape == (33, 43)
+    assert rel_err(full, x.double() @ w.t()) < 8e-3  # measured 1-3e-3: the output's own bf16 rounding
+    for rows in (1, 5, 7):
+        assert torch.equal(ext.linear(x[:rows], b.data, b.qtype, 256), full[:rows])
+
+
+@needs_vnni
+@needs_bf16
+def test_gguf_weight_picks_the_kernel_by_dtype_and_rows() -> None:
+    ext, vnni = linear_ext(), vnni_ext()
+    b = blocks_of("Q6_K", rows=24, cols=256)
+    weight = GGUFWeight([b], small_rows=16)
+    assert weight.integer_kernel
+    for rows in (1, VNNI_MAX_ROWS):
+        x = torch.randn(rows, 256).to(torch.bfloat16)
+        assert torch.equal(weight(x), vnni.linear(x, b.data, b.qtype))
+    x = torch.randn(VNNI_MAX_ROWS + 1, 256).to(torch.bfloat16)
+    assert torch.equal(weight(x), ext.linear(x, b.data, b.qtype, 16))  # the bf16 row kernel
+    x = torch.randn(17, 256).to(torch.bfloat16)
+    assert torch.equal(weight(x), ext.linear(x, b.data, b.qtype, 0))  # past small_rows: the tiles
+    x32 = torch.randn(2, 256)
+    assert torch.equal(weight(x32), ext.linear(x32, b.data, b.qtype, 16))  # float32 keeps the float kernel
+
+
+def test_bf16_models_default_rows_follow_the_kernel() -> None:
+    from radixserve.model.quant import (
+        DEFAULT_BLOCK_ROWS,
+        DEFAULT_BLOCK_ROWS_BF16,
+        DEFAULT_BLOCK_ROWS_BF16_NO_KERNEL,
+        default_max_rows,
+    )
+
+    want = DEFAULT_BLOCK_ROWS_BF16 if has_bf16_kernel() else DEFAULT_BLOCK_ROWS_BF16_NO_KERNEL
+    assert default_max_rows(torch.bfloat16, in_blocks=True) == want
+    assert default_max_rows(torch.float32, in_blocks=True) == DEFAULT_BLOCK_ROWS
