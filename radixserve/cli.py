@@ -196,7 +196,7 @@ def _bench_parsers(bsub: Any) -> None:
                          "alternating the backends, and prints the last backend's effective bandwidth (the K/V "
                          "and slot-table bytes it must read over its time) next to a STREAM-style copy measured "
                          "in the same run.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    from radixserve.bench.attention import add_args as _bench_attention_args
+    from radixserve.bench.attention_args import add_args as _bench_attention_args
 
     _bench_attention_args(ba)
     ba.set_defaults(func=_bench_attention)
@@ -206,7 +206,7 @@ def _bench_parsers(bsub: Any) -> None:
                           "conversations, private tails) until it holds the pool, matches every request, evicts "
                           "half; each phase timed with the real allocator and with one that only counts, "
                           "alternated.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    from radixserve.bench.radix import add_args as _bench_radix_args
+    from radixserve.bench.radix_args import add_args as _bench_radix_args
 
     _bench_radix_args(brx)
     brx.set_defaults(func=_bench_radix)

@@ -106,3 +106,23 @@ def test_an_unreadable_model_file_is_one_line_and_exit_1(tmp_path: Any) -> None:
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 1, r.stderr
         assert why in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_parser_and_the_servers_children_list_import_no_torch() -> None:
+    """``radixserve serve``'s own process parses the command line and starts the children: neither
+    may import torch (the scheduler's, ~200 MB and a second of start-up)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from radixserve.cli import build_parser\n"
+            "from radixserve.config import ServerArgs\n"
+            "from radixserve.server.launch import _children\n"
+            "from radixserve.server.procs import IpcNames\n"
+            "build_parser()\n"
+            "kids = _children(ServerArgs(), IpcNames('/nonexistent'), 0)\n"
+            "assert [k[0] for k in kids] == ['scheduler', 'detokenizer'], kids\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

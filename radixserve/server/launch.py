@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -36,7 +37,7 @@ from radixserve.model.tokenizer import Tokenizer
 from radixserve.server.detokenizer_proc import run_detokenizer_process
 from radixserve.server.frontend.http_server import create_app, pid_map
 from radixserve.server.frontend.tokenizer_manager import TokenizerManager
-from radixserve.server.procs import IpcNames, setup_logging
+from radixserve.server.procs import IpcNames, run_entry, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +104,7 @@ def _tp_args(args: ServerArgs) -> ServerArgs:
 
 def _tp_ranks(args: ServerArgs, parent: int, ipc: IpcNames | None) -> list[tuple[str, Any, tuple[Any, ...]]]:
     """This node's tensor-parallel ranks but rank 0 (the scheduler process, on node 0)."""
-    from radixserve.server.scheduler.tp_worker_proc import (
-        run_tp_worker_process,  # torch: the children's, not ours
-    )
-
+    run_tp_worker_process = functools.partial(run_entry, "radixserve.server.scheduler.tp_worker_proc:run_tp_worker_process")
     per_node = args.tp_ranks_per_node
     first = args.node_rank * per_node
     return [(f"tp_{r}", run_tp_worker_process, (args, ipc, parent, r))
@@ -290,10 +288,11 @@ async def _start_processes(args: ServerArgs, ipc: IpcNames, procs: dict[str, Bas
 
 def _children(args: ServerArgs, ipc: IpcNames, parent: int) -> list[tuple[str, Any, tuple[Any, ...]]]:
     """(name, entry point, its arguments) of every child process. With ``--dp-size N``: the
-    controller and N scheduler ranks, each with its share of the CPU threads. The process modules
-    are imported here: they import torch, which this (HTTP) process never needs."""
-    from radixserve.server.scheduler.dp_controller import run_dp_controller_process
-    from radixserve.server.scheduler.scheduler_proc import run_scheduler_process
+    controller and N scheduler ranks, each with its share of the CPU threads. The schedulers'
+    modules are imported by the children only (``run_entry``): they import torch, which this (HTTP)
+    process never needs."""
+    run_dp_controller_process = functools.partial(run_entry, "radixserve.server.scheduler.dp_controller:run_dp_controller_process")
+    run_scheduler_process = functools.partial(run_entry, "radixserve.server.scheduler.scheduler_proc:run_scheduler_process")
 
     detok = ("detokenizer", run_detokenizer_process, (args, ipc, parent))
     if args.dp_size == 1:

@@ -15,6 +15,7 @@ on their own when the HTTP process goes away (``parent_alive``), so nothing is e
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ import signal
 import tempfile
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 from tqdm import tqdm
@@ -70,6 +72,14 @@ class _ProcFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.proc = self.proc
         return True
+
+
+def run_entry(entry: str, *args: Any) -> Any:
+    """A child process's target: imports ``entry`` ("module:function") in the child and calls it, so
+    the parent never imports what only the child needs (the scheduler's torch: ~200 MB and a second
+    of start-up in the HTTP process). ``functools.partial(run_entry, entry)`` pickles by name."""
+    module, _, name = entry.partition(":")
+    return getattr(importlib.import_module(module), name)(*args)
 
 
 def setup_logging(level: str, proc: str) -> None:

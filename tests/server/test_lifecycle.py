@@ -29,6 +29,16 @@ def server() -> Iterator[ServerProcess]:
                                      "--admin-api-key", ADMIN_KEY, api_key=API_KEY))
 
 
+def test_the_http_process_never_loads_torch(server: ServerProcess) -> None:
+    """Only the scheduler computes: torch in the HTTP process would cost ~200 MB and a second of
+    start-up (the CLI's parser and the children's entry points are what used to pull it in)."""
+    with open(f"/proc/{server.proc.pid}/maps") as f:
+        maps = f.read()
+    assert "libtorch" not in maps
+    with open(f"/proc/{server.pids['scheduler']}/maps") as f:
+        assert "libtorch" in f.read()  # the check can fail: the scheduler's has it
+
+
 def test_api_key(server: ServerProcess) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200  # /health is open
     for path in ("/get_load", "/v1/models", "/get_server_info", "/metrics"):

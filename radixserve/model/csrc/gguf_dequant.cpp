@@ -593,7 +593,7 @@ void expand_bf16(const uint8_t* row, int64_t nb, uint16_t* y) {
 inline __m512bh load_bh(const uint16_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
 
 template <int R, int W>
-inline void dot_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const* w, int64_t k, float* out, int64_t ldo) {
+inline void dot_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const* w, int64_t k, at::BFloat16* out, int64_t ldo) {
     __m512 acc[R][W];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < W; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -606,11 +606,11 @@ inline void dot_bf16(const uint16_t* x, int64_t ldx, const uint16_t* const* w, i
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < W; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
+        for (int c = 0; c < W; ++c) out[r * ldo + c] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[r][c]));
 }
 
 template <int W>
-void dot_rows_bf16(const uint16_t* x, int64_t m, int64_t k, const uint16_t* const* w, float* y, int64_t n, int64_t j) {
+void dot_rows_bf16(const uint16_t* x, int64_t m, int64_t k, const uint16_t* const* w, at::BFloat16* y, int64_t n, int64_t j) {
     int64_t r = 0;
     for (; r + 4 <= m; r += 4) dot_bf16<4, W>(x + r * k, k, w, k, y + r * n + j, n);
     switch (m - r) {
@@ -622,7 +622,7 @@ void dot_rows_bf16(const uint16_t* x, int64_t m, int64_t k, const uint16_t* cons
 }
 
 template <class T>
-void linear_bf16_rows(const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* xp, int64_t m, int64_t k, float* yp) {
+void linear_bf16_rows(const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* xp, int64_t m, int64_t k, at::BFloat16* yp) {
     const int64_t nb = k / T::kValues;
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
         std::vector<uint16_t> buf(4 * k);
@@ -639,7 +639,7 @@ void linear_bf16_rows(const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* 
     });
 }
 
-bool bf16_kernel(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* xp, int64_t m, int64_t k, float* yp) {
+bool bf16_kernel(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* xp, int64_t m, int64_t k, at::BFloat16* yp) {
     if (k % 32) return false;
     switch (type) {
         case 2: linear_bf16_rows<Q4_0x>(wp, rb, n, xp, m, k, yp); return true;
@@ -675,9 +675,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t sma
 #ifdef RADIXSERVE_GGUF_BF16
         if (x.scalar_type() == torch::kBFloat16) {
             torch::Tensor xb = x.contiguous();
-            torch::Tensor y = torch::empty({m, n}, xb.options().dtype(torch::kFloat32));
+            torch::Tensor y = torch::empty({m, n}, xb.options());
             const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-            if (bf16_kernel(type, wp, rb, n, xp, m, k, y.data_ptr<float>())) return y.to(torch::kBFloat16);
+            if (bf16_kernel(type, wp, rb, n, xp, m, k, y.data_ptr<at::BFloat16>())) return y;
         }
 #endif
         torch::Tensor xf = x.to(torch::kFloat32).contiguous();

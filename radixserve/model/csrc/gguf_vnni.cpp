@@ -239,21 +239,22 @@ inline void accumulate(const Act& a, int64_t r0, int64_t g, __m256i u, __m256 s,
     }
 }
 
-template <int R>
-inline void finish(const __m256* acc, const __m256* macc, float* out, int64_t ldo) {
-    for (int r = 0; r < R; ++r) out[r * ldo] = hsum8(_mm256_add_ps(acc[r], macc[r]));
+// O: float, or c10::BFloat16 (a bfloat16 model's output written as it is, no conversion pass)
+template <int R, class O>
+inline void finish(const __m256* acc, const __m256* macc, O* out, int64_t ldo) {
+    for (int r = 0; r < R; ++r) out[r * ldo] = static_cast<O>(hsum8(_mm256_add_ps(acc[r], macc[r])));
 }
 
 // one weight row against R <= 4 rows of x, unpacking each group straight into the products
-template <class T, int R>
-void row_direct(const uint8_t* row, int64_t nb, const Act& a, int64_t r0, float* out, int64_t ldo) {
+template <class T, int R, class O>
+void row_direct(const uint8_t* row, int64_t nb, const Act& a, int64_t r0, O* out, int64_t ldo) {
     __m256 acc[R], macc[R];
     for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         auto sink = [&](int i, __m256i u, __m256 s, __m256 m) { accumulate<R>(a, r0, b * (T::kValues / kGroup) + i, u, s, m, acc, macc); };
         T::run(row + b * T::kBytes, sink);
     }
-    finish<R>(acc, macc, out, ldo);
+    finish<R, O>(acc, macc, out, ldo);
 }
 
 // one weight row, unpacked into `u` (its bytes) and `sm` (per group: 8 lane scales, 8 offsets)
@@ -263,29 +264,29 @@ struct RowBuffer {
     explicit RowBuffer(int64_t k) : u(k), sm(k / kGroup * 16) {}
 };
 
-template <int R>
-void row_buffered(const RowBuffer& w, int64_t groups, const Act& a, int64_t r0, float* out, int64_t ldo) {
+template <int R, class O>
+void row_buffered(const RowBuffer& w, int64_t groups, const Act& a, int64_t r0, O* out, int64_t ldo) {
     __m256 acc[R], macc[R];
     for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
         const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&w.u[g * kGroup]));
         accumulate<R>(a, r0, g, u, _mm256_loadu_ps(&w.sm[g * 16]), _mm256_loadu_ps(&w.sm[g * 16 + 8]), acc, macc);
     }
-    finish<R>(acc, macc, out, ldo);
+    finish<R, O>(acc, macc, out, ldo);
 }
 
-template <class T>
-void run_linear(const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t m, float* yp) {
+template <class T, class O>
+void run_linear(const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t m, O* yp) {
     const int64_t nb = a.k / T::kValues;
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
         if (m <= 4) {
             for (int64_t j = begin; j < end; ++j) {
                 const uint8_t* row = wp + j * rb;
                 switch (m) {
-                    case 1: row_direct<T, 1>(row, nb, a, 0, yp + j, n); break;
-                    case 2: row_direct<T, 2>(row, nb, a, 0, yp + j, n); break;
-                    case 3: row_direct<T, 3>(row, nb, a, 0, yp + j, n); break;
-                    default: row_direct<T, 4>(row, nb, a, 0, yp + j, n); break;
+                    case 1: row_direct<T, 1, O>(row, nb, a, 0, yp + j, n); break;
+                    case 2: row_direct<T, 2, O>(row, nb, a, 0, yp + j, n); break;
+                    case 3: row_direct<T, 3, O>(row, nb, a, 0, yp + j, n); break;
+                    default: row_direct<T, 4, O>(row, nb, a, 0, yp + j, n); break;
                 }
             }
             return;
@@ -303,11 +304,11 @@ void run_linear(const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t 
                 T::run(row + b * T::kBytes, store);
             }
             int64_t r = 0;
-            for (; r + 4 <= m; r += 4) row_buffered<4>(w, a.groups, a, r, yp + r * n + j, n);
+            for (; r + 4 <= m; r += 4) row_buffered<4, O>(w, a.groups, a, r, yp + r * n + j, n);
             switch (m - r) {
-                case 1: row_buffered<1>(w, a.groups, a, r, yp + r * n + j, n); break;
-                case 2: row_buffered<2>(w, a.groups, a, r, yp + r * n + j, n); break;
-                case 3: row_buffered<3>(w, a.groups, a, r, yp + r * n + j, n); break;
+                case 1: row_buffered<1, O>(w, a.groups, a, r, yp + r * n + j, n); break;
+                case 2: row_buffered<2, O>(w, a.groups, a, r, yp + r * n + j, n); break;
+                case 3: row_buffered<3, O>(w, a.groups, a, r, yp + r * n + j, n); break;
                 default: break;
             }
         }
@@ -334,18 +335,19 @@ bool shape_of(int64_t type, Shape* s) {
     }
 }
 
-void dispatch(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t m, float* yp) {
+template <class O>
+void dispatch(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t m, O* yp) {
     switch (type) {
-        case 2: run_linear<Q4_0v>(wp, rb, n, a, m, yp); break;
-        case 3: run_linear<Q4_1v>(wp, rb, n, a, m, yp); break;
-        case 6: run_linear<Q5_0v>(wp, rb, n, a, m, yp); break;
-        case 7: run_linear<Q5_1v>(wp, rb, n, a, m, yp); break;
-        case 8: run_linear<Q8_0v>(wp, rb, n, a, m, yp); break;
-        case 12: run_linear<K45v<false>>(wp, rb, n, a, m, yp); break;
-        case 13: run_linear<K45v<true>>(wp, rb, n, a, m, yp); break;
-        case 14: run_linear<Q6_Kv>(wp, rb, n, a, m, yp); break;
-        case 20: run_linear<IQ4_NLv>(wp, rb, n, a, m, yp); break;
-        case 23: run_linear<IQ4_XSv>(wp, rb, n, a, m, yp); break;
+        case 2: run_linear<Q4_0v, O>(wp, rb, n, a, m, yp); break;
+        case 3: run_linear<Q4_1v, O>(wp, rb, n, a, m, yp); break;
+        case 6: run_linear<Q5_0v, O>(wp, rb, n, a, m, yp); break;
+        case 7: run_linear<Q5_1v, O>(wp, rb, n, a, m, yp); break;
+        case 8: run_linear<Q8_0v, O>(wp, rb, n, a, m, yp); break;
+        case 12: run_linear<K45v<false>, O>(wp, rb, n, a, m, yp); break;
+        case 13: run_linear<K45v<true>, O>(wp, rb, n, a, m, yp); break;
+        case 14: run_linear<Q6_Kv, O>(wp, rb, n, a, m, yp); break;
+        case 20: run_linear<IQ4_NLv, O>(wp, rb, n, a, m, yp); break;
+        case 23: run_linear<IQ4_XSv, O>(wp, rb, n, a, m, yp); break;
         default: TORCH_CHECK(false, "no VNNI kernel for GGML type ", type);
     }
 }
@@ -375,16 +377,17 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type) {
     TORCH_CHECK(k % s.values == 0 && w.size(1) == k / s.values * s.bytes, "weight rows of ", w.size(1),
                 " bytes do not hold ", k, " values of GGML type ", type);
     torch::Tensor xc = x.contiguous();
-    torch::Tensor y = torch::empty({m, n}, xc.options().dtype(torch::kFloat32));
-    if (m == 0) return y.to(x.scalar_type());
+    torch::Tensor y = torch::empty({m, n}, xc.options());
+    if (m == 0) return y;
     Act a(m, k);
     if (xc.scalar_type() == torch::kBFloat16) {
         quantize(xc.data_ptr<c10::BFloat16>(), m, a);
+        dispatch(type, w.data_ptr<uint8_t>(), w.size(1), n, a, m, y.data_ptr<c10::BFloat16>());
     } else {
         quantize(xc.data_ptr<float>(), m, a);
+        dispatch(type, w.data_ptr<uint8_t>(), w.size(1), n, a, m, y.data_ptr<float>());
     }
-    dispatch(type, w.data_ptr<uint8_t>(), w.size(1), n, a, m, y.data_ptr<float>());
-    return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
+    return y;
 #else
     (void)x, (void)w, (void)type;
     TORCH_CHECK(false, "this build has no AVX512-VNNI kernel for GGUF blocks");
