@@ -54,3 +54,26 @@ def test_bench_model_measures_a_real_server(tmp_path: Path) -> None:
     assert set(rep["medians"]) == {"radixserve"} and len(rep["rounds"]["radixserve"]) == 1
     assert 0 < m["healthy_s"] < 600 and m["rss_mb"] > 50 and m["tpot_p50_ms"] > 0
     assert m["concurrent_output_tok_s"] > 0 and rep["output_len"] == 4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_make_random_gguf_writes_a_model_radixserve_reads_in_its_blocks(tmp_path: Path, arch: str) -> None:
+    """scripts/make_random_gguf.py (the ~1B and MoE benchmark models) at a tiny size: the config is
+    what was asked, the mix is Q4_K_M's, and the file loads in place."""
+    import subprocess
+    import sys
+
+    from radixserve.model.gguf_blocks import GGUFBlocks
+    from radixserve.model.gguf_loader import load_gguf
+    from radixserve.model.loader import load_config
+
+    out = tmp_path / "m.gguf"
+    subprocess.run([sys.executable, "scripts/make_random_gguf.py", str(out), "--arch", arch, "--hidden", "256",
+                    "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "512", "--experts", "4"],
+                   check=True, capture_output=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    c = load_config(str(out))
+    assert (c.arch, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == (arch, 2, 256, 4, 2)
+    assert c.num_experts == (4 if arch == "qwen3moe" else 0) and c.tie_word_embeddings
+    _, state = load_gguf(str(out), progress=False, keep_blocks=True)
+    kinds = {k: v.qtype for k, v in state.items() if isinstance(v, GGUFBlocks)}
+    assert {12, 14, 8} <= set(kinds.values())  # Q4_K, Q6_K, Q8_0
