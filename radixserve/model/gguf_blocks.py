@@ -138,7 +138,8 @@ class GGUFWeight(QuantizedWeight):
 
     @property
     def integer_kernel(self) -> bool:
-        """Whether a bfloat16 input of up to ``small_rows`` rows runs the VNNI integer kernel."""
+        """Whether bfloat16 inputs of up to ``min(small_rows, VNNI_MAX_ROWS)`` rows run the VNNI integer
+        kernel (every segment's type has it and the CPU has AVX512-VNNI)."""
         return self._vnni is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -258,18 +258,12 @@ struct Q8_0x {
 template <bool kFifthBit, class Sink>
 inline void k_quant_4_5_run(const uint8_t* b, const uint8_t* qh, const uint8_t* qs, Sink& sink) {
     const float d = f16(b), dmin = f16(b + 2);
-    const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const __m256i high = kFifthBit ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
     for (int sub = 0; sub < 8; ++sub) {
         int sc, m;
         k_scale_min(b + 4, sub, &sc, &m);
         const __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc)), dm = _mm256_set1_ps(dmin * static_cast<float>(m));
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (sub / 2) * 32));
-        __m256i v = _mm256_and_si256(sub % 2 ? _mm256_srli_epi16(q, 4) : q, mask);
-        if (kFifthBit) {
-            const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(sub)), one);
-            v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
-        }
+        const __m256i v = gguf::k45_values32<kFifthBit>(qs, high, sub);
         affine32(v, false, ds, ds, dm, kSub, sub * 32, sink);
     }
 }
@@ -289,15 +283,11 @@ struct Q6_Kx {
     template <class Sink> static void run(const uint8_t* b, Sink& sink) {
         const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
         const float d = f16(b + 208);
-        const __m256i mask4 = _mm256_set1_epi8(0x0F), mask2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi8(32);
+        const __m256i off = _mm256_set1_epi8(32);
         const __m256 zero = _mm256_setzero_ps();
         for (int h = 0; h < 2; ++h) {
-            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + h * 32));
             for (int c = 0; c < 4; ++c) {  // values h * 128 + c * 32 + l, l < 32
-                const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + h * 64 + (c % 2) * 32));
-                const __m256i lo = _mm256_and_si256(c / 2 ? _mm256_srli_epi16(lb, 4) : lb, mask4);
-                const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), mask2);
-                const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), off);
+                const __m256i v = _mm256_sub_epi8(gguf::q6_k_values32(b, h, c), off);
                 const int e = h * 128 + c * 32;
                 const __m256 s0 = _mm256_set1_ps(d * static_cast<float>(sc[e / 16]));
                 const __m256 s1 = _mm256_set1_ps(d * static_cast<float>(sc[e / 16 + 1]));
@@ -574,7 +564,7 @@ bool fused(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, int64_t nb, c
 
 #if defined(__AVX2__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define RADIXSERVE_GGUF_BF16 1
-// bfloat16 inputs of a few to a few dozen rows: each weight row is expanded once into bfloat16 (the
+// bfloat16 inputs of a few to a few hundred rows: each weight row is expanded once into bfloat16 (the
 // rounding a bfloat16 model's float weights had) and dotted with every input row by vdpbf16ps, 32
 // products per instruction accumulated in float32, four weight rows against four input rows at a
 // time. The block scales are folded into the expanded row, so the inner loop is loads and dot

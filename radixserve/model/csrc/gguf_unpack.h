@@ -51,6 +51,27 @@ inline __m256i fifth_bits32(uint32_t bits) {
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
+// Q4_K / Q5_K: the 32 unsigned values of sub-block `sub` (qs: the block's 4-bit values; high: Q5_K's
+// 32 bytes of fifth bits, bit `sub` of byte l for value l)
+template <bool kFifthBit>
+inline __m256i k45_values32(const uint8_t* qs, __m256i high, int sub) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (sub / 2) * 32));
+    __m256i v = _mm256_and_si256(sub % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0F));
+    if (kFifthBit) {
+        const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(sub)), _mm256_set1_epi8(1));
+        v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
+    }
+    return v;
+}
+
+// Q6_K (ql[128], qh[64], ...): the 32 unsigned 6-bit values h * 128 + c * 32 + l, l < 32
+inline __m256i q6_k_values32(const uint8_t* b, int h, int c) {
+    const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + h * 64 + (c % 2) * 32));
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + h * 32));
+    const __m256i lo = _mm256_and_si256(c / 2 ? _mm256_srli_epi16(lb, 4) : lb, _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), _mm256_set1_epi8(0x03));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+}
 #endif
 
 }  // namespace gguf

@@ -181,17 +181,11 @@ struct K45v {  // Q4_K (d, dmin, scales[12], qs[128]) and Q5_K (..., qh[32], qs[
     template <class Sink> static void run(const uint8_t* b, Sink& sink) {
         const float d = f16(b), dmin = f16(b + 2);
         const uint8_t* qs = b + (kFifthBit ? 48 : 16);
-        const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
         const __m256i high = kFifthBit ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
         for (int sub = 0; sub < 8; ++sub) {
             int sc, mn;
             gguf::k_scale_min(b + 4, sub, &sc, &mn);
-            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (sub / 2) * 32));
-            __m256i v = _mm256_and_si256(sub % 2 ? _mm256_srli_epi16(q, 4) : q, mask);
-            if (kFifthBit) {
-                const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(sub)), one);
-                v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
-            }
+            const __m256i v = gguf::k45_values32<kFifthBit>(qs, high, sub);
             sink(sub, v, lanes(d * static_cast<float>(sc)), lanes(-dmin * static_cast<float>(mn)));
         }
     }
@@ -202,17 +196,12 @@ struct Q6_Kv {  // ql[128], qh[64], scales int8[16], d
     template <class Sink> static void run(const uint8_t* b, Sink& sink) {
         const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
         const float d = f16(b + 208);
-        const __m256i mask4 = _mm256_set1_epi8(0x0F), mask2 = _mm256_set1_epi8(0x03);
         for (int h = 0; h < 2; ++h) {
-            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + h * 32));
             for (int c = 0; c < 4; ++c) {  // values h * 128 + c * 32 + l, l < 32
-                const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + h * 64 + (c % 2) * 32));
-                const __m256i lo = _mm256_and_si256(c / 2 ? _mm256_srli_epi16(lb, 4) : lb, mask4);
-                const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), mask2);
                 const int e = h * 128 + c * 32;
                 const __m256 s = _mm256_set_m128(_mm_set1_ps(d * static_cast<float>(sc[e / 16 + 1])),
                                                  _mm_set1_ps(d * static_cast<float>(sc[e / 16])));
-                sink(h * 4 + c, _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), s, _mm256_mul_ps(s, lanes(-32.f)));
+                sink(h * 4 + c, gguf::q6_k_values32(b, h, c), s, _mm256_mul_ps(s, lanes(-32.f)));
             }
         }
     }
