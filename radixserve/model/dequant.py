@@ -42,6 +42,7 @@ def has_bf16_kernel() -> bool:
     return ext is not None and bool(ext.has_bf16_kernel())
 
 
+@functools.lru_cache(maxsize=1)
 def vnni_ext() -> Any | None:
     """csrc/gguf_vnni.cpp (integer dot products on the blocks) where it builds with AVX512-VNNI."""
     ext, _ = _vnni()

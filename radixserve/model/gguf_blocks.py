@@ -81,10 +81,7 @@ class GGUFBlocks:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 tensor these blocks stand for."""
-        flat = self.data.contiguous().reshape(-1, self.data.shape[-1])
-        ext = linear_ext()
-        rows = ext.rows(flat, self.qtype, self.cols, torch.arange(flat.shape[0]))
-        return rows.reshape(self.shape)
+        return linear_ext().dequantize(self.data.contiguous().reshape(-1), self.qtype).reshape(self.shape)
 
     def lookup(self, index: torch.Tensor) -> torch.Tensor:
         """float32 rows ``index`` of a 2-D tensor (an embedding lookup)."""

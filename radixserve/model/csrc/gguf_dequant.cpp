@@ -26,6 +26,7 @@ using gguf::KVALUES_IQ4NL;
 using gguf::QK_K;
 #if defined(__AVX2__)
 using gguf::fifth_bits32;
+using gguf::hsum8;
 using gguf::nibbles32;
 #endif
 
@@ -302,6 +303,23 @@ void dequant_simd(const uint8_t* b, float* y) {
     auto store = [y](int off, int, __m256 v) { _mm256_storeu_ps(y + off, v); };
     T::run(b, store);
 }
+
+// Calls f(T{}) with the AVX2 expander of GGML type `type`; false where there is none.
+template <class F>
+bool with_expander(int64_t type, F&& f) {
+    switch (type) {
+        case 2: f(Q4_0x{}); return true;
+        case 3: f(Q4_1x{}); return true;
+        case 6: f(Q5_0x{}); return true;
+        case 7: f(Q5_1x{}); return true;
+        case 8: f(Q8_0x{}); return true;
+        case 12: f(Q4_Kx{}); return true;
+        case 13: f(Q5_Kx{}); return true;
+        case 14: f(Q6_Kx{}); return true;
+        case 20: f(IQ4_NLx{}); return true;
+        default: return false;
+    }
+}
 #endif
 
 void f16_to_f32(const uint8_t* b, float* y) { *y = f16(b); }
@@ -326,15 +344,11 @@ bool format_of(int64_t type, Format* f) {
         case 0: *f = {f32_copy, 1, 4}; return true;
         case 1: *f = {f16_to_f32, 1, 2}; return true;
 #if defined(__AVX2__)
-        case 2: *f = {dequant_simd<Q4_0x>, 32, 18}; return true;
-        case 3: *f = {dequant_simd<Q4_1x>, 32, 20}; return true;
-        case 6: *f = {dequant_simd<Q5_0x>, 32, 22}; return true;
-        case 7: *f = {dequant_simd<Q5_1x>, 32, 24}; return true;
-        case 20: *f = {dequant_simd<IQ4_NLx>, 32, 18}; return true;
-        case 8: *f = {dequant_simd<Q8_0x>, 32, 34}; return true;
-        case 12: *f = {dequant_simd<Q4_Kx>, 256, 144}; return true;
-        case 13: *f = {dequant_simd<Q5_Kx>, 256, 176}; return true;
-        case 14: *f = {dequant_simd<Q6_Kx>, 256, 210}; return true;
+        case 2: case 3: case 6: case 7: case 8: case 12: case 13: case 14: case 20:
+            return with_expander(type, [&](auto t) {
+                using T = decltype(t);
+                *f = {dequant_simd<T>, T::kValues, T::kBytes};
+            });
 #else
         case 2: *f = {q4_0, 32, 18}; return true;
         case 3: *f = {q4_1, 32, 20}; return true;
@@ -416,14 +430,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
     for (; k < n; ++k) s += a[k] * b[k];
     return s;
 }
-
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum8(__m256 v) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-}
-#endif
 
 // out[i * ldo] = dot(x + i * ldx, w, n) for i < R: w is loaded once for all R rows
 template <int R>
@@ -544,18 +550,7 @@ bool fused(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, int64_t nb, c
            float* yp) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (m > 4) return false;
-    switch (type) {
-        case 2: fused_linear<Q4_0x>(wp, rb, n, nb, xp, m, k, yp); return true;
-        case 3: fused_linear<Q4_1x>(wp, rb, n, nb, xp, m, k, yp); return true;
-        case 6: fused_linear<Q5_0x>(wp, rb, n, nb, xp, m, k, yp); return true;
-        case 7: fused_linear<Q5_1x>(wp, rb, n, nb, xp, m, k, yp); return true;
-        case 20: fused_linear<IQ4_NLx>(wp, rb, n, nb, xp, m, k, yp); return true;
-        case 8: fused_linear<Q8_0x>(wp, rb, n, nb, xp, m, k, yp); return true;
-        case 12: fused_linear<Q4_Kx>(wp, rb, n, nb, xp, m, k, yp); return true;
-        case 13: fused_linear<Q5_Kx>(wp, rb, n, nb, xp, m, k, yp); return true;
-        case 14: fused_linear<Q6_Kx>(wp, rb, n, nb, xp, m, k, yp); return true;
-        default: return false;
-    }
+    return with_expander(type, [&](auto t) { fused_linear<decltype(t)>(wp, rb, n, nb, xp, m, k, yp); });
 #else
     (void)type, (void)wp, (void)rb, (void)n, (void)nb, (void)xp, (void)m, (void)k, (void)yp;
     return false;
@@ -631,18 +626,7 @@ void linear_bf16_rows(const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* 
 
 bool bf16_kernel(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* xp, int64_t m, int64_t k, at::BFloat16* yp) {
     if (k % 32) return false;
-    switch (type) {
-        case 2: linear_bf16_rows<Q4_0x>(wp, rb, n, xp, m, k, yp); return true;
-        case 3: linear_bf16_rows<Q4_1x>(wp, rb, n, xp, m, k, yp); return true;
-        case 6: linear_bf16_rows<Q5_0x>(wp, rb, n, xp, m, k, yp); return true;
-        case 7: linear_bf16_rows<Q5_1x>(wp, rb, n, xp, m, k, yp); return true;
-        case 20: linear_bf16_rows<IQ4_NLx>(wp, rb, n, xp, m, k, yp); return true;
-        case 8: linear_bf16_rows<Q8_0x>(wp, rb, n, xp, m, k, yp); return true;
-        case 12: linear_bf16_rows<Q4_Kx>(wp, rb, n, xp, m, k, yp); return true;
-        case 13: linear_bf16_rows<Q5_Kx>(wp, rb, n, xp, m, k, yp); return true;
-        case 14: linear_bf16_rows<Q6_Kx>(wp, rb, n, xp, m, k, yp); return true;
-        default: return false;
-    }
+    return with_expander(type, [&](auto t) { linear_bf16_rows<decltype(t)>(wp, rb, n, xp, m, k, yp); });
 }
 #endif
 

@@ -1,5 +1,5 @@
 // GGUF block layouts shared by the dequantizer (gguf_dequant.cpp) and the integer dot-product
-// kernel (gguf_vnni.cpp): scales, small tables, and the AVX2 unpacking of 4- and 5-bit values.
+// kernel (gguf_vnni.cpp): scales, small tables, the AVX2 unpacking of their values, a lane sum.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -34,6 +34,12 @@ inline void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
 }
 
 #if defined(__AVX2__)
+inline float hsum8(__m256 v) {  // the sum of the 8 lanes
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
 inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes -> their 16 low nibbles, then 16 high
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
     const __m128i mask = _mm_set1_epi8(0x0F);

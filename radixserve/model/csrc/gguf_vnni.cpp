@@ -208,12 +208,7 @@ struct Q6_Kv {  // ql[128], qh[64], scales int8[16], d
 };
 
 // --- the dot products -------------------------------------------------------------------------------
-inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+using gguf::hsum8;
 
 // rows r0 .. r0 + R of x against one weight group (u, s, m), the group's index g in the row
 template <int R>
@@ -304,41 +299,35 @@ void run_linear(const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t 
     });
 }
 
-struct Shape {
-    int64_t values, bytes;
-};
-
-bool shape_of(int64_t type, Shape* s) {
+// Calls f(T{}) with the unpacker of GGML type `type`; false where there is none.
+template <class F>
+bool with_type(int64_t type, F&& f) {
     switch (type) {
-        case 2: *s = {Q4_0v::kValues, Q4_0v::kBytes}; return true;
-        case 3: *s = {Q4_1v::kValues, Q4_1v::kBytes}; return true;
-        case 6: *s = {Q5_0v::kValues, Q5_0v::kBytes}; return true;
-        case 7: *s = {Q5_1v::kValues, Q5_1v::kBytes}; return true;
-        case 8: *s = {Q8_0v::kValues, Q8_0v::kBytes}; return true;
-        case 12: *s = {K45v<false>::kValues, K45v<false>::kBytes}; return true;
-        case 13: *s = {K45v<true>::kValues, K45v<true>::kBytes}; return true;
-        case 14: *s = {Q6_Kv::kValues, Q6_Kv::kBytes}; return true;
-        case 20: *s = {IQ4_NLv::kValues, IQ4_NLv::kBytes}; return true;
-        case 23: *s = {IQ4_XSv::kValues, IQ4_XSv::kBytes}; return true;
+        case 2: f(Q4_0v{}); return true;
+        case 3: f(Q4_1v{}); return true;
+        case 6: f(Q5_0v{}); return true;
+        case 7: f(Q5_1v{}); return true;
+        case 8: f(Q8_0v{}); return true;
+        case 12: f(K45v<false>{}); return true;
+        case 13: f(K45v<true>{}); return true;
+        case 14: f(Q6_Kv{}); return true;
+        case 20: f(IQ4_NLv{}); return true;
+        case 23: f(IQ4_XSv{}); return true;
         default: return false;
     }
 }
 
+struct Shape {
+    int64_t values = 0, bytes = 0;
+};
+
+bool shape_of(int64_t type, Shape* s) {
+    return with_type(type, [&](auto t) { *s = {decltype(t)::kValues, decltype(t)::kBytes}; });
+}
+
 template <class O>
-void dispatch(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t m, O* yp) {
-    switch (type) {
-        case 2: run_linear<Q4_0v, O>(wp, rb, n, a, m, yp); break;
-        case 3: run_linear<Q4_1v, O>(wp, rb, n, a, m, yp); break;
-        case 6: run_linear<Q5_0v, O>(wp, rb, n, a, m, yp); break;
-        case 7: run_linear<Q5_1v, O>(wp, rb, n, a, m, yp); break;
-        case 8: run_linear<Q8_0v, O>(wp, rb, n, a, m, yp); break;
-        case 12: run_linear<K45v<false>, O>(wp, rb, n, a, m, yp); break;
-        case 13: run_linear<K45v<true>, O>(wp, rb, n, a, m, yp); break;
-        case 14: run_linear<Q6_Kv, O>(wp, rb, n, a, m, yp); break;
-        case 20: run_linear<IQ4_NLv, O>(wp, rb, n, a, m, yp); break;
-        case 23: run_linear<IQ4_XSv, O>(wp, rb, n, a, m, yp); break;
-        default: TORCH_CHECK(false, "no VNNI kernel for GGML type ", type);
-    }
+void run(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t m, O* yp) {
+    with_type(type, [&](auto t) { run_linear<decltype(t), O>(wp, rb, n, a, m, yp); });
 }
 #endif
 
@@ -371,10 +360,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type) {
     Act a(m, k);
     if (xc.scalar_type() == torch::kBFloat16) {
         quantize(xc.data_ptr<c10::BFloat16>(), m, a);
-        dispatch(type, w.data_ptr<uint8_t>(), w.size(1), n, a, m, y.data_ptr<c10::BFloat16>());
+        run(type, w.data_ptr<uint8_t>(), w.size(1), n, a, m, y.data_ptr<c10::BFloat16>());
     } else {
         quantize(xc.data_ptr<float>(), m, a);
-        dispatch(type, w.data_ptr<uint8_t>(), w.size(1), n, a, m, y.data_ptr<float>());
+        run(type, w.data_ptr<uint8_t>(), w.size(1), n, a, m, y.data_ptr<float>());
     }
     return y;
 #else
