@@ -37,7 +37,7 @@ from radixserve.sched.build import build_kv, request_slots
 from radixserve.sched.build import build_scheduler as build_sched
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
-from radixserve.sched.io import InputLogprobsOut, OutRow
+from radixserve.sched.io import InputLogprobsOut, OutRow, spec_meta
 from radixserve.sched.req import Req
 from radixserve.sched.request_checks import check_request, logprob_start
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
@@ -85,6 +85,7 @@ class _Tracked:
     last: OutRow | None = None
     start: float = 0.0
     ttft: float | None = None
+    spec: tuple[int, int] | None = None  # speculative decoding's counts, as last reported
 
 
 class Engine:
@@ -292,6 +293,7 @@ class Engine:
                 if t is None:
                     continue
                 t.last = o
+                t.spec = o.spec or t.spec
                 if t.ttft is None and o.new_token_ids:
                     t.ttft = time.perf_counter() - t.start
                 t.output_ids.extend(o.new_token_ids)
@@ -328,6 +330,7 @@ class Engine:
             "e2e_latency": time.perf_counter() - t.start,
             "ttft": t.ttft,
             "num_retractions": o.num_retractions,
+            **spec_meta(t.spec),
         }
 
     def _result(self, t: _Tracked) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from radixserve.config import ServerArgs
-from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, PromptLogprobs
+from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, PromptLogprobs, VerifyRows
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.sched.build import build_kv, build_scheduler
 from radixserve.sched.core import SchedulerCore
@@ -39,8 +39,12 @@ class EchoRunner:
             if self.pool is not None:
                 row = self.pool.req_to_token[int(batch.req_pool_indices[i])]
                 assert row[pos - n + 1 : pos + 1].tolist() == loc[off - n : off]
-            out.append((last_tok + pos + 1) % (VOCAB - 1) + 1)
+            out.append(self.next_token(last_tok, pos))
         result = ForwardOutput(next_token_ids=out)
+        if batch.verify is not None:  # the same rule at every drafted position of a verify row
+            ids, positions = batch.input_ids.tolist(), batch.positions.tolist()
+            result.verified = [[self.next_token(ids[f], positions[f]) for f in batch.verify.positions[a:b]]
+                               + [out[row]] for row, a, b in _verify_slices(batch.verify)]
         rows = batch.prompt_logprobs
         if rows is not None:  # a made-up logprob of each target from the input token and position it follows
             ids, positions = batch.input_ids.tolist(), batch.positions.tolist()
@@ -48,6 +52,18 @@ class EchoRunner:
             tops = [[(target, lp)] * n for target, lp, n in zip(rows.targets, lps, rows.top_n, strict=True)]
             result.prompt_logprobs = PromptLogprobs(rows, lps, tops)
         return result
+
+    def next_token(self, token: int, position: int) -> int:
+        return (token + position + 1) % (VOCAB - 1) + 1
+
+
+def _verify_slices(verify: VerifyRows) -> list[tuple[int, int, int]]:
+    """(row, start, end) of each verify row's entries in ``verify.positions``."""
+    out, a = [], 0
+    for row, d in zip(verify.rows, verify.drafts, strict=True):
+        out.append((row, a, a + len(d)))
+        a += len(d)
+    return out
 
 
 def fake_logprob(prev: int, token: int, position: int) -> float:

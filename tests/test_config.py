@@ -51,7 +51,7 @@ def test_each_field_belongs_to_one_area() -> None:
     one field, so none may be; and ``ServerArgs`` adds no field of its own."""
     areas = [k for k in ServerArgs.__mro__[1:] if dataclasses.is_dataclass(k)]
     assert {k.__name__ for k in areas} == {"ModelOptions", "MemoryOptions", "SchedulingOptions", "QoSOptions",
-                                           "ServingOptions", "DisaggOptions"}
+                                           "ServingOptions", "DisaggOptions", "SpeculativeOptions"}
     declared = [name for k in areas for name in k.__dict__.get("__annotations__", {})]
     assert len(declared) == len(set(declared))
     assert set(declared) == {f.name for f in dataclasses.fields(ServerArgs)}
@@ -110,3 +110,13 @@ def test_the_transfer_backends_offered_are_the_ones_there_are() -> None:
     from radixserve.disagg.transfer import TRANSFER_BACKENDS
     choices = {f.name: f for f in dataclasses.fields(ServerArgs)}["disaggregation_transfer_backend"].metadata["choices"]
     assert set(choices) == set(TRANSFER_BACKENDS)
+
+
+def test_speculative_options_are_checked() -> None:
+    assert ServerArgs(speculative_algorithm="NGRAM").speculative_algorithm == "NGRAM"
+    with pytest.raises(ValueError, match="speculative_algorithm must be one of ngram"):
+        ServerArgs(speculative_algorithm="eagle")
+    with pytest.raises(ValueError, match="at least speculative_ngram_min_match_window_size"):
+        ServerArgs(speculative_ngram_min_match_window_size=4, speculative_ngram_max_match_window_size=2)
+    with pytest.raises(ValueError, match="speculative_num_draft_tokens must be a positive"):
+        ServerArgs(speculative_num_draft_tokens=0)

@@ -1,6 +1,6 @@
 """``ServerArgs``: every option of a radixserve server, one frozen dataclass made of one frozen
 dataclass per area (``ModelOptions``, ``MemoryOptions``, ``SchedulingOptions``, ``QoSOptions``,
-``ServingOptions``, ``DisaggOptions``). Each area owns its fields, their help and their checks; a
+``ServingOptions``, ``DisaggOptions``, ``SpeculativeOptions``). Each area owns its fields, their help and their checks; a
 component that needs one area takes that class (``ServerArgs`` is each of them), and the checks that
 span areas live here. The CLI is generated from the fields (flag = ``--`` + field name with ``-``;
 SGLang's and vLLM's other names for the same option are aliases of its one field), so ``--help``
@@ -21,14 +21,17 @@ from radixserve.config.model import ModelOptions
 from radixserve.config.qos import QoSOptions
 from radixserve.config.scheduling import SCHEDULE_POLICIES, SchedulingOptions
 from radixserve.config.serving import ServingOptions
+from radixserve.config.speculative import SpeculativeOptions
 from radixserve.options import add_dataclass_cli_args, alias_kwargs, dataclass_from_cli_args
 
 
 @dataclass(frozen=True)
-class ServerArgs(ModelOptions, MemoryOptions, SchedulingOptions, QoSOptions, ServingOptions, DisaggOptions):
+class ServerArgs(ModelOptions, MemoryOptions, SchedulingOptions, QoSOptions, ServingOptions, DisaggOptions,
+                 SpeculativeOptions):
     def __post_init__(self) -> None:
         errors = (self._model_errors() + self._memory_errors() + self._scheduling_errors() + self._qos_errors()
-                  + self._serving_errors() + self._disagg_errors() + self._choice_errors() + self._cross_errors())
+                  + self._serving_errors() + self._disagg_errors() + self._speculative_errors() + self._choice_errors()
+                  + self._cross_errors())
         if errors:
             raise ValueError("invalid server arguments: " + "; ".join(errors))
 

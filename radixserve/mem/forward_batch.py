@@ -80,6 +80,19 @@ class PromptLogprobRows:
 
 
 @dataclass
+class VerifyRows:
+    """Speculative decoding: batch rows whose extend is the request's last token followed by draft
+    tokens. Row ``rows[k]`` drafted ``drafts[k]``; the model computes logits at the row's positions
+    before its last one too (flat ``positions``, every row's drafts in order, after each request's
+    last position and the prompt logprob positions), and the runner returns, per row, the token the
+    target model puts at each of its ``len(draft) + 1`` positions (``ForwardOutput.verified``)."""
+
+    rows: list[int]
+    drafts: list[list[int]]
+    positions: list[int]
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -92,6 +105,15 @@ class ForwardBatch:
     capture_logits: bool = False  # return each request's last-position logits (tests, parity)
     rids: list[str] = field(default_factory=list)  # [B] request ids, for runners that model requests (the simulator)
     prompt_logprobs: PromptLogprobRows | None = None  # None: no request wants prompt logprobs this step
+    verify: VerifyRows | None = None  # None: no draft tokens in this step
+
+    def extra_logit_positions(self) -> list[int]:
+        """Flat positions whose logits the model computes after each request's last one: the
+        prompt logprob positions, then the draft verification positions."""
+        extra = list(self.prompt_logprobs.positions) if self.prompt_logprobs is not None else []
+        if self.verify is not None:
+            extra.extend(self.verify.positions)
+        return extra
 
     @property
     def batch_size(self) -> int:
@@ -116,6 +138,11 @@ class ForwardOutput:
     # the matcher's error; None: no grammar ended
     grammar_ended: dict[int, str] | None = None
     prompt_logprobs: PromptLogprobs | None = None  # what ``ForwardBatch.prompt_logprobs`` asked for
+    # per ``ForwardBatch.verify`` row: the target's token at each of its positions (greedy: the
+    # argmax; sampled: the draft token where rejection sampling accepted it, else a draw from the
+    # residual distribution, which never equals the draft). The scheduler keeps drafts while they
+    # equal these, then the first token that differs (or the one after the last draft).
+    verified: list[list[int]] | None = None
 
 
 @dataclass

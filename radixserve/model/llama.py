@@ -336,18 +336,17 @@ class LlamaForCausalLM(nn.Module):
         self.small_ops = make_small_ops(name)
 
     def compute_logits(self, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Logits of each request's last token, then (rows ``B..``) of the prompt positions in
-        ``forward_batch.prompt_logprobs``."""
-        extra = forward_batch.prompt_logprobs
-        if forward_batch.is_decode_only and extra is None:
+        """Logits of each request's last token, then (rows ``B..``) of the positions in
+        ``forward_batch.extra_logit_positions()`` (prompt logprobs, draft verification)."""
+        fb = forward_batch
+        if fb.is_decode_only and fb.prompt_logprobs is None and fb.verify is None:
             last = hidden
         else:
             ends, s = [], 0
-            for n in forward_batch.extend_seq_lens:
+            for n in fb.extend_seq_lens:
                 s += n
                 ends.append(s - 1)
-            if extra is not None:
-                ends.extend(extra.positions)
+            ends.extend(fb.extra_logit_positions())
             last = hidden.index_select(0, torch.tensor(ends, dtype=torch.int64))
         normed = self.norm(last, self.small_ops)
         if self.tp is None:

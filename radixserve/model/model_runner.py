@@ -34,6 +34,7 @@ from radixserve.model.loader import load_model, parse_dtype, resolve_model_path
 from radixserve.model.parallel import TPGroup, check_tp_size, send_step, send_stop
 from radixserve.model.quant import check_quantization, default_max_rows
 from radixserve.model.sampler import Sampler, prompt_logprobs
+from radixserve.model.spec_verify import verify_drafts
 from radixserve.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -320,9 +321,13 @@ class ModelRunner:
 
     def _sample(self, batch: ForwardBatch, logits: torch.Tensor) -> ForwardOutput:
         """(Called in inference mode.)"""
-        extra = None
+        extra = drafts = None
+        B = batch.batch_size
+        if batch.verify is not None:
+            n = len(batch.verify.positions)
+            logits, drafts = logits[: logits.shape[0] - n], logits[logits.shape[0] - n :]
         if batch.prompt_logprobs is not None:
-            logits, extra = logits[: batch.batch_size], logits[batch.batch_size :]
+            logits, extra = logits[:B], logits[B:]
         sampled = self.sampler.sample(logits, batch.sampling)
         out = ForwardOutput(
             next_token_ids=sampled.next_token_ids,
@@ -331,6 +336,8 @@ class ModelRunner:
             logits=logits if batch.capture_logits else None,
             grammar_ended=sampled.grammar_ended,
         )
+        if drafts is not None and batch.verify is not None:
+            out.verified = verify_drafts(logits, drafts, batch.verify, batch.sampling, self.sampler.generator)
         if extra is not None and batch.prompt_logprobs is not None:
             out.prompt_logprobs = PromptLogprobs(batch.prompt_logprobs, *prompt_logprobs(extra, batch.prompt_logprobs))
         return out

@@ -147,7 +147,7 @@ def check_tp_size(config: ModelConfig, tp_size: int) -> None:
 def send_step(tp: TPGroup, fb: ForwardBatch, journal: list[int]) -> None:
     """Rank 0: tell the other ranks what to run (see ``recv_step``)."""
     T, B = fb.num_tokens, fb.batch_size
-    extra = fb.prompt_logprobs.positions if fb.prompt_logprobs is not None else []
+    extra = fb.extra_logit_positions()  # the other ranks compute these logits too (and sample nothing)
     body = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens,
             int64_tensor(fb.extend_prefix_lens), int64_tensor(fb.extend_seq_lens), int64_tensor(journal),
             int64_tensor(extra)]

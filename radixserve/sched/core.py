@@ -111,10 +111,11 @@ class SchedulerCore:
     def can_build_ahead(self, running: InFlight) -> bool:
         """Whether the next step may be scheduled before ``running``'s results are processed.
         Only after a decode step (a prefill's results feed the prefix cache and the chunked
-        request), never with priority preemption (a victim could be a request in flight), and as
+        request), never with priority preemption (a victim could be a request in flight) nor with
+        speculative decoding (the next drafts come from the tokens this step accepts), and as
         the builder allows (``PrefillFirst``: not when the next decode would have to retract)."""
         return (running.batch.forward_mode is ForwardMode.DECODE and not self.settings.prio.enabled
-                and self.builder.may_build_ahead())
+                and self.parts.spec is None and self.builder.may_build_ahead())
 
     def step_overlapped(self) -> BatchOut:
         """One iteration of SGLang's overlap loop: schedule step N+1 while step N's forward runs,
@@ -244,6 +245,8 @@ class SchedulerCore:
             s.prefill_steps += 1
         else:
             s.decode_steps += 1
+            if self.parts.spec is not None:
+                self.parts.spec.observe(tokens, seconds)
 
     def _abort_batch(self, batch: ScheduleBatch, e: Exception) -> None:
         """A forward failed: abort its requests (the ones not already ended), caching none of its KV."""
@@ -259,7 +262,9 @@ class SchedulerCore:
         batch.reqs = []
 
     def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
-        self.outputs.process_batch_result(batch, out)
+        spec = self.parts.spec
+        kept = spec.accept(batch, out) if spec is not None and batch.drafts is not None else None
+        self.outputs.process_batch_result(batch, out, kept)
         self.deadlines.observe(batch)
         self.settings.policy.on_batch(batch)
 

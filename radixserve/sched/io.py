@@ -63,6 +63,8 @@ class BatchOut(msgspec.Struct, tag=True):
     num_retractions: list[int] = []
     detok_params: list[DetokParams] = []
     input_logprobs: list[InputLogprobsOut] = []  # sparse, like detok_params
+    # speculative decoding, sparse: rid -> (verify steps that carried its drafts, drafts accepted)
+    spec: dict[str, tuple[int, int]] = {}
     texts: list[str] = []  # the new text that is safe to show (the detokenizer's column)
     dp_rank: int = 0  # the data-parallel rank that ran these requests
 
@@ -88,6 +90,8 @@ class BatchOut(msgspec.Struct, tag=True):
         self.add(o.rid, list(token_ids), o.finished_reason, o.prompt_tokens, o.completion_tokens, o.cached_tokens,
                  logprobs, top_logprobs, o.queue_time, o.num_retractions)
         self.texts.append(text)
+        if o.spec is not None:
+            self.spec[o.rid] = o.spec
 
     def extend(self, other: BatchOut) -> None:
         """Append ``other``'s rows (texts only when both have them)."""
@@ -95,6 +99,7 @@ class BatchOut(msgspec.Struct, tag=True):
             getattr(self, name).extend(getattr(other, name))
         self.detok_params.extend(other.detok_params)
         self.input_logprobs.extend(other.input_logprobs)
+        self.spec.update(other.spec)
         if len(self.texts) + len(other.texts) == len(self.rids):
             self.texts.extend(other.texts)
 
@@ -164,6 +169,12 @@ class OutRow:
         return self.batch.num_retractions[self.i]
 
     @property
+    def spec(self) -> tuple[int, int] | None:
+        """(verify steps with drafts, drafts accepted) of a request that drafted, else None."""
+        v = self.batch.spec.get(self.rid)
+        return None if v is None else (int(v[0]), int(v[1]))
+
+    @property
     def text(self) -> str:
         """The row's new text (the detokenizer's; "" before it ran)."""
         texts = self.batch.texts
@@ -175,3 +186,14 @@ class OutRow:
 
     def __repr__(self) -> str:
         return (f"OutRow({self.rid!r}, {self.new_token_ids}, {self.finished_reason!r}, text={self.text!r})")
+
+
+def spec_meta(spec: tuple[int, int] | None) -> dict[str, float]:
+    """``meta_info``'s speculative decoding fields (SGLang's ``spec_verify_ct``): verify steps that
+    carried the request's drafts, drafts accepted, and the tokens a verify step gave on average;
+    empty for a request that never drafted."""
+    if spec is None:
+        return {}
+    ct, accepted = spec
+    return {"spec_verify_ct": ct, "spec_accepted_tokens": accepted,
+            "spec_accept_length": round((ct + accepted) / ct, 3) if ct else 0.0}

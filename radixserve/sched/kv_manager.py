@@ -210,6 +210,22 @@ class KVManager:
             return len(reqs) * steps
         return sum(-(-(c + steps) // ps) - (c + ps - 1) // ps for c in [len(r.kv_indices) for r in reqs]) * ps
 
+    def truncate(self, req: Req, n: int) -> None:
+        """Keep only ``req``'s first ``n`` KV slots (speculative decoding: the positions of rejected
+        drafts). Whole pages past the ``n``-th slot's page are freed; the rest of that page stays the
+        request's, and its next ``grow`` writes over it. Never reaches into the cached prefix."""
+        kv = req.kv_indices
+        if n >= len(kv):
+            return
+        if n < req.cache_protected_len:
+            raise ValueError(f"truncating request {req.rid} to {n} slots would cut its cached prefix "
+                             f"({req.cache_protected_len})")
+        ps = self.page_size
+        keep_pages = -(-n // ps) * ps
+        if keep_pages < len(kv):
+            self.allocator.free(kv[keep_pages:])
+        del kv[n:]
+
     def release(self, req: Req) -> None:
         """A request ends (or is retracted): its computed KV goes to the cache, the rest is freed."""
         if req.req_pool_idx is None:  # matched while waiting but never admitted: holds no lock

@@ -46,11 +46,13 @@ class Outputs:
         return out
 
     # --- a step's results ----------------------------------------------------------------------
-    def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
+    def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput,
+                             kept: dict[int, list[int]] | None = None) -> None:
+        """``kept``: speculative decoding's rows (``Speculation.accept``): row -> the tokens it keeps."""
         now = self.clock()
         is_extend = batch.forward_mode.is_extend()
-        if (not is_extend and out.logprobs is None and out.top_logprobs is None and out.grammar_ended is None
-                and self.process_decode_result(batch, out)):
+        if (not is_extend and kept is None and out.logprobs is None and out.top_logprobs is None
+                and out.grammar_ended is None and self.process_decode_result(batch, out)):
             return
         grammar_ended = out.grammar_ended or {}
         if out.prompt_logprobs is not None:
@@ -60,6 +62,13 @@ class Outputs:
                 self.kv.cache_unfinished(req)
                 continue
             if req.finished():
+                continue
+            if kept is not None and i in kept:
+                reason = self._append_kept(req, kept[i])
+                if reason is not None:
+                    self.end(req, reason)
+                elif req.stream:
+                    self.emit(req)
                 continue
             req.output_ids.append(out.next_token_ids[i])
             if out.logprobs is not None:
@@ -80,6 +89,20 @@ class Outputs:
                     self.kv.cache_unfinished(req)  # make the prompt shareable now
                 if req.stream or len(req.output_ids) == 1:  # one that does not stream: first token only
                     self.emit(req)
+
+    def _append_kept(self, req: Req, tokens: list[int]) -> FinishReason | None:
+        """A verify row's kept tokens, one at a time with the stop checks (a stop ends the request
+        at that token, the rest are dropped); then its KV is cut back to the tokens it holds (the
+        last token's KV is the next step's to write), freeing what the rejected drafts took."""
+        reason = None
+        for t in tokens:
+            req.output_ids.append(t)
+            self.stats.generated_tokens += 1
+            reason = self.check_finished(req)
+            if reason is not None:
+                break
+        self.kv.truncate(req, req.num_tokens - 1)
+        return reason
 
     def process_decode_result(self, batch: ScheduleBatch, out: ForwardOutput) -> bool:
         """``process_batch_result`` of a decode step without logprobs. It runs for every running request
@@ -180,6 +203,8 @@ class Outputs:
         b.top_logprobs.append(req.output_top_logprobs[start:n] if req.output_top_logprobs else [])
         b.queue_times.append(req.queue_time)
         b.num_retractions.append(req.num_retractions)
+        if req.spec_verify_ct:
+            b.spec[req.rid] = (req.spec_verify_ct, req.spec_accepted_tokens)
         if start == 0:  # the request's first row: how the detokenizer must decode it
             sp = req.sampling_params
             b.detok_params.append(DetokParams(req.rid, sp.stop, sp.skip_special_tokens))

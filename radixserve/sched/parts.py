@@ -10,6 +10,7 @@ attached later), in dependency order:
     GrammarQueue, Intake ─ validation, priority, deadline admission, queue cap, aborts, timeouts
     Ordering ───────────── the policy's order, aging, returned victims, queue-aware eviction marks
     Preemption ─────────── priority preemption, preemption by recompute, decode retraction
+    Speculation ────────── draft tokens and what the target accepted (only with --speculative-algorithm)
     KVManager ──────────── (given) the one door to KV memory
 
 A ``BatchBuilder`` turns them into each step's batch: ``scheduler.PrefillFirst`` (SGLang's prefill
@@ -37,6 +38,7 @@ from radixserve.sched.preemption import Preemption
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ScheduleBatch
 from radixserve.sched.settings import SchedSettings
+from radixserve.sched.spec import Speculation
 from radixserve.sched.state import Clock, Queues
 from radixserve.sched.stats import SchedStats
 
@@ -57,6 +59,7 @@ class SchedParts:
     victims: ReturnedVictims
     ordering: Ordering
     preemption: Preemption
+    spec: Speculation | None = None  # speculative decoding's drafts (--speculative-algorithm)
 
     def admit(self, req: Req) -> None:
         """Give ``req`` its request slot and cached prefix; the first time, count it as admitted."""
@@ -104,5 +107,9 @@ def build_parts(
     victims = ReturnedVictims()
     ordering = Ordering(settings, kv, victims, random.Random(args.random_seed))
     preemption = Preemption(settings, queues, kv, stats, outputs, ordering, victims, clk)
+    spec = None
+    if (args.speculative_algorithm or "").lower() == "ngram":
+        spec = Speculation(args.speculative_num_draft_tokens, args.speculative_ngram_min_match_window_size,
+                           args.speculative_ngram_max_match_window_size, args.speculative_max_batch_size)
     return SchedParts(settings, clk, queues, stats, kv, runner, forward, outputs, deadlines, grammars, intake,
-                      victims, ordering, preemption)
+                      victims, ordering, preemption, spec)

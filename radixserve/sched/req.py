@@ -95,6 +95,11 @@ class Req:
         # the matcher of its grammar once compiled (radixserve.grammar; the sampler advances it on the
         # thread that runs the forward), None without one
         self.grammar: Any = None
+        # speculative decoding (sched/spec.py): the request's n-gram drafter, verify steps that
+        # carried its drafts, and the drafts the target accepted
+        self.spec: Any = None
+        self.spec_verify_ct = 0
+        self.spec_accepted_tokens = 0
 
     # --- derived counters --------------------------------------------------------------------
     @cached_property

@@ -8,7 +8,13 @@ from operator import attrgetter, itemgetter, not_
 
 import torch
 
-from radixserve.mem.forward_batch import ForwardBatch, PromptLogprobRows, SamplingBatchInfo, int64_tensor
+from radixserve.mem.forward_batch import (
+    ForwardBatch,
+    PromptLogprobRows,
+    SamplingBatchInfo,
+    VerifyRows,
+    int64_tensor,
+)
 from radixserve.mem.penalties import RowPenalties
 from radixserve.sched.req import Req
 
@@ -31,6 +37,9 @@ class ScheduleBatch:
         self.prefix_lens: list[int] = []
         self.out_slots: list[int] = []
         self.num_decode = 0  # rows of a MIXED step that decode one token (the rest extend)
+        # per row, the draft tokens it verifies after its last token this step (speculative
+        # decoding, sched/spec.py); None: no row drafts
+        self.drafts: list[list[int]] | None = None
         # what the requests' rows repeat every step (pool rows, sampling params, output fields):
         # a running batch keeps its requests for many steps, so these are kept with it
         self.columns = RowColumns()
@@ -48,14 +57,16 @@ class ScheduleBatch:
         b.extend_lens, b.prefix_lens = list(self.extend_lens), list(self.prefix_lens)
         b.columns = self.columns.copy()  # keyed by the same requests
         b.num_decode = self.num_decode
+        b.drafts = self.drafts
         return b
 
     def to_forward_batch(self, capture_logits: bool = False, pending: dict[int, int] | None = None) -> ForwardBatch:
         """``pending`` (the overlap loop): ``id(req) -> i`` for requests whose last token is the
         ``i``-th output of the forward still running; their input id is the placeholder ``-(i + 1)``,
         which the forward thread replaces with that token (``overlap.ForwardThread``)."""
-        if self.forward_mode is ForwardMode.DECODE:
+        if self.forward_mode is ForwardMode.DECODE and self.drafts is None:
             return self._decode_forward_batch(capture_logits, pending)
+        drafts = self.drafts
         ids: list[int] = []
         positions: list[int] = []
         steps = [len(r.output_ids) for r in self.reqs]
@@ -66,6 +77,10 @@ class ScheduleBatch:
                 assert n == 1 and start >= k, "only a decode waits for a token"
                 ids.append(-(j + 1))
                 steps[i] += 1
+            elif drafts is not None and drafts[i]:  # decode of the last token, then the drafts
+                assert n == 1 + len(drafts[i]) and start == req.num_tokens - 1
+                ids.append(req.output_ids[-1])
+                ids.extend(drafts[i])
             elif start >= k:  # decode, or recompute within the outputs
                 ids.extend(req.output_ids[start - k : start - k + n])
             elif start + n <= k:
@@ -77,7 +92,24 @@ class ScheduleBatch:
         seq_lens = [s + n for s, n in zip(self.prefix_lens, self.extend_lens, strict=True)]
         fb = self._make(ids, int64_tensor(positions), int64_tensor(seq_lens), capture_logits, steps)
         fb.prompt_logprobs = self._prompt_logprob_rows()
+        if drafts is not None:
+            fb.verify = self._verify_rows(drafts)
         return fb
+
+    def _verify_rows(self, drafts: list[list[int]]) -> VerifyRows:
+        """The rows with drafts and the flat positions before each one's last (the last token and
+        every draft but the final one: the final one's logits are the row's last)."""
+        rows: list[int] = []
+        kept: list[list[int]] = []
+        positions: list[int] = []
+        flat = 0
+        for i, (d, n) in enumerate(zip(drafts, self.extend_lens, strict=True)):
+            if d:
+                rows.append(i)
+                kept.append(d)
+                positions.extend(range(flat, flat + len(d)))
+            flat += n
+        return VerifyRows(rows, kept, positions)
 
     def _prompt_logprob_rows(self) -> PromptLogprobRows | None:
         """The prompt positions of this extend whose next token's logprob a request still waits for:
@@ -186,7 +218,8 @@ class ScheduleBatch:
         ids now, plus its last input id when that is a placeholder (the overlap loop's token that
         the running forward is still sampling: the sampler reads it once resolved)."""
         rows: list[RowPenalties | None] = [None] * len(self.reqs)
-        ends = list(accumulate(self.extend_lens)) if self.forward_mode is not ForwardMode.DECODE else None
+        flat = self.forward_mode is not ForwardMode.DECODE or self.drafts is not None
+        ends = list(accumulate(self.extend_lens)) if flat else None
         for i in penalized:
             req = self.reqs[i]
             last = ends[i] - 1 if ends is not None else i

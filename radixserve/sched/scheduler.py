@@ -20,6 +20,7 @@ from radixserve.sched.parts import SchedParts
 from radixserve.sched.prefill_adder import AddReqResult, PrefillAdder
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
+from radixserve.sched.spec import attach_drafts
 
 
 class PrefillFirst:
@@ -202,6 +203,14 @@ class PrefillFirst:
         batch.forward_mode = ForwardMode.DECODE
         batch.prefix_lens, batch.out_slots = kv.grow_decode(batch.reqs)  # = grow(r, 1) for each
         batch.extend_lens = [1] * len(batch.reqs)
+        batch.drafts = None
+        spec = self.parts.spec
+        if spec is not None and spec.active(len(batch.reqs)):
+            # drafts take what is left once the next plain step is still covered: they never retract
+            room = kv.reclaimable_size() - kv.decode_tokens_needed(batch.reqs)
+            drafts = spec.draft(batch.reqs, room, kv.slots_for)
+            if drafts is not None:
+                attach_drafts(batch, drafts, kv.grow)
         return batch
 
     def retract_decode(self, batch: ScheduleBatch) -> list[Req]:

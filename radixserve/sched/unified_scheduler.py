@@ -98,6 +98,8 @@ class TokenBudget:
             if n <= 0:
                 i += 1
                 continue
+            d = self._drafts(plan, req, n, len(running))
+            n += len(d)
             s = kv.slots_for(req, n)
             while plan.needed + s > kv.reclaimable_size():
                 j = self._select_preempt_target(running)
@@ -110,9 +112,21 @@ class TokenBudget:
                 preempted = True
                 if victim is req:
                     return True
-            plan.add(req, n, s)
+            plan.add(req, n, s, d)
             i += 1
         return preempted
+
+    def _drafts(self, plan: _Plan, req: Req, n: int, running: int) -> list[int]:
+        """Speculative decoding: a decoding request's draft tokens, within what is left of the token
+        budget and of the KV the step may take (seed 002's ``num_lookahead_tokens``)."""
+        spec = self.parts.spec
+        if (spec is None or n != 1 or req.num_computed_tokens < req.prompt_len or not spec.active(running)
+                or plan.budget <= 1):
+            return []
+        kv = self.kv
+        base = kv.slots_for(req, 1)
+        room = min(plan.budget - 1, kv.reclaimable_size() - plan.needed - base)
+        return spec.draft_one(req, room, lambda r, k: max(kv.slots_for(r, 1 + k) - base, k), running)
 
     def _schedule_waiting(self, plan: _Plan, running: list[Req]) -> None:
         """2. Waiting requests while the budget, ``--max-num-seqs`` and the KV pool allow."""
@@ -137,10 +151,12 @@ class TokenBudget:
         """3. One forward for all of them: DECODE when every request decodes one token."""
         batch = ScheduleBatch(plan.reqs, ForwardMode.MIXED)
         all_decode = True
-        for req in plan.reqs:
+        drafts = [plan.drafts.get(id(req), []) for req in plan.reqs] if plan.drafts else None
+        for i, req in enumerate(plan.reqs):
             n = plan.tokens[id(req)]
             start = req.num_computed_tokens
-            decode = n == 1 and start >= req.prompt_len and start + 1 == req.num_tokens
+            k = len(drafts[i]) if drafts is not None else 0
+            decode = n - k == 1 and start >= req.prompt_len and start + 1 == req.num_tokens
             all_decode = all_decode and decode
             if decode:
                 batch.num_decode += 1
@@ -153,6 +169,8 @@ class TokenBudget:
             batch.out_slots.extend(self.kv.grow(req, n))
         if all_decode:
             batch.forward_mode = ForwardMode.DECODE
+        if drafts is not None and any(drafts):
+            batch.drafts = drafts
         return batch
 
 
@@ -166,15 +184,19 @@ class _Plan:
         self.tokens: dict[int, int] = {}  # id(req) -> tokens this step
         self.slots: dict[int, int] = {}  # id(req) -> KV slots this step
         self.needed = 0  # KV slots all of them take
+        self.drafts: dict[int, list[int]] = {}  # id(req) -> its draft tokens (counted in its tokens)
 
-    def add(self, req: Req, n: int, slots: int) -> None:
+    def add(self, req: Req, n: int, slots: int, drafts: list[int] | None = None) -> None:
         self.reqs.append(req)
         self.tokens[id(req)], self.slots[id(req)] = n, slots
         self.needed += slots
         self.budget -= n
+        if drafts:
+            self.drafts[id(req)] = drafts
 
     def take_back(self, req: Req) -> None:
         if id(req) in self.tokens:
+            self.drafts.pop(id(req), None)
             self.reqs.remove(req)
             self.budget += self.tokens.pop(id(req))
             self.needed -= self.slots.pop(id(req))

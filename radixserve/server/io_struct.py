@@ -87,6 +87,10 @@ class SchedulerStats(msgspec.Struct, tag=True):
     num_preemptions: int = 0  # priority preemptions, starved requests, deadline refusals
     num_starved: int = 0
     num_deadline_rejected: int = 0
+    # speculative decoding, cumulative: request-steps that verified drafts, drafts, drafts accepted
+    spec_verify_rows: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # cumulative (priority, tenant, preemptions, retractions, starved) per class (sched/stats.py)
     by_class: list[tuple[str, str, int, int, int]] = []
     dp_rank: int = 0

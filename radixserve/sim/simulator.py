@@ -87,13 +87,20 @@ class SimRunner:
         self.clock.now += dt
         self.busy += dt
         out = []
-        expected = self.expected
         for rid, k in zip(batch.rids, batch.sampling.steps, strict=True):  # k: tokens generated so far
-            output_len, stream, offset = expected[rid]
-            out.append(EOS_TOKEN_ID if k + 1 >= output_len else stream_token(stream, offset + k))
+            out.append(self._token(rid, k))
+        result = ForwardOutput(next_token_ids=out)
+        if batch.verify is not None:  # a draft is right where it is the request's own next token
+            result.verified = [[self._token(batch.rids[row], batch.sampling.steps[row] + j) for j in range(len(d) + 1)]
+                               for row, d in zip(batch.verify.rows, batch.verify.drafts, strict=True)]
         self.wall += time.perf_counter() - t0
         self.cpu += time.process_time() - c0
-        return ForwardOutput(next_token_ids=out)
+        return result
+
+    def _token(self, rid: str, k: int) -> int:
+        """Request ``rid``'s output token ``k``."""
+        output_len, stream, offset = self.expected[rid]
+        return EOS_TOKEN_ID if k + 1 >= output_len else stream_token(stream, offset + k)
 
 
 def build_sim_scheduler(

@@ -72,6 +72,11 @@ class ServerMetrics:
         self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_retractions = counter("num_retracted_reqs", "Requests retracted from decode (KV ran out).")
+        self.spec_draft_tokens = counter("spec_draft_tokens", "Speculative decoding: draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_accepted_tokens", "Speculative decoding: draft tokens accepted.")
+        self.spec_accept_rate = gauge("spec_accept_rate", "Speculative decoding: accepted / drafted tokens, since start.")
+        self.spec_accept_length = gauge(
+            "spec_accept_length", "Speculative decoding: tokens a request gains per verify step (accepted + 1), since start.")
         self.num_requests = Counter(PREFIX + "num_requests", "Requests received.", names, registry=r)
         self.num_aborted = counter("num_aborted_requests", "Requests finished with an abort.")
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
@@ -121,6 +126,9 @@ class ServerMetrics:
         self.token_usage.labels(**lb).set(s.token_usage)
         self.cache_hit_rate.labels(**lb).set(s.cache_hit_rate)
         self.gen_throughput.labels(**lb).set(s.gen_throughput)
+        if s.spec_verify_rows:
+            self.spec_accept_rate.labels(**lb).set(s.spec_accepted_tokens / max(s.spec_draft_tokens, 1))
+            self.spec_accept_length.labels(**lb).set((s.spec_verify_rows + s.spec_accepted_tokens) / s.spec_verify_rows)
         for ours, gauges in self.foreign_gauges.items():
             for g in gauges:
                 g.labels(**lb).set(getattr(s, ours))
@@ -128,7 +136,9 @@ class ServerMetrics:
         for counter, attr in ((self.prompt_tokens, "prompt_tokens"), (self.cached_tokens, "cached_tokens"),
                               (self.generation_tokens, "generated_tokens"), (self.num_retractions, "num_retractions"),
                               (self.num_preemptions, "num_preemptions"), (self.num_starved, "num_starved"),
-                              (self.num_deadline_rejected, "num_deadline_rejected")):
+                              (self.num_deadline_rejected, "num_deadline_rejected"),
+                              (self.spec_draft_tokens, "spec_draft_tokens"),
+                              (self.spec_accepted_tokens, "spec_accepted_tokens")):
             delta = getattr(s, attr) - (getattr(prev, attr) if prev is not None else 0)
             if delta > 0:
                 for c in (counter, *self.foreign_counters.get(attr, ())):

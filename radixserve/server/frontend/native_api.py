@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.model.tokenizer import Tokenizer
+from radixserve.sched.io import spec_meta
 from radixserve.sched.sampling_params import SamplingParams
 from radixserve.server.frontend.common import (
     SSE_DONE,
@@ -169,6 +170,7 @@ def _native_result(st: ReqState, logprob: _LogprobEntries | None) -> dict[str, A
         "queue_time": o.queue_time,
         "num_retractions": o.num_retractions,
         "dp_rank": o.dp_rank,
+        **spec_meta(st.spec),
     }
     if logprob is not None:
         logprob.add(meta, st)

@@ -23,6 +23,7 @@ class ReqState:
     finished: bool = False
     priority: int | None = None  # per-class metrics
     tenant: str | None = None
+    spec: tuple[int, int] | None = None  # speculative decoding's counts, as last reported
 
     @property
     def ttft(self) -> float | None:

@@ -253,6 +253,7 @@ class TokenizerManager:
                 continue
             st = group.by_rid[o.rid]
             st.last = o
+            st.spec = o.spec or st.spec
             st.text += o.text
             st.output_ids.extend(o.new_token_ids)
             st.logprobs.extend(o.new_logprobs)

@@ -30,6 +30,7 @@ from radixserve.engine import build_scheduler
 from radixserve.sched.core import SchedulerCore, calm_garbage_collector
 from radixserve.sched.io import BatchOut
 from radixserve.sched.req import Req
+from radixserve.sched.spec import spec_counts
 from radixserve.server.io_struct import (
     ENCODER,
     AbortReq,
@@ -366,6 +367,7 @@ class SchedulerServer:
             num_preemptions=st.num_preemptions,
             num_starved=st.num_starved,
             num_deadline_rejected=st.num_deadline_rejected,
+            **spec_counts(s.parts.spec),
             by_class=st.by_class.rows(),
             dp_rank=self.dp_rank,
         )

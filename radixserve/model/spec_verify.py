@@ -1,0 +1,103 @@
+"""Verifying draft tokens (speculative decoding): the target model's token at each drafted position.
+
+A verify row extended a request by its last token and ``k`` draft tokens ``d1..dk``, so the model
+produced ``k + 1`` logit rows: row ``j`` predicts the token after ``d_j`` (``d_0`` = the last
+token). For each row this returns ``k + 1`` tokens ``t_0..t_k``; the scheduler keeps ``t_0..t_a``
+where ``a`` is the first ``j`` with ``t_j != d_{j+1}`` (or ``k``: every draft kept, ``t_k`` is the
+bonus token). Tokens after the first mismatch are computed and thrown away.
+
+- Greedy rows: ``t_j`` = the argmax of row ``j``: exactly the token plain decoding picks after the
+  same tokens, so greedy output does not change with speculation.
+- Sampled rows (rejection sampling with a draft distribution that puts all its mass on ``d_{j+1}``,
+  as n-gram drafts do): ``p_j`` is row ``j``'s distribution after temperature, min-p, top-k and
+  top-p, as the sampler builds it. ``d_{j+1}`` is accepted with probability ``p_j(d_{j+1})``
+  (``t_j = d_{j+1}``); otherwise ``t_j`` is drawn from ``p_j`` with ``d_{j+1}`` removed and
+  renormalized, which is never the draft. The kept tokens are then distributed exactly as tokens
+  drawn one at a time from the target (Leviathan et al. 2023, with ``q`` a point mass). ``t_k`` is
+  drawn from ``p_k``.
+- A seeded row draws position ``j``'s two uniforms from ``seed_for_step(seed, step + j)``: its
+  output is reproducible, and independent of the rest of the batch.
+
+Rows with penalties, a grammar or logprobs never carry drafts (the scheduler does not draft for
+them), so the distributions here need nothing but the four filters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.mem.forward_batch import SamplingBatchInfo, VerifyRows
+from radixserve.model.sampler import _CANDIDATES, _GREEDY_EPS, _inverse_cdf, seed_for_step
+
+
+@torch.inference_mode()
+def verify_drafts(
+    last_logits: torch.Tensor, draft_logits: torch.Tensor, verify: VerifyRows, info: SamplingBatchInfo,
+    generator: torch.Generator,
+) -> list[list[int]]:
+    """``last_logits`` [B, V]: each batch row's last position; ``draft_logits`` [sum k, V]: the
+    positions of ``verify.positions`` in order. Returns ``t_0..t_k`` per verify row."""
+    out: list[list[int]] = []
+    off = 0
+    for row, draft in zip(verify.rows, verify.drafts, strict=True):
+        k = len(draft)
+        logits = torch.cat([draft_logits[off : off + k], last_logits[row : row + 1]]).float()
+        off += k
+        t, top_k = info.temperatures[row], info.top_ks[row]
+        if t <= _GREEDY_EPS or top_k == 1:
+            out.append(logits.argmax(dim=-1).tolist())
+            continue
+        probs = filtered_probs(logits, t, top_k, info.top_ps[row], info.min_ps[row])
+        seed = info.seeds[row]
+        if seed is None:
+            u = torch.rand(k + 1, 2, generator=generator)
+        else:
+            step = info.steps[row] if row < len(info.steps) else 0
+            u = torch.cat([torch.rand(1, 2, generator=torch.Generator().manual_seed(seed_for_step(seed, step + j)))
+                           for j in range(k + 1)])
+        out.append(_accept_or_redraw(probs, draft, u))
+    return out
+
+
+def _accept_or_redraw(probs: torch.Tensor, draft: list[int], u: torch.Tensor) -> list[int]:
+    """Rejection sampling over ``probs`` [k + 1, V] (rows sum to 1) with point-mass drafts."""
+    k = len(draft)
+    tokens: list[int] = []
+    for j in range(k):
+        d = draft[j]
+        if float(u[j, 0]) < float(probs[j, d]):
+            tokens.append(d)
+            continue
+        residual = probs[j : j + 1].clone()
+        residual[0, d] = 0.0
+        tokens.append(int(_inverse_cdf(residual, u[j : j + 1, 1:])[0]))
+        tokens.extend([-1] * (k - j))  # past the first rejection nothing is kept
+        return tokens
+    tokens.append(int(_inverse_cdf(probs[k : k + 1], u[k : k + 1, 1:])[0]))
+    return tokens
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Each row's sampling distribution [n, V] (rows sum to 1): softmax at ``temperature``, then
+    the min-p, top-k and top-p filters as ``sampler._filtered_draw`` applies them (the kept set is
+    their intersection; top-k/top-p work on the best ``_CANDIDATES`` tokens, or a full sort when a
+    row's nucleus reaches past them)."""
+    n, V = logits.shape
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p, 0.0)
+    k = top_k if 0 < top_k < V else V
+    if k == V and top_p >= 1.0:
+        return probs / probs.sum(dim=-1, keepdim=True)
+    kcap = min(V, max(_CANDIDATES, k if k < V else 0))
+    vals, idx = probs.topk(kcap, dim=-1) if kcap < V else probs.sort(dim=-1, descending=True)
+    if top_p < 1.0:
+        cum = vals.cumsum(dim=-1)
+        if kcap < V and k == V and bool(((cum[:, -1] < top_p) & (vals[:, -1] > 0)).any()):
+            vals, idx = probs.sort(dim=-1, descending=True)  # a nucleus past the candidates: all of it
+            cum = vals.cumsum(dim=-1)
+        vals = vals.masked_fill((cum - vals) > top_p, 0.0)
+    if k < V:
+        vals = vals.masked_fill(torch.arange(vals.shape[1]).view(1, -1) >= k, 0.0)
+    kept = torch.zeros_like(probs).scatter_(1, idx, vals)
+    return kept / kept.sum(dim=-1, keepdim=True)

@@ -1,0 +1,254 @@
+"""Speculative decoding's scheduler side (``sched/spec.py``) driven by deterministic runners: the
+outputs equal decoding without drafts under both builders, paged and unpaged KV, with and without
+the radix cache and under KV pressure; stops part-way through the kept tokens; rejected drafts'
+KV is given back at once (``KVManager.truncate``) and never cached; requests whose outputs drafts
+could change do not draft. Every drain checks the KV invariant."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.mem.kv_pool import ReqToTokenPool
+from radixserve.sched.finish import FINISH_LENGTH, FINISH_STOP
+from radixserve.sched.spec import NgramDrafts, StepCosts, plan
+from tests.fakes import VOCAB, EchoRunner, drain, make_scheduler
+from tests.sched.sched_helpers import finals, prompt, submit, tokens
+
+CYCLE = 23
+
+
+class CycleRunner(EchoRunner):
+    """Next token = a fixed function of the last token alone, cycling through ``CYCLE`` tokens: once
+    a request's tokens went round the cycle, its n-gram drafts are all right."""
+
+    def next_token(self, token: int, position: int) -> int:
+        return (token * 5 + 1) % CYCLE + 1
+
+
+class CheckingRunner(CycleRunner):
+    """Also checks between forwards what the scheduler promises: every request in the step holds
+    KV for exactly its tokens before the step (the last one's is this step's to write), plus this
+    step's; nothing of a rejected draft is left over."""
+
+    def __init__(self, pool: ReqToTokenPool | None = None) -> None:
+        super().__init__(pool)
+        self.sched = None
+        self.spec_rows = 0
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        if self.sched is not None:
+            by_row = {r.req_pool_idx: r for r in self.sched.queues.by_rid.values()}
+            for i, (row, start, n) in enumerate(zip(batch.req_pool_indices.tolist(), batch.extend_prefix_lens,
+                                                    batch.extend_seq_lens, strict=True)):
+                req = by_row[row]
+                assert len(req.kv_indices) == start + n, (req.rid, len(req.kv_indices), start, n)
+                if batch.verify is not None and i in batch.verify.rows:
+                    assert start == req.num_tokens - 1
+                    self.spec_rows += 1
+        return super().forward(batch)
+
+
+def cheap_drafts(sched) -> None:
+    """Step costs that grow slowly with tokens, instead of the fake runners' microseconds of noise:
+    drafting pays whenever acceptance is not tiny."""
+    spec = sched.parts.spec
+    if spec is not None:
+        spec.costs.seconds = {n: 1.0 + 0.01 * n for n in range(1, 300)}
+        spec.observe = lambda tokens, seconds: None
+
+
+def cycle_prompt(start: int, n: int) -> list[int]:
+    """A prompt that follows ``CycleRunner``'s rule: its outputs continue the cycle it is on."""
+    out = [start]
+    for _ in range(n - 1):
+        out.append((out[-1] * 5 + 1) % CYCLE + 1)
+    return out
+
+
+def run(runner: type[EchoRunner], prompts: list[list[int]], max_new: int, spec: bool, **kw: object):
+    args = dict(kw)
+    pool = args.pop("pool_tokens", 512)
+    if spec:
+        args.update(speculative_algorithm="ngram", speculative_num_draft_tokens=6)
+    sched, model, kv = make_scheduler(pool_tokens=pool, runner=runner, **args)  # type: ignore[arg-type]
+    cheap_drafts(sched)
+    if isinstance(model, CheckingRunner):
+        model.sched = sched  # type: ignore[assignment]
+    reqs = [submit(sched, f"r{i}", p, max_new) for i, p in enumerate(prompts)]
+    outs = drain(sched)
+    return sched, model, reqs, outs
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"page_size": 4},
+    {"radix": False},
+    {"scheduler": "unified"},
+    {"scheduler": "unified", "page_size": 4},
+    {"overlap_schedule": "on"},
+    {"enable_mixed_chunk": True, "chunked_prefill_size": 16},
+])
+def test_greedy_outputs_equal_plain_decoding(kw: dict) -> None:
+    prompts = [cycle_prompt(3, 30), cycle_prompt(7, 5) + prompt(1, 10), prompt(2, 40)]
+    _, _, _, plain = run(CycleRunner, prompts, 40, False, **kw)
+    sched, model, reqs, outs = run(CheckingRunner, prompts, 40, True, **kw)
+    assert tokens(outs) == tokens(plain)
+    assert {r: o.finished_reason for r, o in finals(outs).items()} == {r: FINISH_LENGTH(40) for r in ("r0", "r1", "r2")}
+    assert model.spec_rows > 0
+    # r0's prompt is on the cycle: its drafts are right from the start, most of its tokens are drafts
+    assert reqs[0].spec_accepted_tokens >= 25
+    # r2's random prompt says nothing of its outputs: its drafts start once its output went round the cycle
+    assert reqs[2].spec_accepted_tokens > 0
+
+
+def test_echo_runner_drafts_are_rejected_and_outputs_still_equal() -> None:
+    """EchoRunner's tokens depend on the position: drafts from the prompt are mostly wrong."""
+    prompts = [prompt(5, 20) * 2, prompt(6, 8)]
+    _, _, _, plain = run(EchoRunner, prompts, 30, False)
+    sched, _, _, outs = run(EchoRunner, prompts, 30, True)
+    assert tokens(outs) == tokens(plain)
+    s = sched.parts.spec.stats
+    assert s.draft_tokens > s.accepted_tokens
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 9, 13])
+def test_max_new_tokens_part_way_through_kept_tokens(max_new: int) -> None:
+    sched, _, reqs, outs = run(CheckingRunner, [cycle_prompt(4, 40)], max_new, True)
+    assert len(tokens(outs)["r0"]) == max_new
+    assert finals(outs)["r0"].finished_reason == FINISH_LENGTH(max_new)
+
+
+def test_stop_token_inside_the_kept_tokens() -> None:
+    p = cycle_prompt(4, 40)
+    _, _, _, plain = run(CycleRunner, [p], 30, False)
+    stop = tokens(plain)["r0"][6]
+    first = tokens(plain)["r0"].index(stop)
+    sched, model, kv = make_scheduler(runner=CycleRunner, speculative_algorithm="ngram")
+    cheap_drafts(sched)
+    submit(sched, "r0", p, 30, stop_token_ids=[stop])
+    outs = drain(sched)
+    assert tokens(outs)["r0"] == tokens(plain)["r0"][: first + 1]
+    assert finals(outs)["r0"].finished_reason == FINISH_STOP(stop)
+    # what the cache keeps is the request's tokens, not a rejected draft: a repeat hits all but the last
+    again = submit(sched, "again", p + tokens(outs)["r0"], 1)
+    outs2 = drain(sched)
+    assert finals(outs2)["again"].cached_tokens == len(again.origin_input_ids) - 1
+
+
+@pytest.mark.parametrize("scheduler", ["prefill_first", "unified"])
+def test_under_kv_pressure_outputs_equal(scheduler: str) -> None:
+    """A pool too small for everyone: retraction or preemption happens with speculation on too,
+    and drafts only take what is left."""
+    kw = {} if scheduler == "prefill_first" else {"scheduler": "unified"}
+    prompts = [cycle_prompt(i + 2, 24) for i in range(4)]
+    _, _, _, plain = run(CycleRunner, prompts, 40, False, pool_tokens=160, **kw)
+    sched, _, _, outs = run(CheckingRunner, prompts, 40, True, pool_tokens=160, **kw)
+    assert tokens(outs) == tokens(plain)
+
+
+def test_requests_that_drafts_could_change_do_not_draft() -> None:
+    sched, model, kv = make_scheduler(runner=CheckingRunner, speculative_algorithm="ngram")
+    cheap_drafts(sched)
+    model.sched = sched  # type: ignore[attr-defined]
+    p = cycle_prompt(5, 40)
+    submit(sched, "pen", p, 20, frequency_penalty=0.5)
+    submit(sched, "lp", p, 20, logprobs=True)
+    drain(sched)
+    assert model.spec_rows == 0  # type: ignore[attr-defined]
+    assert sched.parts.spec.stats.verify_steps == 0
+
+
+def test_large_batches_do_not_draft() -> None:
+    prompts = [cycle_prompt(i + 2, 30) for i in range(6)]
+    sched, _, _, _ = run(CycleRunner, prompts, 20, True, speculative_max_batch_size=4)
+    assert sched.parts.spec.stats.verify_steps == 0
+
+
+def test_meta_counts_per_request() -> None:
+    sched, _, reqs, outs = run(CycleRunner, [cycle_prompt(3, 30)], 30, True)
+    r = reqs[0]
+    assert r.spec_verify_ct > 0 and r.spec_accepted_tokens > 0
+    assert r.spec_accepted_tokens + sched.stats.decode_steps + 1 >= 30  # 1 from the prefill
+    fin = finals(outs)["r0"]
+    assert fin.spec == (r.spec_verify_ct, r.spec_accepted_tokens)
+
+
+# --- the n-gram drafter alone ------------------------------------------------------------------
+
+class _Req:
+    def __init__(self, prompt: list[int]) -> None:
+        self.origin_input_ids = prompt
+        self.output_ids: list[int] = []
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.origin_input_ids)
+
+
+def test_ngram_prefers_the_longest_match_then_the_latest() -> None:
+    req = _Req([1, 2, 3, 9, 8, 5, 2, 3, 7, 6, 4, 2, 3])
+    d = NgramDrafts(req, 1, 4)  # type: ignore[arg-type]
+    d.sync(req)  # type: ignore[arg-type]
+    # suffix (2, 3): matched after positions 1-2 (then 9) and 6-7 (then 7); longer matches: (4? no) ->
+    # both match 2 tokens; the latest wins
+    assert d.propose(3) == [7, 6, 4]
+    req.output_ids = [9]  # suffix ..., 2, 3, 9: matches 1, 2, 3, 9 at the start -> what followed: 8, 5
+    d.sync(req)  # type: ignore[arg-type]
+    assert d.propose(2) == [8, 5]
+
+
+def test_ngram_no_match_no_draft() -> None:
+    req = _Req(list(range(1, 30)))
+    d = NgramDrafts(req, 2, 5)  # type: ignore[arg-type]
+    d.sync(req)  # type: ignore[arg-type]
+    assert d.propose(4) == []
+
+
+def test_acceptance_estimate() -> None:
+    d = NgramDrafts(_Req([1]), 1, 2)  # type: ignore[arg-type]
+    a0 = d.alpha
+    d.update(4, 4)
+    assert d.alpha > a0
+    for _ in range(10):
+        d.update(3, 0)
+    low = d.alpha
+    assert low < 0.05
+    for _ in range(50):
+        d.idle()
+    assert low < d.alpha < a0
+
+
+def costs(table: dict[int, float]) -> StepCosts:
+    c = StepCosts()
+    c.seconds = dict(table)
+    return c
+
+
+def test_plan_follows_acceptance_and_the_cost_curve() -> None:
+    # a CPU's row kernels work 4 rows at a time: 5 tokens cost a lot more than 4
+    blocky = costs({1: 20.0, 2: 26.0, 3: 29.0, 4: 28.0, 5: 40.0, 8: 47.0, 9: 50.0, 16: 72.0})
+    assert plan(1, [(0.7, [7] * 8)], blocky) == [3]  # stops where the next block starts
+    assert plan(1, [(0.95, [7] * 8)], blocky) == [8]  # unless most of a longer draft is likely kept
+    assert plan(1, [(0.1, [7] * 8)], blocky) == [0]  # unlikely drafts are not worth a bigger step
+    flat = costs({1: 20.0, 9: 21.0})
+    assert plan(1, [(0.95, [7] * 8)], flat) == [8]
+    # a batch: the surest tokens first
+    batch = costs({4: 40.0, 5: 41.0, 6: 42.0, 7: 50.0, 8: 70.0, 12: 120.0})
+    assert plan(4, [(0.9, [1] * 4), (0.2, [1] * 4), (0.0, []), (0.85, [1] * 4)], batch) == [1, 0, 0, 1]
+    assert plan(4, [(0.9, [1] * 4)], StepCosts()) == [0]  # nothing measured yet
+
+
+def test_step_cost_estimates() -> None:
+    c = costs({2: 10.0, 6: 18.0})
+    assert c.cost(4) == 14.0 and c.cost(6) == 18.0
+    assert 18.0 < c.cost(8) < 18.0 * 8 / 6  # past the largest: cheaper per token than measured (tried once)
+    assert c.cost(1) == 5.0
+    c.observe(4, 20.0)
+    assert c.cost(4) == 20.0
+    c.observe(4, 10.0)
+    assert 10.0 < c.cost(4) < 20.0
+
+
+def test_vocab_is_what_runners_use() -> None:
+    assert all(1 <= CycleRunner().next_token(t, 0) <= CYCLE for t in range(VOCAB))
