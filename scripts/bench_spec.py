@@ -1,12 +1,18 @@
 """Speculative decoding against plain decoding on the same engine, runs alternated (off, on, off,
 on, ...), single stream, greedy: time per output token after the first, the ratio, and the
-acceptance.
+acceptance. Or, with ``--servers``, the same prompts against running OpenAI-compatible servers in
+turn (radixserve with and without speculation, llama.cpp's llama-server with and without its own):
+TPOT there is (time of the whole answer - time to one token) / (tokens - 1), from non-streaming
+requests, which any server answers alike.
 
 Workloads: ``grounded`` asks the model to copy, list or restate parts of a shipped text (the
 n-grams of the answer are in the prompt: where speculation pays); ``chat`` asks open questions
 (little to match: speculation must cost nothing there). Prints one line per run and a summary.
 
     python scripts/bench_spec.py --rounds 2 --max-new-tokens 160
+    python scripts/bench_spec.py --algorithms draft --quantization none
+    python scripts/bench_spec.py --servers off=http://127.0.0.1:30000 ngram=http://127.0.0.1:30001 \
+        llama=http://127.0.0.1:8080 llama-spec=http://127.0.0.1:8081
 """
 
 from __future__ import annotations
@@ -29,15 +35,11 @@ CHAT = ["Write a short story about a robot who learns to paint.",
 
 
 def prompts(engine: Engine, workload: str) -> list[str]:
-    if workload == "grounded":
-        msgs = [[{"role": "user", "content": f"Here is a text:\n\n{TEXT}\n\n{q}"}] for q in GROUNDED]
-    else:
-        msgs = [[{"role": "user", "content": q}] for q in CHAT]
-    return [engine.apply_chat_template(m) for m in msgs]
+    return [engine.apply_chat_template(m) for m in messages(workload)]
 
 
-def run(runner: ModelRunner, workload: str, spec: bool, max_new: int) -> tuple[float, dict]:
-    kw = {"speculative_algorithm": "ngram"} if spec else {}
+def run(runner: ModelRunner, workload: str, algorithm: str | None, max_new: int) -> tuple[float, dict]:
+    kw = {"speculative_algorithm": algorithm} if algorithm else {}
     engine = Engine(runner=runner, max_total_tokens=8192, context_length=4096, **kw)
     try:
         tpots, meta = [], {"spec_verify_ct": 0, "spec_accepted_tokens": 0}
@@ -60,30 +62,75 @@ def run(runner: ModelRunner, workload: str, spec: bool, max_new: int) -> tuple[f
         engine.shutdown()
 
 
+def messages(workload: str) -> list[list[dict[str, str]]]:
+    if workload == "grounded":
+        return [[{"role": "user", "content": f"Here is a text:\n\n{TEXT}\n\n{q}"}] for q in GROUNDED]
+    return [[{"role": "user", "content": q}] for q in CHAT]
+
+
+def server_tpot(url: str, workload: str, max_new: int) -> float:
+    """Mean TPOT of the workload's prompts against an OpenAI-compatible server."""
+    import httpx
+
+    tpots = []
+    with httpx.Client(base_url=url, timeout=600) as c:
+        def ask(m: list[dict[str, str]], n: int) -> tuple[float, int]:
+            t0 = time.perf_counter()
+            r = c.post("/v1/chat/completions", json={"model": "default", "messages": m, "max_tokens": n,
+                                                     "temperature": 0})
+            r.raise_for_status()
+            return time.perf_counter() - t0, int(r.json()["usage"]["completion_tokens"])
+        for m in messages(workload):
+            ask(m, 1)  # the prompt is then cached alike for the two timed requests
+            first, _ = ask(m, 1)
+            total, n = ask(m, max_new)
+            tpots.append((total - first) / max(n - 1, 1))
+    return statistics.mean(tpots)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="a GGUF file or model directory (default: the bundled model)")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto", help="the target's --quantization (none: float weights, "
+                    "which the draft algorithm drafts for with the file's blocks)")
+    ap.add_argument("--algorithms", nargs="+", default=["ngram"], choices=["ngram", "draft"])
     ap.add_argument("--workloads", nargs="+", default=["grounded", "chat"], choices=["grounded", "chat"])
-    ap.add_argument("--rounds", type=int, default=2, help="off/on pairs per workload")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each setting per workload, alternated")
     ap.add_argument("--max-new-tokens", type=int, default=160)
+    ap.add_argument("--servers", nargs="+", metavar="LABEL=URL",
+                    help="measure these running servers in turn instead of in-process engines")
     a = ap.parse_args()
-    runner = ModelRunner(a.model_path, dtype=a.dtype, progress=False)
-    print(f"model {a.model_path or 'bundled SmolLM2-135M Q4_1'}, dtype {runner.dtype}, single stream, greedy")
+    if a.servers:
+        servers = [tuple(s.split("=", 1)) for s in a.servers]
+        for w in a.workloads:
+            got: dict[str, list[float]] = {}
+            for r in range(a.rounds):
+                for label, url in servers:
+                    tpot = server_tpot(url, w, a.max_new_tokens)
+                    got.setdefault(label, []).append(tpot)
+                    print(f"{w:9s} round {r + 1} {label:12s} TPOT {tpot * 1e3:6.1f} ms", flush=True)
+            print(f"{w:9s} TPOT medians: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.1f} ms" for k, v in got.items()))
+        return
+    runner = ModelRunner(a.model_path, dtype=a.dtype, quantization=a.quantization, progress=False)
+    print(f"model {a.model_path or 'bundled SmolLM2-135M Q4_1'}, dtype {runner.dtype}, "
+          f"quantization {runner.quantization}, single stream, greedy")
+    settings: list[str | None] = [None, *a.algorithms]
     for w in a.workloads:
-        off, on = [], []
+        got2: dict[str | None, list[float]] = {}
         for r in range(a.rounds):
-            for spec in (False, True):
-                tpot, meta = run(runner, w, spec, a.max_new_tokens)
-                (on if spec else off).append(tpot)
+            for algo in settings:
+                tpot, meta = run(runner, w, algo, a.max_new_tokens)
+                got2.setdefault(algo, []).append(tpot)
                 acc = ""
-                if spec and meta["spec_verify_ct"]:
+                if algo and meta["spec_verify_ct"]:
                     acc = (f"  verify steps {meta['spec_verify_ct']}, accepted {meta['spec_accepted_tokens']}, "
                            f"{(meta['spec_verify_ct'] + meta['spec_accepted_tokens']) / meta['spec_verify_ct']:.2f} tokens/verify")
-                print(f"{w:9s} round {r + 1} speculation {'on ' if spec else 'off'}  TPOT {tpot * 1e3:6.1f} ms{acc}")
-        ratio = statistics.median(on) / statistics.median(off)
-        print(f"{w:9s} TPOT on/off (medians) {statistics.median(on) * 1e3:.1f} / {statistics.median(off) * 1e3:.1f} ms"
-              f" = {ratio:.2f}x")
+                print(f"{w:9s} round {r + 1} speculation {algo or 'off':5s}  TPOT {tpot * 1e3:6.1f} ms{acc}", flush=True)
+        off = statistics.median(got2[None])
+        for algo in a.algorithms:
+            on = statistics.median(got2[algo])
+            print(f"{w:9s} TPOT {algo}/off (medians) {on * 1e3:.1f} / {off * 1e3:.1f} ms = {on / off:.2f}x")
 
 
 if __name__ == "__main__":

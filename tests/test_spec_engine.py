@@ -13,6 +13,7 @@ from radixserve.engine import Engine
 from radixserve.model.model_runner import ModelRunner
 
 TEXT = files("radixserve.bench").joinpath("data/grounded.txt").read_text()
+STORY = "<|im_start|>user\nWrite a short story about a robot who learns to paint.<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +26,11 @@ def grounded_prompt(engine: Engine) -> str:
                                         + "\n\nCopy its second paragraph word for word."}])
 
 
-def generate(runner: ModelRunner, n: int, sp: dict | None = None, **kw: object) -> dict:
+def generate(runner: ModelRunner, n: int, sp: dict | None = None, prompt: str | None = None, **kw: object) -> dict:
     engine = Engine(runner=runner, max_total_tokens=4096, context_length=2048, **kw)
     try:
-        out = engine.generate(grounded_prompt(engine), {"temperature": 0.0, "max_new_tokens": n, **(sp or {})})
+        out = engine.generate(prompt or grounded_prompt(engine),
+                              {"temperature": 0.0, "max_new_tokens": n, **(sp or {})})
         engine.check_memory_invariant()
         return out
     finally:
@@ -58,3 +60,47 @@ def test_seeded_sampling_is_reproducible(runner: ModelRunner) -> None:
     a = generate(runner, 32, sp, speculative_algorithm="ngram")
     b = generate(runner, 32, sp, speculative_algorithm="ngram")
     assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) == 32
+
+
+@pytest.fixture(scope="module")
+def float_weights() -> ModelRunner:
+    """The bundled model with its weights expanded to float32: the target that its own GGUF blocks
+    draft for (``--speculative-algorithm draft`` without a draft path)."""
+    return ModelRunner(None, dtype="float32", quantization="none")
+
+
+@pytest.mark.slow
+def test_draft_model_greedy_equals_plain_decoding(float_weights: ModelRunner) -> None:
+    plain = generate(float_weights, 24, prompt=STORY)
+    spec = generate(float_weights, 24, prompt=STORY, speculative_algorithm="draft")
+    assert spec["output_ids"] == plain["output_ids"]
+    meta = spec["meta_info"]
+    # the same weights in 4-bit blocks: most drafts are the target's own tokens
+    assert meta["spec_accepted_tokens"] > meta["spec_verify_ct"]
+    assert float_weights.draft is not None
+    generate(float_weights, 2, prompt=STORY)  # an engine without the draft algorithm drops the draft model
+    assert float_weights.draft is None
+
+
+@pytest.mark.slow
+def test_draft_model_catches_up_after_steps_without_drafts(float_weights: ModelRunner) -> None:
+    """Four requests decode together past --speculative-max-batch-size (no drafts, the draft model
+    idle), then one goes on alone and drafts: it first catches up on the tokens it missed. Drafts
+    from a draft whose KV were wrong would mostly be rejected; these are mostly accepted."""
+    engine = Engine(runner=float_weights, max_total_tokens=4096, context_length=2048,
+                    speculative_algorithm="draft", speculative_max_batch_size=1)
+    try:
+        p = STORY
+        outs = engine.generate([p] * 3 + [p + " Once"], [{"temperature": 0.0, "max_new_tokens": 6}] * 3
+                               + [{"temperature": 0.0, "max_new_tokens": 30}])
+        engine.check_memory_invariant()
+    finally:
+        engine.shutdown()
+    meta = outs[3]["meta_info"]
+    assert meta["spec_verify_ct"] > 0
+    assert meta["spec_accepted_tokens"] >= 2 * meta["spec_verify_ct"]
+    plain = Engine(runner=float_weights, max_total_tokens=4096, context_length=2048)
+    try:
+        assert plain.generate(p + " Once", {"temperature": 0.0, "max_new_tokens": 30})["output_ids"] == outs[3]["output_ids"]
+    finally:
+        plain.shutdown()

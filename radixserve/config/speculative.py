@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from radixserve.options import not_positive, option
 
-SPECULATIVE_ALGORITHMS = ("ngram", "NGRAM")
+SPECULATIVE_ALGORITHMS = ("ngram", "draft", "NGRAM", "STANDALONE")
+DRAFT_MODEL_ALGORITHMS = ("draft", "standalone")  # (lower-cased) the ones with a draft model
 
 
 @dataclass(frozen=True)
@@ -16,11 +17,18 @@ class SpeculativeOptions:
         "longest earlier occurrence of its last tokens in its own prompt and output, and the model checks "
         "them in the same forward; the kept tokens are exactly what decoding without it gives (greedy), or "
         "distributed as it (sampling, by rejection sampling). Pays where outputs repeat their input "
-        "(summaries, edits, extraction, code); costs nothing where nothing matches. Off by default.",
-        SPECULATIVE_ALGORITHMS, group="speculative")
+        "(summaries, edits, extraction, code); costs nothing where nothing matches. draft (SGLang's "
+        "STANDALONE): a draft model (--speculative-draft-model-path) proposes the tokens, one forward each. "
+        "Off by default.", SPECULATIVE_ALGORITHMS, group="speculative")
+    speculative_draft_model_path: str | None = option(
+        None, "With --speculative-algorithm draft: the draft model, a GGUF file or model directory with the "
+        "target's vocabulary. Default: the target's own file with its GGUF blocks read in place (a cheap draft "
+        "of a target run with --quantization none).", group="speculative")
     speculative_num_draft_tokens: int = option(
         8, "With --speculative-algorithm: the most draft tokens one request verifies in a step (each "
-        "request's own draft length follows its acceptance, up to this).", group="speculative")
+        "request's own draft length follows its acceptance, up to this). SGLang's --speculative-num-steps "
+        "is the same option here (one draft token per draft step).", group="speculative",
+        aliases=("--speculative-num-steps",))
     speculative_ngram_min_match_window_size: int = option(
         1, "ngram: the fewest last tokens that must match an earlier occurrence to draft from it.",
         group="speculative")
@@ -37,6 +45,10 @@ class SpeculativeOptions:
         for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
                      "speculative_ngram_max_match_window_size", "speculative_max_batch_size"):
             errors += not_positive(self, name, allow_none=False)
+        if (self.speculative_algorithm or "").lower() in DRAFT_MODEL_ALGORITHMS and self.tp_size > 1:  # type: ignore[attr-defined]
+            errors.append("--speculative-algorithm draft does not run under tensor parallelism yet")
+        if self.speculative_draft_model_path and (self.speculative_algorithm or "").lower() not in DRAFT_MODEL_ALGORITHMS:
+            errors.append("--speculative-draft-model-path needs --speculative-algorithm draft")
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
             errors.append("speculative_ngram_max_match_window_size must be at least "
                           "speculative_ngram_min_match_window_size")

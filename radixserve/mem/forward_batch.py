@@ -90,6 +90,9 @@ class VerifyRows:
     rows: list[int]
     drafts: list[list[int]]
     positions: list[int]
+    # the drafts are for the runner to make (a draft model): ``drafts`` holds placeholders of the
+    # lengths the scheduler asked for, and the rows' input ids there are filled in before the forward
+    by_runner: bool = False
 
 
 @dataclass
@@ -143,6 +146,7 @@ class ForwardOutput:
     # residual distribution, which never equals the draft). The scheduler keeps drafts while they
     # equal these, then the first token that differs (or the one after the last draft).
     verified: list[list[int]] | None = None
+    drafts: list[list[int]] | None = None  # per verify row, the drafts the runner made (``VerifyRows.by_runner``)
 
 
 @dataclass

@@ -27,6 +27,7 @@ import torch
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, PromptLogprobs
 from radixserve.mem.kv_pool import JournaledReqToTokenPool, KVPool, ReqToTokenPool
 from radixserve.model.config import ModelConfig
+from radixserve.model.draft import DraftModel
 from radixserve.model.gguf_blocks import GGUFWeight
 from radixserve.model.linear import Linear
 from radixserve.model.llama import LlamaForCausalLM
@@ -154,6 +155,19 @@ def runner_from_args(args: ModelOptions, progress: bool = True, tp_group: TPGrou
     )
 
 
+def draft_for(args: ModelOptions, runner: ModelRunner) -> ModelRunner | None:
+    """The draft model ``--speculative-algorithm draft`` asks for (None for any other setting):
+    ``--speculative-draft-model-path``, by default the target's own file, with its GGUF blocks
+    read in place (``--quantization auto``) in the target's dtype."""
+    algo = (getattr(args, "speculative_algorithm", None) or "").lower()
+    if algo not in ("draft", "standalone"):
+        return None
+    path = getattr(args, "speculative_draft_model_path", None) or args.model_path
+    logger.info("loading the draft model %s", path or "(the bundled model)")
+    return ModelRunner(path, dtype=runner.dtype, attention_backend=args.attention_backend, num_threads=args.num_threads,
+                       quantization="auto", progress=False, context_length=runner.max_context_len)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -223,6 +237,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.kv_pool: KVPool | None = None
         self.req_to_token_pool: ReqToTokenPool | None = None
+        self.draft: DraftModel | None = None  # speculative decoding's draft model (set_draft)
         self.load_seconds = time.perf_counter() - t0
         self._log_loaded(config)
 
@@ -276,8 +291,24 @@ class ModelRunner:
         return self.model_config.num_kv_heads // self.tp_size
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype | None = None) -> int:
+        """KV bytes a token takes: the target's, plus a draft model's (its pool has the same slots)."""
         c = self.model_config
-        return KVPool.bytes_per_token(c.num_layers, self.local_kv_heads, c.head_dim, kv_dtype or self.dtype)
+        own = KVPool.bytes_per_token(c.num_layers, self.local_kv_heads, c.head_dim, kv_dtype or self.dtype)
+        return own + (self.draft.kv_bytes_per_token() if self.draft is not None else 0)
+
+    def set_draft(self, draft: ModelRunner | None) -> None:
+        """Speculative decoding with a draft model: ``draft`` (a runner of a model with the same
+        vocabulary) proposes tokens for the verify rows that ask for them (model/draft.py); None
+        drops it. Before ``attach_pools``."""
+        if draft is None:
+            self.draft = None
+            return
+        if self.tp is not None:
+            raise ValueError("a draft model does not run under tensor parallelism yet")
+        if draft.model_config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.model_config.vocab_size} tokens) is not the "
+                             f"target's ({self.model_config.vocab_size})")
+        self.draft = DraftModel(draft)
 
     def make_kv_pool(self, size: int, page_size: int = 1, device: str | torch.device = "cpu") -> KVPool:
         c = self.model_config
@@ -304,6 +335,8 @@ class ModelRunner:
             req_to_token_pool.take_journal()  # the table starts empty on every rank
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
+        if self.draft is not None:
+            self.draft.attach(kv_pool)
 
     # ------------------------------------------------------------------ the step
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
@@ -316,6 +349,10 @@ class ModelRunner:
     def _forward_local(self, batch: ForwardBatch) -> ForwardOutput:
         assert self.kv_pool is not None and self.req_to_token_pool is not None
         with torch.inference_mode():
+            if self.draft is not None:
+                self.draft.before_target(batch, self.req_to_token_pool)
+            elif batch.verify is not None and batch.verify.by_runner:
+                raise RuntimeError("the step asks for a draft model's drafts, and this runner has none")
             logits = self.model(batch, self.kv_pool, self.req_to_token_pool).float()
             return self._sample(batch, logits)
 
@@ -338,6 +375,8 @@ class ModelRunner:
         )
         if drafts is not None and batch.verify is not None:
             out.verified = verify_drafts(logits, drafts, batch.verify, batch.sampling, self.sampler.generator)
+            if batch.verify.by_runner:
+                out.drafts = batch.verify.drafts
         if extra is not None and batch.prompt_logprobs is not None:
             out.prompt_logprobs = PromptLogprobs(batch.prompt_logprobs, *prompt_logprobs(extra, batch.prompt_logprobs))
         return out

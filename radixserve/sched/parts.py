@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from radixserve.config import ServerArgs
+from radixserve.config.speculative import DRAFT_MODEL_ALGORITHMS
 from radixserve.mem.forward_batch import Runner
 from radixserve.sched.deadline import DeadlineAdmission
 from radixserve.sched.grammar_queue import Compiler, GrammarQueue
@@ -108,8 +109,10 @@ def build_parts(
     ordering = Ordering(settings, kv, victims, random.Random(args.random_seed))
     preemption = Preemption(settings, queues, kv, stats, outputs, ordering, victims, clk)
     spec = None
-    if (args.speculative_algorithm or "").lower() == "ngram":
+    algo = (args.speculative_algorithm or "").lower()
+    if algo:
         spec = Speculation(args.speculative_num_draft_tokens, args.speculative_ngram_min_match_window_size,
-                           args.speculative_ngram_max_match_window_size, args.speculative_max_batch_size)
+                           args.speculative_ngram_max_match_window_size, args.speculative_max_batch_size,
+                           by_runner=algo in DRAFT_MODEL_ALGORITHMS)
     return SchedParts(settings, clk, queues, stats, kv, runner, forward, outputs, deadlines, grammars, intake,
                       victims, ordering, preemption, spec)

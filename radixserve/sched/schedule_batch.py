@@ -18,6 +18,8 @@ from radixserve.mem.forward_batch import (
 from radixserve.mem.penalties import RowPenalties
 from radixserve.sched.req import Req
 
+DRAFT_BY_RUNNER = -1  # a draft token the runner's draft model is to make (speculative decoding)
+
 
 class ForwardMode(Enum):
     EXTEND = auto()  # prefill / chunk of a prompt (possibly after a cached prefix)
@@ -80,7 +82,7 @@ class ScheduleBatch:
             elif drafts is not None and drafts[i]:  # decode of the last token, then the drafts
                 assert n == 1 + len(drafts[i]) and start == req.num_tokens - 1
                 ids.append(req.output_ids[-1])
-                ids.extend(drafts[i])
+                ids.extend(drafts[i] if drafts[i][0] != DRAFT_BY_RUNNER else [0] * len(drafts[i]))
             elif start >= k:  # decode, or recompute within the outputs
                 ids.extend(req.output_ids[start - k : start - k + n])
             elif start + n <= k:
@@ -109,7 +111,7 @@ class ScheduleBatch:
                 kept.append(d)
                 positions.extend(range(flat, flat + len(d)))
             flat += n
-        return VerifyRows(rows, kept, positions)
+        return VerifyRows(rows, kept, positions, by_runner=any(d[0] == DRAFT_BY_RUNNER for d in kept))
 
     def _prompt_logprob_rows(self) -> PromptLogprobRows | None:
         """The prompt positions of this extend whose next token's logprob a request still waits for:

@@ -8,6 +8,11 @@ them in the same forward (``model/spec_verify.py``); the scheduler keeps the dra
 one the target disagrees with, plus the target's own token there, so a step yields 1 to ``k + 1``
 tokens.
 
+With ``--speculative-algorithm draft`` the drafts come from a draft model in the runner
+(``model/draft.py``): the scheduler decides how many tokens each request drafts (placeholders,
+``DRAFT_BY_RUNNER``) and takes their KV slots; the runner fills them in before the verify forward
+and returns them with the verified tokens. Everything below holds for both.
+
 The scheduler owns it, as it owns every other token of a step:
 - ``Speculation.draft`` runs when a step is built, after the KV check for the plain decode: the
   drafts' slots come from what is left (``room``); with too little room a request drafts less or
@@ -40,7 +45,7 @@ from dataclasses import dataclass
 
 from radixserve.mem.forward_batch import ForwardOutput
 from radixserve.sched.req import Req
-from radixserve.sched.schedule_batch import ScheduleBatch
+from radixserve.sched.schedule_batch import DRAFT_BY_RUNNER, ScheduleBatch
 
 _CANDIDATES = 8  # earlier occurrences of the match key looked at per draft, the latest first
 _EMA = 0.3  # weight of the latest measurement in a request's acceptance and in a step cost
@@ -48,6 +53,7 @@ _ALPHA_PRIOR = 0.6  # a request's draft acceptance before it has verified any
 _RECOVER = 0.02  # how fast an idle request's acceptance returns to the prior, per step
 _EXTRAPOLATE = 0.15  # an unmeasured larger step: this much of the largest measured one's per-token cost
 _MIN_GAIN = 0.02  # drafts must promise at least this much more tokens per second than none
+_STALE = 64  # steps after which a step cost is measured again rather than trusted
 
 
 @dataclass
@@ -136,13 +142,23 @@ class StepCosts:
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
+        self.seen: dict[int, int] = {}  # token count -> the observation it was last measured at
+        self.observations = 0
 
     def observe(self, tokens: int, seconds: float) -> None:
         old = self.seconds.get(tokens)
         self.seconds[tokens] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+        self.observations += 1
+        self.seen[tokens] = self.observations
 
     def cost(self, n: int) -> float | None:
+        """Estimated seconds of a step of ``n`` tokens. A count not measured in the last
+        ``_STALE`` steps counts as unmeasured (while a fresher one exists): one slow measurement
+        (a busy machine, a long catch-up) does not rule a step size out for good."""
         s = self.seconds
+        fresh = {m: v for m, v in s.items() if self.observations - self.seen.get(m, 0) <= _STALE}
+        if fresh:
+            s = fresh
         if n in s:
             return s[n]
         if not s:
@@ -186,7 +202,11 @@ def can_draft(req: Req) -> bool:
 
 
 class Speculation:
-    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int, max_batch_size: int) -> None:
+    def __init__(self, num_draft_tokens: int, min_window: int, max_window: int, max_batch_size: int,
+                 by_runner: bool = False) -> None:
+        """``by_runner``: the runner's draft model makes the drafts (``--speculative-algorithm
+        draft``); the scheduler asks for a number of them per request (placeholders)."""
+        self.by_runner = by_runner
         self.max_k = num_draft_tokens
         self.min_n, self.max_n = min_window, max(max_window, min_window)
         self.max_batch_size = max_batch_size
@@ -244,8 +264,11 @@ class Speculation:
         k = min(self.max_k, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
         if k <= 0:
             return []
-        st.sync(req)
-        d = st.propose(k)
+        if self.by_runner:
+            d = [DRAFT_BY_RUNNER] * k
+        else:
+            st.sync(req)
+            d = st.propose(k)
         while d and slots_for(req, len(d)) > room:
             d.pop()
         return d
@@ -266,6 +289,12 @@ class Speculation:
         rows = [i for i, d in enumerate(drafts) if d]
         if len(verified) != len(rows):
             raise RuntimeError(f"the runner verified {len(verified)} rows, the step drafted {len(rows)}")
+        if self.by_runner:  # the draft model's tokens, in place of the placeholders
+            if out.drafts is None or [len(d) for d in out.drafts] != [len(drafts[i]) for i in rows]:
+                raise RuntimeError("the runner did not return the drafts it was asked to make")
+            drafts = list(drafts)
+            for i, d in zip(rows, out.drafts, strict=True):
+                drafts[i] = d
         kept: dict[int, list[int]] = {}
         s = self.stats
         s.verify_steps += 1

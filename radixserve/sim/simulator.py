@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from radixserve.config import ServerArgs
+from radixserve.config.speculative import DRAFT_MODEL_ALGORITHMS
 from radixserve.mem.cache_events import CacheEvent
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.mem.kv_pool import ReqToTokenPool
@@ -109,6 +110,9 @@ def build_sim_scheduler(
 ) -> tuple[SchedulerCore, SimRunner, VirtualClock]:
     """The engine's pools, cache and scheduler (as ``engine.build_scheduler``) without a model."""
     clock = clock or VirtualClock()
+    if (args.speculative_algorithm or "").lower() in DRAFT_MODEL_ALGORITHMS:
+        raise ValueError("the simulator has no draft model: it runs --speculative-algorithm ngram (its drafts "
+                         "are checked against each request's synthetic tokens), not draft")
     if args.max_total_tokens is None:
         raise ValueError("the simulator needs --max-total-tokens (KV pool size in tokens)")
     kv = build_kv(args, args.max_total_tokens, context_len,

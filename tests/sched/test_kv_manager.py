@@ -139,3 +139,32 @@ def test_chunk_cache_answers_none_for_every_question() -> None:
     assert isinstance(kv.tree_cache, ChunkCache)
     assert kv.tree_cache.peek_prefix_len(RadixKey([1, 2, 3])) == 0
     assert kv.evicted() == (0, 0)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_truncate_frees_whole_pages_past_the_kept_slots(page_size: int) -> None:
+    """Rejected drafts' slots: ``truncate`` keeps the first n, frees the pages wholly past them, keeps
+    the rest of the n-th slot's page (the next ``grow`` writes over it) and never cuts the cached prefix."""
+    kv = make_kv(page_size=page_size, total=64)
+    r = req("r", list(range(1, 7)))
+    kv.match(r)
+    kv.lock_match(r)
+    kv.admit(r)
+    kv.grow(r, 6)
+    free0 = kv.available_size()
+    kv.grow(r, 9)  # 15 slots: the last token's and eight drafts past a 7th
+    kv.truncate(r, 8)
+    assert len(r.kv_indices) == 8
+    assert kv.available_size() == free0 - (2 if page_size == 1 else 0)  # pages of 4: slots 0-7 fill the same two
+    again = kv.grow(r, 3)  # the next step continues right after the kept slots
+    assert r.kv_indices[8:] == again and len(set(r.kv_indices)) == 11
+    r.output_ids = [500] * 6  # 12 tokens: KV for all but the last
+    kv.truncate(r, 11)
+    kv.release(r)
+    kv.check_invariant()
+    with pytest.raises(ValueError, match="cached prefix"):
+        other = req("o", list(range(1, 7)) + [40])
+        kv.match(other)
+        kv.lock_match(other)
+        kv.admit(other)
+        kv.truncate(other, 0)

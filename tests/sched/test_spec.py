@@ -70,7 +70,8 @@ def run(runner: type[EchoRunner], prompts: list[list[int]], max_new: int, spec: 
     args = dict(kw)
     pool = args.pop("pool_tokens", 512)
     if spec:
-        args.update(speculative_algorithm="ngram", speculative_num_draft_tokens=6)
+        args.setdefault("speculative_algorithm", "ngram")
+        args.setdefault("speculative_num_draft_tokens", 6)
     sched, model, kv = make_scheduler(pool_tokens=pool, runner=runner, **args)  # type: ignore[arg-type]
     cheap_drafts(sched)
     if isinstance(model, CheckingRunner):
@@ -252,3 +253,37 @@ def test_step_cost_estimates() -> None:
 
 def test_vocab_is_what_runners_use() -> None:
     assert all(1 <= CycleRunner().next_token(t, 0) <= CYCLE for t in range(VOCAB))
+
+
+# --- drafts made by the runner (a draft model) ---------------------------------------------------
+
+class DraftingRunner(CheckingRunner):
+    """Makes the drafts it is asked for (``VerifyRows.by_runner``) as a draft model would: the cycle's
+    next tokens, except every third draft, which is wrong."""
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        v = batch.verify
+        if v is not None:
+            assert v.by_runner and all(t == -1 for d in v.drafts for t in d)
+            starts = [sum(batch.extend_seq_lens[:r]) for r in v.rows]
+            for i, f in enumerate(starts):
+                tok, d = int(batch.input_ids[f]), []
+                for j in range(len(v.drafts[i])):
+                    tok = self.next_token(tok, 0) if (f + j) % 3 else (tok % (VOCAB - 2)) + 2
+                    d.append(tok)
+                    batch.input_ids[f + 1 + j] = tok
+                v.drafts[i] = d
+        out = super().forward(batch)
+        if v is not None:
+            out.drafts = v.drafts
+        return out
+
+
+@pytest.mark.parametrize("kw", [{}, {"scheduler": "unified", "page_size": 4}])
+def test_runner_made_drafts_keep_outputs_exact(kw: dict) -> None:
+    prompts = [cycle_prompt(3, 12), prompt(2, 20)]
+    _, _, _, plain = run(CycleRunner, prompts, 40, False, **kw)
+    sched, model, reqs, outs = run(DraftingRunner, prompts, 40, True, speculative_algorithm="draft", **kw)
+    assert tokens(outs) == tokens(plain)
+    s = sched.parts.spec.stats
+    assert s.verify_steps > 0 and 0 < s.accepted_tokens < s.draft_tokens
