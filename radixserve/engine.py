@@ -373,7 +373,7 @@ def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,
     if (args.speculative_algorithm or "").lower() in DRAFT_MODEL_ALGORITHMS:
         if runner.draft is None:
             runner.set_draft(draft_for(args, runner))
-    else:
+    elif getattr(runner, "draft", None) is not None:  # an engine without it drops a runner's earlier draft
         runner.set_draft(None)
     bpt = runner.kv_bytes_per_token()  # (with a draft model's KV, which has the same slots)  # under tensor parallelism: this rank's KV heads only
     # NOTE: the tensor-parallel ranks of one machine share its memory, as data-parallel ranks do: the
