@@ -1,5 +1,6 @@
 """Speculative decoding on the real model through ``Engine``: greedy outputs equal decoding without
-it (token for token, float32, both event loops and both schedulers), drafts are accepted on a
+it (token for token, float32, both event loops and both schedulers, with step costs pinned so the
+verify steps' shapes are the same every run), drafts are accepted on a
 prompt that asks for its own text back, seeded sampling is reproducible, and the KV memory
 invariant holds after each run."""
 
@@ -26,8 +27,19 @@ def grounded_prompt(engine: Engine) -> str:
                                         + "\n\nCopy its second paragraph word for word."}])
 
 
+def pin_step_costs(engine: Engine) -> None:
+    """Step costs that do not depend on this machine's load: the draft lengths, and so each verify
+    step's shape, are the same every run (a verify step's logits differ from a decode step's by
+    float rounding, so the shapes decide whether a near-tie could flip: docs/speculative.md)."""
+    spec = engine.scheduler.parts.spec
+    if spec is not None:
+        spec.costs.seconds = {n: 0.02 + 0.002 * n for n in range(1, 200)}
+        spec.observe = lambda tokens, seconds: None
+
+
 def generate(runner: ModelRunner, n: int, sp: dict | None = None, prompt: str | None = None, **kw: object) -> dict:
     engine = Engine(runner=runner, max_total_tokens=4096, context_length=2048, **kw)
+    pin_step_costs(engine)
     try:
         out = engine.generate(prompt or grounded_prompt(engine),
                               {"temperature": 0.0, "max_new_tokens": n, **(sp or {})})
@@ -89,6 +101,7 @@ def test_draft_model_catches_up_after_steps_without_drafts(float_weights: ModelR
     from a draft whose KV were wrong would mostly be rejected; these are mostly accepted."""
     engine = Engine(runner=float_weights, max_total_tokens=4096, context_length=2048,
                     speculative_algorithm="draft", speculative_max_batch_size=1)
+    pin_step_costs(engine)
     try:
         p = STORY
         outs = engine.generate([p] * 3 + [p + " Once"], [{"temperature": 0.0, "max_new_tokens": 6}] * 3
