@@ -28,12 +28,11 @@ from typing import Any
 import torch
 
 from radixserve.config import ServerArgs
-from radixserve.config.speculative import DRAFT_MODEL_ALGORITHMS
 from radixserve.grammar import GrammarCompiler
 from radixserve.mem.cache_events import CacheEvent
 from radixserve.mem.kv_pool import JournaledReqToTokenPool, ReqToTokenPool
 from radixserve.model.detokenize import IncrementalDetokenizer
-from radixserve.model.model_runner import ModelRunner, draft_for, runner_from_args
+from radixserve.model.model_runner import ModelRunner, runner_from_args
 from radixserve.sched.build import build_kv, request_slots
 from radixserve.sched.build import build_scheduler as build_sched
 from radixserve.sched.core import SchedulerCore
@@ -370,11 +369,7 @@ def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,
     cores with the model's own threads (the option's help has the figures)."""
     if args.overlap_schedule == "auto":
         args = args.replace(overlap_schedule="off")
-    if (args.speculative_algorithm or "").lower() in DRAFT_MODEL_ALGORITHMS:
-        if runner.draft is None:
-            runner.set_draft(draft_for(args, runner))
-    elif getattr(runner, "draft", None) is not None:  # an engine without it drops a runner's earlier draft
-        runner.set_draft(None)
+    runner.use_draft(args)
     bpt = runner.kv_bytes_per_token()  # (with a draft model's KV, which has the same slots)  # under tensor parallelism: this rank's KV heads only
     # NOTE: the tensor-parallel ranks of one machine share its memory, as data-parallel ranks do: the
     # --mem-fraction-static budget holds the same tokens whatever the tp size (each rank 1/tp of each).

@@ -24,6 +24,7 @@ from importlib.resources import files
 
 from radixserve.engine import Engine
 from radixserve.model.model_runner import ModelRunner
+from radixserve.results import write_result
 
 TEXT = files("radixserve.bench").joinpath("data/grounded.txt").read_text()
 GROUNDED = ["Copy the second paragraph of the text word for word.",
@@ -100,7 +101,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--servers", nargs="+", metavar="LABEL=URL",
                     help="measure these running servers in turn instead of in-process engines")
+    ap.add_argument("--output", help="also write the figures here as JSON (radixserve/results.py)")
     a = ap.parse_args()
+    results: list[dict[str, object]] = []
     if a.servers:
         servers = [tuple(s.split("=", 1)) for s in a.servers]
         for w in a.workloads:
@@ -109,8 +112,11 @@ def main() -> None:
                 for label, url in servers:
                     tpot = server_tpot(url, w, a.max_new_tokens)
                     got.setdefault(label, []).append(tpot)
+                    results.append({"workload": w, "round": r + 1, "server": label, "tpot_ms": round(tpot * 1e3, 2)})
                     print(f"{w:9s} round {r + 1} {label:12s} TPOT {tpot * 1e3:6.1f} ms", flush=True)
             print(f"{w:9s} TPOT medians: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.1f} ms" for k, v in got.items()))
+        if a.output:
+            write_result(a.output, {"results": results})
         return
     runner = ModelRunner(a.model_path, dtype=a.dtype, quantization=a.quantization, progress=False)
     print(f"model {a.model_path or 'bundled SmolLM2-135M Q4_1'}, dtype {runner.dtype}, "
@@ -122,6 +128,9 @@ def main() -> None:
             for algo in settings:
                 tpot, meta = run(runner, w, algo, a.max_new_tokens)
                 got2.setdefault(algo, []).append(tpot)
+                results.append({"workload": w, "round": r + 1, "speculation": algo or "off",
+                                "dtype": str(runner.dtype), "quantization": runner.quantization,
+                                "tpot_ms": round(tpot * 1e3, 2), **meta})
                 acc = ""
                 if algo and meta["spec_verify_ct"]:
                     acc = (f"  verify steps {meta['spec_verify_ct']}, accepted {meta['spec_accepted_tokens']}, "
@@ -131,6 +140,8 @@ def main() -> None:
         for algo in a.algorithms:
             on = statistics.median(got2[algo])
             print(f"{w:9s} TPOT {algo}/off (medians) {on * 1e3:.1f} / {off * 1e3:.1f} ms = {on / off:.2f}x")
+    if a.output:
+        write_result(a.output, {"results": results})
 
 
 if __name__ == "__main__":

@@ -28,18 +28,26 @@ decides every token.
 
 from __future__ import annotations
 
-import logging
+from typing import Any, Protocol
 
 import torch
 
 from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 
-logger = logging.getLogger(__name__)
+
+class DraftRunner(Protocol):
+    """What the draft side needs of the draft model's ``ModelRunner``."""
+
+    model: Any
+
+    def kv_bytes_per_token(self) -> int: ...
+
+    def make_kv_pool(self, size: int, page_size: int = 1) -> KVPool: ...
 
 
 class DraftModel:
-    def __init__(self, runner: object) -> None:
+    def __init__(self, runner: DraftRunner) -> None:
         """``runner``: a ``ModelRunner`` of the draft model (its model, its KV pool once attached)."""
         self.runner = runner
         self.kv_pool: KVPool | None = None
@@ -47,11 +55,11 @@ class DraftModel:
         self.valid = torch.zeros(0, dtype=torch.bool)
 
     def kv_bytes_per_token(self) -> int:
-        return int(self.runner.kv_bytes_per_token())  # type: ignore[attr-defined]
+        return self.runner.kv_bytes_per_token()
 
     def attach(self, target_pool: KVPool) -> None:
         """Make the draft's KV pool with the target's slots (size and page size)."""
-        self.kv_pool = self.runner.make_kv_pool(target_pool.size, target_pool.page_size)  # type: ignore[attr-defined]
+        self.kv_pool = self.runner.make_kv_pool(target_pool.size, target_pool.page_size)
         rows = target_pool.k_buffers[0].shape[0]
         self.slot_token = torch.zeros(rows, dtype=torch.int64)
         self.valid = torch.zeros(rows, dtype=torch.bool)
@@ -64,7 +72,7 @@ class DraftModel:
         if fb.verify is not None and fb.verify.by_runner:
             written = self._propose(fb, r2t)
         elif not fb.is_decode_only:  # a prompt (chunk): the draft reads it now, not in a later decode step
-            self.runner.model(fb, self.kv_pool, r2t)  # type: ignore[attr-defined]
+            self.runner.model(fb, self.kv_pool, r2t)
             written = fb.out_cache_loc
         loc = fb.out_cache_loc
         self.slot_token[loc] = fb.input_ids
@@ -124,5 +132,5 @@ class DraftModel:
         seq = [a + b for a, b in zip(prefix, ext, strict=True)]
         fb = ForwardBatch(ids, positions, locs, torch.tensor(pool_rows, dtype=torch.int64),
                           torch.tensor(seq, dtype=torch.int64), prefix, ext, SamplingBatchInfo.greedy(len(ext)))
-        logits = self.runner.model(fb, self.kv_pool, r2t)  # type: ignore[attr-defined]
+        logits = self.runner.model(fb, self.kv_pool, r2t)
         return logits.argmax(dim=-1).tolist()

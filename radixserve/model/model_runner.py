@@ -17,18 +17,19 @@ the one the scheduler drives: ``attach_pools`` sends the pool sizes to the other
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.config.speculative import DRAFT_MODEL_ALGORITHMS
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, PromptLogprobs
 from radixserve.mem.kv_pool import JournaledReqToTokenPool, KVPool, ReqToTokenPool
 from radixserve.model.config import ModelConfig
 from radixserve.model.draft import DraftModel
 from radixserve.model.gguf_blocks import GGUFWeight
+from radixserve.model.host import configure_threads, cpu_flags, tune_malloc
 from radixserve.model.linear import Linear
 from radixserve.model.llama import LlamaForCausalLM
 from radixserve.model.loader import load_model, parse_dtype, resolve_model_path
@@ -44,17 +45,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"auto"``: bfloat16 where the CPU has native bf16 GEMMs (AMX / AVX512-BF16), else float32.
 
@@ -67,48 +57,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         flags = cpu_flags()
         return torch.bfloat16 if {"amx_bf16", "avx512_bf16"} & flags else torch.float32
     return parse_dtype(dtype)
-
-
-def configure_threads(num_threads: int | None) -> int:
-    """Use ``num_threads`` if given; else respect OMP_NUM_THREADS / an explicit earlier setting;
-    else one thread per CPU this process may run on."""
-    if num_threads is not None:
-        torch.set_num_threads(max(1, num_threads))
-    elif "OMP_NUM_THREADS" not in os.environ and "MKL_NUM_THREADS" not in os.environ:
-        try:
-            n = len(os.sched_getaffinity(0))
-        except AttributeError:  # not on Linux
-            n = os.cpu_count() or 1
-        if torch.get_num_threads() > n:
-            torch.set_num_threads(n)
-    return torch.get_num_threads()
-
-
-_MALLOC_TUNED = False
-
-
-def tune_malloc() -> bool:
-    """Keep freed memory in the glibc heap instead of handing it back to the kernel.
-
-    A CPU step allocates many multi-MB temporaries (logits, softmax, gathers); by default glibc
-    serves them with ``mmap`` and returns them on free, so every step pays page faults on fresh
-    memory. Measured here at batch 64 x 49152: top-p sampling over a flat distribution 88 -> 48 ms,
-    an early sampler version 26 -> 9 ms; the model forward itself showed no measurable change.
-    Process-wide and idempotent; a no-op off glibc. Returns whether it applied.
-    """
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED:
-        return True
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        ok = libc.mallopt(m_mmap_threshold, 32 << 20) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
-    except (OSError, AttributeError):
-        return False
-    _MALLOC_TUNED = bool(ok)
-    return _MALLOC_TUNED
 
 
 def resolve_quantization(name: str, model_path: str | None, tensor_parallel: bool = False) -> str:
@@ -153,19 +101,6 @@ def runner_from_args(args: ModelOptions, progress: bool = True, tp_group: TPGrou
         num_threads=args.num_threads, quantization=args.quantization, quant_max_rows=args.quantization_max_batch,
         progress=progress, tp_group=tp_group, context_length=args.context_length,
     )
-
-
-def draft_for(args: ModelOptions, runner: ModelRunner) -> ModelRunner | None:
-    """The draft model ``--speculative-algorithm draft`` asks for (None for any other setting):
-    ``--speculative-draft-model-path``, by default the target's own file, with its GGUF blocks
-    read in place (``--quantization auto``) in the target's dtype."""
-    algo = (getattr(args, "speculative_algorithm", None) or "").lower()
-    if algo not in ("draft", "standalone"):
-        return None
-    path = getattr(args, "speculative_draft_model_path", None) or args.model_path
-    logger.info("loading the draft model %s", path or "(the bundled model)")
-    return ModelRunner(path, dtype=runner.dtype, attention_backend=args.attention_backend, num_threads=args.num_threads,
-                       quantization="auto", progress=False, context_length=runner.max_context_len)
 
 
 class ModelRunner:
@@ -237,7 +172,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.kv_pool: KVPool | None = None
         self.req_to_token_pool: ReqToTokenPool | None = None
-        self.draft: DraftModel | None = None  # speculative decoding's draft model (set_draft)
+        self.draft: DraftModel | None = None  # speculative decoding's draft model (use_draft)
         self.load_seconds = time.perf_counter() - t0
         self._log_loaded(config)
 
@@ -296,15 +231,23 @@ class ModelRunner:
         own = KVPool.bytes_per_token(c.num_layers, self.local_kv_heads, c.head_dim, kv_dtype or self.dtype)
         return own + (self.draft.kv_bytes_per_token() if self.draft is not None else 0)
 
-    def set_draft(self, draft: ModelRunner | None) -> None:
-        """Speculative decoding with a draft model: ``draft`` (a runner of a model with the same
-        vocabulary) proposes tokens for the verify rows that ask for them (model/draft.py); None
-        drops it. Before ``attach_pools``."""
-        if draft is None:
+    def use_draft(self, args: ModelOptions) -> None:
+        """Load the draft model ``--speculative-algorithm draft`` asks for (once: a runner reused by
+        another engine keeps it), or drop an earlier one for any other setting; before
+        ``attach_pools``. ``--speculative-draft-model-path``, by default the target's own file, is
+        read with its GGUF blocks in place (``--quantization auto``) in the target's dtype."""
+        if (getattr(args, "speculative_algorithm", None) or "").lower() not in DRAFT_MODEL_ALGORITHMS:
             self.draft = None
+            return
+        if self.draft is not None:
             return
         if self.tp is not None:
             raise ValueError("a draft model does not run under tensor parallelism yet")
+        path = getattr(args, "speculative_draft_model_path", None) or args.model_path
+        logger.info("loading the draft model %s", path or "(the bundled model)")
+        draft = ModelRunner(path, dtype=self.dtype, attention_backend=args.attention_backend,
+                            num_threads=args.num_threads, quantization="auto", progress=False,
+                            context_length=self.max_context_len)
         if draft.model_config.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.model_config.vocab_size} tokens) is not the "
                              f"target's ({self.model_config.vocab_size})")

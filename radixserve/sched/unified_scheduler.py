@@ -118,7 +118,7 @@ class TokenBudget:
 
     def _drafts(self, plan: _Plan, req: Req, n: int, running: int) -> list[int]:
         """Speculative decoding: a decoding request's draft tokens, within what is left of the token
-        budget and of the KV the step may take (seed 002's ``num_lookahead_tokens``)."""
+        budget and of the KV the step may take: draft tokens are tokens of the step like any other."""
         spec = self.parts.spec
         if (spec is None or n != 1 or req.num_computed_tokens < req.prompt_len or not spec.active(running)
                 or plan.budget <= 1):

@@ -35,6 +35,9 @@ class StubModelRunner(EchoRunner):
     tokenizer = _Tok()
     model_config = _Cfg()
 
+    def use_draft(self, args: object) -> None:  # no draft model here
+        return None
+
     def kv_bytes_per_token(self) -> int:
         return 64
 
