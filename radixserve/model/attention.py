@@ -118,31 +118,41 @@ class TorchNativeAttention(AttentionBackend):
         r2t = r2t_pool.req_to_token
         ext_lens = fb.extend_seq_lens
         prefix_lens = fb.extend_prefix_lens
-        rpi = fb.req_pool_indices
-        dec_rows = [i for i, n in enumerate(ext_lens) if n == 1]
+        rpi_list = fb.req_pool_indices.tolist()
+        # Rows attended one token at a time: decode rows, and each position of a speculative verify
+        # row as the decode row it would have been (its prefix grown by the drafts before it), so
+        # that verifying a token computes what decoding it would have.
+        by_token = set(fb.verify.rows) if fb.verify is not None else set()
+        dec_tok: list[int] = []  # their tokens in the flat batch
+        dec_rpi: list[int] = []
+        lens: list[int] = []
+        start = 0
+        for i, n in enumerate(ext_lens):
+            if n == 1 or i in by_token:
+                for j in range(n):
+                    dec_tok.append(start + j)
+                    dec_rpi.append(rpi_list[i])
+                    lens.append(prefix_lens[i] + j + 1)
+            start += n
         decode: _DecodeGroup | None = None
         shared: list[tuple[torch.Tensor, SharedPrefixGroup]] = []
-        if dec_rows:
-            all_decode = len(dec_rows) == len(ext_lens)
-            starts = list(range(len(ext_lens))) if all_decode else _starts(ext_lens)
-            rpi_list = rpi.tolist()
-            lens = [prefix_lens[i] + 1 for i in dec_rows]
+        if dec_tok:
+            all_decode = len(dec_tok) == start  # every token, in order
             grouped: set[int] = set()
-            if self.share_prefixes and len(dec_rows) > 1:
-                dec_rpi = [rpi_list[i] for i in dec_rows]
+            if self.share_prefixes and len(dec_tok) > 1:
                 for members, p in find_shared_prefixes(r2t, dec_rpi, lens):
                     grp = build_group(r2t, dec_rpi, lens, members, p)
-                    tok = torch.tensor([starts[dec_rows[m]] for m in members], dtype=torch.int64)
+                    tok = torch.tensor([dec_tok[m] for m in members], dtype=torch.int64)
                     shared.append((tok, grp))
                     grouped.update(members)
-            rest = [j for j in range(len(dec_rows)) if j not in grouped]
+            rest = [j for j in range(len(dec_tok)) if j not in grouped]
             if rest:
+                token_idx: torch.Tensor | None = None
                 if all_decode and not grouped:
-                    token_idx = None
-                    rows_rpi = rpi
+                    rows_rpi = torch.tensor(dec_rpi, dtype=torch.int64) if by_token else fb.req_pool_indices
                 else:
-                    token_idx = torch.tensor([starts[dec_rows[j]] for j in rest], dtype=torch.int64)
-                    rows_rpi = torch.tensor([rpi_list[dec_rows[j]] for j in rest], dtype=torch.int64)
+                    token_idx = torch.tensor([dec_tok[j] for j in rest], dtype=torch.int64)
+                    rows_rpi = torch.tensor([dec_rpi[j] for j in rest], dtype=torch.int64)
                 rest_lens = [lens[j] for j in rest]
                 if self.window and max(rest_lens) > self.window:
                     decode = self._window_decode_group(r2t, rows_rpi, rest_lens, token_idx, self.window)
@@ -151,11 +161,11 @@ class TorchNativeAttention(AttentionBackend):
         extends: list[_Extend] = []
         start = 0
         for i, n in enumerate(ext_lens):
-            if n != 1:
+            if n != 1 and i not in by_token:
                 p = prefix_lens[i]
                 kv_idx = mask = None
                 if p > 0:
-                    kv_idx = r2t[int(rpi[i]), : p + n]
+                    kv_idx = r2t[rpi_list[i], : p + n]
                 if p > 0 or (self.window and n > self.window):
                     key_pos, query_pos = torch.arange(p + n).unsqueeze(0), (torch.arange(n) + p).unsqueeze(1)
                     mask = key_pos <= query_pos

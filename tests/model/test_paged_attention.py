@@ -270,3 +270,24 @@ def test_bf16_dot_products_match_the_widening_path() -> None:
     got, want = paged.extension().paged_decode_attention(*args), other.paged_decode_attention(*args)
     scale = want.float().abs().max().item()
     torch.testing.assert_close(got.float(), want.float(), atol=1.5e-2 * scale, rtol=0)
+
+
+@pytest.mark.slow
+@needs_ext
+def test_plain_loops_match_the_vector_path() -> None:
+    """The build without AVX-512 or AVX2 intrinsics (what other CPUs run, and any head shape the
+    vector paths are not specialised on) gives the same outputs to float32 rounding, on a ragged
+    batch with split rows and a short last block."""
+    from radixserve.model.cpp_build import load_extension
+
+    plain, err = load_extension("radixserve_paged_attention_plain", paged._SOURCE,
+                                ["-DRADIXSERVE_NO_AVX512", "-DRADIXSERVE_NO_AVX2"])
+    assert plain is not None, err
+    pool = Pool(16, 3, 64, torch.float32, pages=400, seed=6)
+    lens = [1, 3, 16, 17, 255, 1333, 40]
+    rpi = [pool.request(n) for n in lens]
+    q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(3))
+    args = (q, pool.kv.k_buffers[0], pool.kv.v_buffers[0], pool.r2t.req_to_token, torch.tensor(rpi),
+            torch.tensor(lens), 0.125)
+    torch.testing.assert_close(paged.extension().paged_decode_attention(*args), plain.paged_decode_attention(*args),
+                               atol=2e-5, rtol=1e-4)

@@ -135,3 +135,22 @@ def test_tp_options_are_cli_flags() -> None:
     args = ServerArgs.from_cli_args(ns)
     assert (args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr) == (2, 2, 1, "10.0.0.1:5000")
     assert args.tp_ranks_per_node == 1
+
+
+@pytest.mark.slow
+def test_engine_tp2_speculation_equals_tp1_plain(tiny: str) -> None:
+    """n-gram drafts verified across two ranks (the verify rows and their logits positions travel
+    with the step) give what one rank decoding plainly gives."""
+    kw: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 2048}
+    prompt = "one two three four " * 6
+    plain = Engine(tiny, **kw).generate(prompt, GREEDY)
+    with Engine(tiny, tp_size=2, speculative_algorithm="ngram", **kw) as tp2:
+        spec = tp2.scheduler.parts.spec
+        assert spec is not None
+        spec.costs.seconds = {n: 0.02 + 0.002 * n for n in range(1, 200)}  # draft whatever this machine's load
+        spec.observe = lambda tokens, seconds: None  # type: ignore[method-assign]
+        got = tp2.generate(prompt, GREEDY)
+        tp2.check_memory_invariant()
+    assert isinstance(plain, dict) and isinstance(got, dict)
+    assert got["meta_info"]["spec_verify_ct"] > 0
+    assert got["output_ids"] == plain["output_ids"]

@@ -1,7 +1,6 @@
 """Speculative decoding through a real server (``--speculative-algorithm ngram``, float32): the
-native API reports the drafts in ``meta_info``, greedy output equals plain decoding up to a
-near-tie (a request that asks for logprobs does not draft: the same server decodes it plainly, and
-its logprobs show any tie), streaming, the OpenAI API and concurrent requests work, ``/metrics``
+native API reports the drafts in ``meta_info``, greedy output equals plain decoding token for token
+(a request that asks for logprobs does not draft: the same server decodes it plainly), streaming, the OpenAI API and concurrent requests work, ``/metrics``
 counts drafts, and no KV is leaked."""
 
 from __future__ import annotations
@@ -33,24 +32,14 @@ def chat(client, **extra) -> dict:  # type: ignore[no-untyped-def]
     return r.json()
 
 
-def assert_same_or_near_tie(spec: list[int], plain: dict, tie: float = 1e-3) -> None:
-    """``spec`` equals the plain output, or first differs where the plain run's two best tokens were
-    within ``tie`` of each other (a verify step's logits differ from a decode step's by float
-    rounding, ~2e-5 here: docs/speculative.md)."""
-    ids = plain["output_ids"]
-    i = next((j for j, (a, b) in enumerate(zip(spec, ids, strict=False)) if a != b), None)
-    if i is None:
-        assert len(spec) == len(ids)
-        return
-    top = plain["meta_info"]["output_top_logprobs"][i]
-    assert len(top) >= 2 and top[0][0] - top[1][0] < tie, (i, top)
-
-
 def test_greedy_output_equals_plain_decoding_and_meta_counts(spec_server: ServerProcess) -> None:
     with spec_server.client() as c:
+        # each from an empty cache, so both prefill the same rows the same way
+        assert c.post("/flush_cache").status_code == 200
         spec = chat(c)
-        plain = chat(c, return_logprob=True, top_logprobs_num=2)  # logprobs: no drafts for this one
-        assert_same_or_near_tie(spec["output_ids"], plain)
+        assert c.post("/flush_cache").status_code == 200
+        plain = chat(c, return_logprob=True)  # logprobs: this one decodes without drafts
+        assert spec["output_ids"] == plain["output_ids"]
         assert spec["meta_info"]["spec_verify_ct"] > 0 and spec["meta_info"]["spec_accepted_tokens"] > 0
         assert "spec_verify_ct" not in plain["meta_info"]
         assert_memory_ok(wait_idle(c))

@@ -431,22 +431,19 @@ inline float dot(const float* a, const float* b, int64_t n) {
     return s;
 }
 
-// out[i * ldo] = dot(x + i * ldx, w, n) for i < R: w is loaded once for all R rows
+// out[i * ldo] = x[i] . w for i < R: w is loaded once for all R rows. With AVX2, one accumulator
+// per row fed in order, as dot_4x2 and the fused kernel sum: a row's result does not depend on R.
 template <int R>
 inline void dot_rows(const float* x, int64_t ldx, const float* w, int64_t n, float* out, int64_t ldo) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-    if (R > 1 && n % 8 == 0) {
+    if (n % 8 == 0) {
         __m256 acc[R];
         for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t k = 0; k < n; k += 8) {
             const __m256 wv = _mm256_loadu_ps(w + k);
             for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), wv, acc[i]);
         }
-        for (int i = 0; i < R; ++i) {
-            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-            const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            out[i * ldo] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-        }
+        for (int i = 0; i < R; ++i) out[i * ldo] = hsum8(acc[i]);
         return;
     }
 #endif
@@ -506,50 +503,58 @@ Format checked_format(const torch::Tensor& w, int64_t type, int64_t k) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // out[r * ldo] = (weight row) . x[r] for r < R, without a buffer: each block is expanded once and
-// its vectors go straight into every input row's accumulators (A independent ones per row, so
-// that one row's sums do not wait on each other).
+// its vectors go straight into every input row's accumulator. One accumulator per row, fed in the
+// order of the values, whatever R is: a row's result does not depend on how many rows came with it
+// (a speculative verify step computes bit for bit what decoding the same rows one by one would).
+// The expansion, not the multiply-add chain, bounds R = 1.
 template <class T, int R>
 void fused_row(const uint8_t* row, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
-    constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;
-    __m256 acc[R][A];
-    for (int r = 0; r < R; ++r)
-        for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+    __m256 acc[R];
+    const float* xr[R];  // one pointer per row, advanced a block at a time: the loads take offsets
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), xr[r] = x + r * ldx;
     for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + b * T::kValues;
-        auto sink = [&](int off, int part, __m256 w) {
-            for (int r = 0; r < R; ++r)
-                acc[r][part % A] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xb + r * ldx + off), acc[r][part % A]);
+        auto sink = [&](int off, int, __m256 w) {
+            for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xr[r] + off), acc[r]);
         };
         T::run(row + b * T::kBytes, sink);
+        for (int r = 0; r < R; ++r) xr[r] += T::kValues;
     }
-    for (int r = 0; r < R; ++r) {
-        __m256 t = acc[r][0];
-        for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[r][a]);
-        out[r * ldo] = hsum8(t);
-    }
+    for (int r = 0; r < R; ++r) out[r * ldo] = hsum8(acc[r]);
 }
+
+constexpr int64_t kFusedRows = 8;  // input rows per pass over a weight row (their accumulators stay in registers)
 
 template <class T>
 void fused_linear(const uint8_t* wp, int64_t rb, int64_t n, int64_t nb, const float* xp, int64_t m, int64_t k, float* yp) {
+    const int64_t groups = (m + kFusedRows - 1) / kFusedRows;
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
         for (int64_t j = begin; j < end; ++j) {
             const uint8_t* row = wp + j * rb;
-            switch (m) {
-                case 1: fused_row<T, 1>(row, nb, xp, k, yp + j, n); break;
-                case 2: fused_row<T, 2>(row, nb, xp, k, yp + j, n); break;
-                case 3: fused_row<T, 3>(row, nb, xp, k, yp + j, n); break;
-                default: fused_row<T, 4>(row, nb, xp, k, yp + j, n); break;
+            for (int64_t i = 0, g = groups; i < m; --g) {  // m rows in `groups` passes of near-equal size
+                const int64_t rows = (m - i + g - 1) / g;
+                const float* xi = xp + i * k;
+                float* yi = yp + i * n + j;
+                i += rows;
+                switch (rows) {
+                    case 1: fused_row<T, 1>(row, nb, xi, k, yi, n); break;
+                    case 2: fused_row<T, 2>(row, nb, xi, k, yi, n); break;
+                    case 3: fused_row<T, 3>(row, nb, xi, k, yi, n); break;
+                    case 4: fused_row<T, 4>(row, nb, xi, k, yi, n); break;
+                    case 5: fused_row<T, 5>(row, nb, xi, k, yi, n); break;
+                    case 6: fused_row<T, 6>(row, nb, xi, k, yi, n); break;
+                    case 7: fused_row<T, 7>(row, nb, xi, k, yi, n); break;
+                    default: fused_row<T, 8>(row, nb, xi, k, yi, n); break;
+                }
             }
         }
     });
 }
 #endif
 
-// Up to 4 input rows of the types with AVX2 expanders: the fused kernel; false where there is none.
+// The types with AVX2 expanders: the fused kernel; false where there is none.
 bool fused(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, int64_t nb, const float* xp, int64_t m, int64_t k,
            float* yp) {
 #if defined(__AVX2__) && defined(__FMA__)
-    if (m > 4) return false;
     return with_expander(type, [&](auto t) { fused_linear<decltype(t)>(wp, rb, n, nb, xp, m, k, yp); });
 #else
     (void)type, (void)wp, (void)rb, (void)n, (void)nb, (void)xp, (void)m, (void)k, (void)yp;

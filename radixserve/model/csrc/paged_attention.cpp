@@ -24,9 +24,11 @@
 // Items go to threads as contiguous runs of equal token cost (one run per thread), not by count:
 // a ragged batch would otherwise leave one thread with all the long rows.
 //
-// With AVX-512 the inner loops are intrinsics specialised on G and D; anything else (another
-// CPU, an unusual head shape, a build with -DRADIXSERVE_NO_AVX512) runs the plain C++ loops below,
-// which compute the same thing.
+// With AVX-512 the inner loops are intrinsics specialised on G and D; with AVX2 + FMA and no
+// AVX-512, the same in 8-float vectors (paged_attention_avx2.h, about 3x the plain loops at batch
+// 1 x 800 tokens); anything else (another CPU, an unusual head shape, a build with
+// -DRADIXSERVE_NO_AVX512 / -DRADIXSERVE_NO_AVX2) runs the plain C++ loops below, which compute
+// the same thing.
 //
 // A bfloat16 pool on a CPU with AVX512-BF16 is read with bfloat16 dot products (vdpbf16ps, 32
 // products per instruction). The scores take K as stored against q rounded to bfloat16 (exact for a
@@ -60,14 +62,21 @@
 #if defined(__AVX512BF16__) && !defined(RADIXSERVE_NO_BF16_DOT)
 #define RADIXSERVE_BF16_DOT 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(RADIXSERVE_NO_AVX2)
+#include <immintrin.h>
+#define RADIXSERVE_AVX2 1
 #endif
 
 namespace {
 
 constexpr int64_t kBlock = 16;        // tokens per online-softmax step (one AVX-512 vector of scores)
 constexpr int64_t kPrefetchBlocks = 2;  // rows are prefetched this many blocks ahead (AheadRows)
+// A row is cut into pieces by its length alone, never by what else is in the batch: a row's result
+// then does not depend on its batch (the rounding of a split row's merge differs from an unsplit
+// row's), so decoding a token alone or among others, or verifying it in a speculative step, gives
+// the same bits. kMaxPieces pieces keep batch 1 busy on a few threads.
 constexpr int64_t kMinSplit = 128;    // never split a row into pieces shorter than this
-constexpr int64_t kItemsPerThread = 8;  // split long rows until there are about this many items per thread
+constexpr int64_t kMaxPieces = 4;
 constexpr int64_t kItemOverhead = 16;  // fixed cost of an item, in token equivalents, for the balance
 // Below this many tokens per thread a problem runs on fewer threads. In a decode step the KV comes
 // from memory (the weights streamed through the cache since the last step), ~4-5 GB/s per thread:
@@ -174,6 +183,19 @@ struct AheadRows {
 // ------------------------------------------------------------------------------------------------
 // Portable path: plain loops (the compiler vectorises what it can). Any G, any D.
 // ------------------------------------------------------------------------------------------------
+// q . k summed in 8 lanes (element d into lane d % 8), then the lanes in a fixed order: the lanes
+// are independent sums the compiler can keep in one vector register, where one running sum would
+// have to be added element by element (no reassociation: this file is built without -ffast-math).
+template <typename kv_t>
+inline float dot_lanes(const float* q, const kv_t* k, int64_t D) {
+  float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8)
+    for (int i = 0; i < 8; ++i) lane[i] += q[d + i] * to_float(k[d + i]);
+  for (; d < D; ++d) lane[0] += q[d] * to_float(k[d]);
+  return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+}
+
 template <typename kv_t>
 bool attend_item_generic(const Problem& p, const Item& it) {
   const int64_t H = p.H, KVH = p.KVH, G = p.G, D = p.D;
@@ -195,11 +217,7 @@ bool attend_item_generic(const Problem& p, const Item& it) {
       for (int64_t j = 0; j < kBlock; ++j) ahead.k_of(j, h);
       for (int64_t j = 0; j < n; ++j) {
         const kv_t* kp = K + rows[j] + h * D;
-        for (int64_t g = 0; g < G; ++g) {
-          float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qh[g * D + d] * to_float(kp[d]);
-          s[g * kBlock + j] = dot;
-        }
+        for (int64_t g = 0; g < G; ++g) s[g * kBlock + j] = dot_lanes(qh + g * D, kp, D);
       }
       for (int64_t g = 0; g < G; ++g) {
         float* sg = &s[g * kBlock];
@@ -512,10 +530,22 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
 }
 #endif  // RADIXSERVE_AVX512
 
+#ifdef RADIXSERVE_AVX2
+#include "paged_attention_avx2.h"
+#endif
+
 using ItemFn = bool (*)(const Problem&, const Item&);
 
 template <typename kv_t>
 ItemFn pick_kernel(int64_t G, int64_t D) {
+#ifdef RADIXSERVE_AVX2
+#define RADIXSERVE_CASE(g, nc) \
+  if (G == g && D == nc * 8) return &attend_item_avx2<kv_t, g, nc>;
+  RADIXSERVE_CASE(1, 8) RADIXSERVE_CASE(2, 8) RADIXSERVE_CASE(3, 8) RADIXSERVE_CASE(4, 8)
+  RADIXSERVE_CASE(6, 8) RADIXSERVE_CASE(8, 8)
+  RADIXSERVE_CASE(1, 16) RADIXSERVE_CASE(2, 16) RADIXSERVE_CASE(3, 16) RADIXSERVE_CASE(4, 16)
+#undef RADIXSERVE_CASE
+#endif
 #ifdef RADIXSERVE_AVX512
 #define RADIXSERVE_CASE(g, nc) \
   if (G == g && D == nc * 16) return &attend_item_avx512<kv_t, g, nc>;
@@ -528,25 +558,32 @@ ItemFn pick_kernel(int64_t G, int64_t D) {
 }
 
 // Cut the work into items and the items into one contiguous run per thread of about equal cost.
-// Returns the number of threads to use (cuts has that many runs).
-int64_t plan(const int64_t* lens, int64_t B, int64_t threads, std::vector<Item>& items, std::vector<int64_t>& cuts,
-             int64_t& num_parts) {
+// Returns the number of threads to use (cuts has that many runs). Consecutive rows of one request
+// (a speculative verify step's positions, each attended as a decode row) are emitted piece by
+// piece: the rows' items over the same tokens run one after another, mostly on one thread, so the
+// K/V they share is read from memory once and from cache after that.
+int64_t plan(const int64_t* lens, const int64_t* rpi, int64_t B, int64_t threads, std::vector<Item>& items,
+             std::vector<int64_t>& cuts, int64_t& num_parts) {
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) total += lens[b];
   threads = std::max<int64_t>(1, std::min(threads, total / kMinTokensPerThread));
-  const int64_t want_items = threads * kItemsPerThread;
-  int64_t split = (total + want_items - 1) / want_items;
-  split = std::max(kMinSplit, (split + kBlock - 1) / kBlock * kBlock);
   num_parts = 0;
   items.clear();
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t len = lens[b];
-    const int64_t pieces = std::max<int64_t>(1, (len + split - 1) / split);
-    // equal pieces, each a multiple of kBlock, so no piece is a short tail
-    const int64_t step = ((len + pieces - 1) / pieces + kBlock - 1) / kBlock * kBlock;
-    for (int64_t s = 0; s < pieces; ++s) {
-      const int64_t begin = std::min(len, s * step), end = std::min(len, (s + 1) * step);
-      items.push_back({b, begin, end, pieces > 1 ? num_parts++ : -1});
+  auto pieces_of = [](int64_t len) { return std::clamp<int64_t>(len / kMinSplit, 1, kMaxPieces); };
+  for (int64_t first = 0, last; first < B; first = last) {
+    last = first + 1;
+    while (last < B && rpi[last] == rpi[first]) ++last;
+    int64_t most = 0;
+    for (int64_t b = first; b < last; ++b) most = std::max(most, pieces_of(lens[b]));
+    for (int64_t s = 0; s < most; ++s) {
+      for (int64_t b = first; b < last; ++b) {
+        const int64_t len = lens[b], pieces = pieces_of(len);
+        if (s >= pieces) continue;
+        // equal pieces, each a multiple of kBlock, so no piece is a short tail
+        const int64_t step = ((len + pieces - 1) / pieces + kBlock - 1) / kBlock * kBlock;
+        const int64_t begin = std::min(len, s * step), end = std::min(len, (s + 1) * step);
+        items.push_back({b, begin, end, pieces > 1 ? num_parts++ : -1});
+      }
     }
   }
   cuts.assign(threads + 1, static_cast<int64_t>(items.size()));
@@ -616,7 +653,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch
   std::vector<Item> items;
   std::vector<int64_t> cuts;
   int64_t P = 0;
-  const int64_t threads = plan(lens_p, B, max_threads, items, cuts, P);
+  const int64_t threads = plan(lens_p, rpi_p, B, max_threads, items, cuts, P);
   const int64_t G = H / KVH;
   auto part_acc = at::empty({std::max<int64_t>(P, 1), H, D}, qf.options());
   auto part_ml = at::empty({2, std::max<int64_t>(P, 1), H}, qf.options());
@@ -637,26 +674,26 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch
   TORCH_CHECK(ok.load(), "req_to_token holds a slot outside the KV pool");
 
   if (P > 0) {
-    // merge the partials of split rows: the items of one row are consecutive, in token order
-    std::vector<std::pair<int64_t, int64_t>> runs;  // [first, last] item of each split row
+    // merge the partials of split rows: each row's items, in token order
+    std::vector<std::vector<int64_t>> runs;  // the items of each split row
+    std::vector<int64_t> run_of(B, -1);
     for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
       if (items[i].part < 0) continue;
-      if (!runs.empty() && items[runs.back().first].row == items[i].row)
-        runs.back().second = i;
-      else
-        runs.push_back({i, i});
+      int64_t& r = run_of[items[i].row];
+      if (r < 0) r = static_cast<int64_t>(runs.size()), runs.emplace_back();
+      runs[r].push_back(i);
     }
     at::parallel_for(0, static_cast<int64_t>(runs.size()), 8, [&](int64_t r_begin, int64_t r_end) {
       for (int64_t ri = r_begin; ri < r_end; ++ri) {
-        const auto [first, last] = runs[ri];
-        float* o = p.out + items[first].row * H * D;
+        const std::vector<int64_t>& run = runs[ri];
+        float* o = p.out + items[run.front()].row * H * D;
         for (int64_t r = 0; r < H; ++r) {
           float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t i = first; i <= last; ++i)
+          for (int64_t i : run)
             if (items[i].end > items[i].begin) mx = std::max(mx, p.part_m[items[i].part * H + r]);
           float denom = 0.f;
           float* og = o + r * D;
-          for (int64_t i = first; i <= last; ++i) {
+          for (int64_t i : run) {
             if (items[i].end <= items[i].begin) continue;  // an empty piece left no partial
             const int64_t part = items[i].part;
             const float w = std::exp(p.part_m[part * H + r] - mx);
@@ -691,7 +728,7 @@ double read_kv_rows(torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor req_
   std::vector<Item> items;
   std::vector<int64_t> cuts;
   int64_t parts = 0;
-  const int64_t threads = plan(lens_p, B, std::max<int64_t>(1, at::get_num_threads()), items, cuts, parts);
+  const int64_t threads = plan(lens_p, rpi_p, B, std::max<int64_t>(1, at::get_num_threads()), items, cuts, parts);
   std::vector<uint64_t> sums(threads, 0);
   std::atomic<bool> ok{true};
   constexpr int64_t kAhead = kPrefetchBlocks * kBlock;
