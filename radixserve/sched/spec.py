@@ -30,7 +30,8 @@ Adaptive: drafting pays only while the tokens it is expected to add are worth wh
 costs, and on a CPU a step's cost grows with its tokens (unevenly: kernels work in blocks of
 rows). ``StepCosts`` keeps the measured time of decode steps by their token count; each request
 keeps ``alpha``, its measured chance that a draft token is accepted (the ``i``-th draft token is
-kept with probability ``alpha ** i``). Each step ``Speculation.draft`` takes the request's
+kept with probability ``alpha ** i``), by the length of the match the draft came from, starting
+from what all requests measured for that length. Each step ``Speculation.draft`` takes the request's
 candidates, orders every draft token by its expected value, and keeps the prefix of that order that
 maximizes expected tokens per second of step (``plan``): a random chat whose drafts keep failing
 drafts nothing, a text being quoted drafts long, a full batch drafts only its surest tokens.
@@ -49,11 +50,20 @@ from radixserve.sched.schedule_batch import DRAFT_BY_RUNNER, ScheduleBatch
 
 _CANDIDATES = 8  # earlier occurrences of the match key looked at per draft, the latest first
 _EMA = 0.3  # weight of the latest measurement in a request's acceptance and in a step cost
-_ALPHA_PRIOR = 0.6  # a request's draft acceptance before it has verified any
 _RECOVER = 0.02  # how fast an idle request's acceptance returns to the prior, per step
 _EXTRAPOLATE = 0.15  # an unmeasured larger step: this much of the largest measured one's per-token cost
 _MIN_GAIN = 0.02  # drafts must promise at least this much more tokens per second than none
 _STALE = 64  # steps after which a step cost is measured again rather than trusted
+_SHARED_EMA = 0.05  # weight of one verify in the acceptance all requests share, per match class
+# A draft's match class: how long the suffix it was found by (a one-token match is a guess, a
+# twelve-token one mostly a quotation). Measured on the grounded workload: matches of 1-2 tokens
+# kept 6-23% of their drafts, 3-5 tokens 55-100%, 6 or more ~70%.
+_MATCH_CLASSES = (3, 6)  # the shortest match of the medium and of the long class
+_CLASS_PRIORS = (0.2, 0.6, 0.7)  # the acceptance of each class before any request has verified
+
+
+def match_class(length: int) -> int:
+    return sum(length >= b for b in _MATCH_CLASSES)
 
 
 @dataclass
@@ -75,16 +85,25 @@ def spec_counts(spec: Speculation | None) -> dict[str, int]:
 
 class NgramDrafts:
     """A request's tokens (prompt + output, mirrored as they grow), an index from each
-    ``min_n``-gram to the positions that followed it, and its measured acceptance."""
+    ``min_n``-gram to the positions that followed it, and its measured acceptance by match class
+    (``alpha``: the chance that a draft token of its latest proposal is accepted, given the ones
+    before it were). ``shared``: the acceptance by class over all requests, which a request starts
+    from, adds its verifies to, and drifts back to while idle."""
 
-    __slots__ = ("tokens", "index", "indexed", "min_n", "max_n", "alpha")
+    __slots__ = ("tokens", "index", "indexed", "min_n", "max_n", "alphas", "shared", "cls")
 
-    def __init__(self, req: Req, min_n: int, max_n: int) -> None:
+    def __init__(self, req: Req, min_n: int, max_n: int, shared: list[float] | None = None) -> None:
         self.tokens: list[int] = list(req.origin_input_ids)
         self.index: dict[tuple[int, ...], list[int]] = {}
         self.indexed = 0  # n-grams ending before this position are in the index
         self.min_n, self.max_n = min_n, max_n
-        self.alpha = _ALPHA_PRIOR  # chance that a draft token is accepted, given the ones before were
+        self.shared = shared if shared is not None else list(_CLASS_PRIORS)
+        self.alphas = list(self.shared)
+        self.cls = len(_MATCH_CLASSES)  # the latest proposal's class (a draft model's drafts: the last)
+
+    @property
+    def alpha(self) -> float:
+        return self.alphas[self.cls]
 
     def sync(self, req: Req) -> None:
         """Mirror the request's new output tokens and index the n-grams that now have a follower."""
@@ -120,18 +139,22 @@ class NgramDrafts:
                 best, best_len = p, m
                 if m == self.max_n:
                     break
+        self.cls = match_class(best_len)
         return tokens[best : best + k] if best >= 0 else []
 
     def update(self, drafted: int, accepted: int) -> None:
         """After a verify step: ``accepted`` of ``drafted`` tokens kept (each kept draft a success,
         the first rejected one a failure)."""
         trials = accepted + (accepted < drafted)
-        self.alpha = (1 - _EMA) * self.alpha + _EMA * (accepted / trials)
+        rate, c = accepted / trials, self.cls
+        self.alphas[c] = (1 - _EMA) * self.alphas[c] + _EMA * rate
+        self.shared[c] = (1 - _SHARED_EMA) * self.shared[c] + _SHARED_EMA * rate
 
     def idle(self) -> None:
-        """A step without drafts: the estimate drifts back towards the prior, so a request whose
-        early drafts failed is tried again later (its text may have turned repetitive)."""
-        self.alpha += _RECOVER * (_ALPHA_PRIOR - self.alpha)
+        """A step without drafts: the estimates drift back towards the shared ones, so a request
+        whose early drafts failed is tried again later (its text may have turned repetitive)."""
+        for c, a in enumerate(self.alphas):
+            self.alphas[c] = a + _RECOVER * (self.shared[c] - a)
 
 
 class StepCosts:
@@ -212,6 +235,7 @@ class Speculation:
         self.max_batch_size = max_batch_size
         self.stats = SpecStats()
         self.costs = StepCosts()
+        self.match_alpha = list(_CLASS_PRIORS)  # shared by every request, by match class
 
     def active(self, batch_size: int) -> bool:
         """Whether a step of ``batch_size`` requests drafts at all."""
@@ -260,7 +284,7 @@ class Speculation:
             return []
         st = req.spec
         if st is None:
-            st = req.spec = NgramDrafts(req, self.min_n, self.max_n)
+            st = req.spec = NgramDrafts(req, self.min_n, self.max_n, self.match_alpha)
         k = min(self.max_k, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
         if k <= 0:
             return []

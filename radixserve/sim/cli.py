@@ -14,7 +14,7 @@ from radixserve.config import ServerArgs
 from radixserve.results import write_result
 from radixserve.router.policy import PolicyConfig
 from radixserve.sched.core import calm_garbage_collector
-from radixserve.sim.cost_model import H100Llama2CostModel, make_cost_model
+from radixserve.sim.cost_model import DraftModelSim, H100Llama2CostModel, make_cost_model
 from radixserve.sim.fleet import run_fleet
 from radixserve.sim.fleet_config import FleetConfig
 from radixserve.sim.fleet_report import fleet_item, fleet_table, fleet_text, summarize_fleet
@@ -79,9 +79,12 @@ def profiled(path: str | None) -> Iterator[None]:
 
 
 def main(ns: argparse.Namespace) -> int:
+    if not 0.0 <= ns.draft_acceptance <= 1.0 or ns.draft_cost < 0:
+        raise SystemExit("--draft-acceptance must be in [0, 1] and --draft-cost at least 0")
     cost = make_cost_model(ns.cost_model, num_kv_heads=ns.kv_heads, step_overhead_ms=ns.step_overhead_ms,
                            ms_per_step=ns.ms_per_step, ms_per_token=ns.ms_per_token,
-                           ms_per_context_token=ns.ms_per_context_token)
+                           ms_per_context_token=ns.ms_per_context_token,
+                           draft=DraftModelSim(ns.draft_acceptance, ns.draft_cost))
     base = server_args(ns, cost)
     t0 = time.perf_counter()
     specs = read_trace(ns.trace, ns.context_length) if ns.trace else generate(workload_config(ns))

@@ -38,8 +38,20 @@ def shared_table_path() -> Path:
     return Path(__file__).resolve().parents[2].parent / SHARED_TABLE_REL
 
 
+@dataclass(frozen=True)
+class DraftModelSim:
+    """The simulated draft model of ``--speculative-algorithm draft``: each draft token is the
+    request's own next token with probability ``acceptance`` (independently, so a request keeps
+    ``i`` drafts with probability ``acceptance ** i``), and each of a step's ``k`` draft forwards
+    costs ``cost`` times the target's decode step over the same batch."""
+
+    acceptance: float = 0.7
+    cost: float = 0.05
+
+
 class CostModel(Protocol):
     name: str
+    draft: DraftModelSim | None  # the simulated draft model, where one is simulated
 
     def step_time(self, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> float:
         """Seconds for one forward over requests with these cached prefixes and new tokens."""
@@ -119,6 +131,7 @@ class H100Llama2CostModel:
     step_overhead_s: float = 0.5e-3  # launches, sampling, scheduler<->GPU sync per step
     monotone: bool = True  # use the table's running maximum: more tokens never make a step cheaper
     name: str = "h100-llama2-7b"
+    draft: DraftModelSim | None = None
 
     def __post_init__(self) -> None:
         self._xs = self.table.num_tokens
@@ -166,6 +179,7 @@ class LinearCostModel:
     ms_per_token: float = 0.1
     ms_per_context_token: float = 0.0
     name: str = "linear"
+    draft: DraftModelSim | None = None
 
     def step_time(self, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> float:
         tokens = sum(extend_lens)
@@ -184,15 +198,16 @@ def make_cost_model(
     ms_per_step: float = 10.0,
     ms_per_token: float = 0.1,
     ms_per_context_token: float = 0.0,
+    draft: DraftModelSim | None = None,
 ) -> CostModel:
     """``h100-llama2-7b``: the bundled table; ``h100-llama2-7b-shared``: read ../shared's full CSV;
-    ``linear``: the two/three-parameter model."""
+    ``linear``: the two/three-parameter model. ``draft``: a simulated draft model as well."""
     if name == "linear":
-        return LinearCostModel(ms_per_step, ms_per_token, ms_per_context_token)
+        return LinearCostModel(ms_per_step, ms_per_token, ms_per_context_token, draft=draft)
     if name == "h100-llama2-7b":
         table = OpTable.load_bundled()
     elif name == "h100-llama2-7b-shared":
         table = OpTable.load_vidur()
     else:
         raise ValueError(f"unknown cost model {name!r}; choose from {', '.join(COST_MODELS)}")
-    return H100Llama2CostModel(table, num_kv_heads=num_kv_heads, step_overhead_s=step_overhead_ms / 1e3)
+    return H100Llama2CostModel(table, num_kv_heads=num_kv_heads, step_overhead_s=step_overhead_ms / 1e3, draft=draft)

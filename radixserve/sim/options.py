@@ -22,6 +22,7 @@ examples:
   radixserve simulate --priority-classes 0:0.8,10:0.2 --enable-priority-scheduling --plot sim.png
   radixserve simulate --tenants a:10,b:1 --ttft-slo-ms 500 --output results.json
   radixserve simulate --trace trace.jsonl --cost-model linear --ms-per-step 8 --ms-per-token 0.05
+  radixserve simulate --request-rate 2 --compare fcfs,fcfs:speculative_algorithm=draft --draft-acceptance 0.8
   radixserve simulate --workload multi-turn --num-turns 3 --prefix-len 200 --num-workers 64 --request-rate 64 \
       --num-requests 1536 --router-policy cache_aware,round_robin,power_of_two,cache_aware:balance_affinity=1
   radixserve simulate --workload multi-turn --num-turns 3 --num-workers 1 --dp-size 8 --concurrency 16 \
@@ -101,6 +102,12 @@ def _cost_model_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--ms-per-step", type=float, default=10.0, help="linear model: fixed ms per step.")
     c.add_argument("--ms-per-token", type=float, default=0.1, help="linear model: ms per new (computed) token.")
     c.add_argument("--ms-per-context-token", type=float, default=0.0, help="linear model: ms per context token read.")
+    c.add_argument("--draft-acceptance", type=float, default=0.7,
+                   help="--speculative-algorithm draft: the simulated draft model's chance that a draft token is the "
+                        "request's own next token (a request keeps i drafts with probability this ** i).")
+    c.add_argument("--draft-cost", type=float, default=0.05,
+                   help="--speculative-algorithm draft: one draft forward's time as a fraction of the target's decode "
+                        "step over the same batch (a step drafting k tokens adds k of them).")
 
 
 def _fleet_args(p: argparse.ArgumentParser) -> None:

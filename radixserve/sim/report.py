@@ -101,6 +101,11 @@ def summary_text(r: dict[str, Any]) -> str:
         v = r["victims"]
         lines.append(f"preempted + retracted: {v['per_request']:.4f}/req, max {v['max_per_request']} per request, "
                      f"{v['requests_hit']} requests hit")
+    st = r.get("stats", {})
+    if st.get("spec_verify_rows"):
+        rows, drafted, kept = st["spec_verify_rows"], st["spec_draft_tokens"], st["spec_accepted_tokens"]
+        lines.append(f"speculation: {st['spec_verify_steps']} verify steps, {drafted} draft tokens, {kept} accepted "
+                     f"({kept / max(drafted, 1):.3f}), {(rows + kept) / rows:.2f} tokens per request and verify step")
     if "ttft_slo_attainment" in r:
         lines.append(f"TTFT SLO attainment {r['ttft_slo_attainment']:.3f} (of completed requests)")
     if "tpot_slo_attainment" in r:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,7 @@ from radixserve.sched.io import BatchOut
 from radixserve.sched.req import Req
 from radixserve.sched.request_checks import check_request
 from radixserve.sched.sampling_params import SamplingParams
+from radixserve.sched.spec import spec_counts
 from radixserve.sim.cost_model import CostModel
 from radixserve.sim.workload import EOS_TOKEN_ID, RequestSpec, stream_token
 
@@ -85,6 +88,10 @@ class SimRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         t0, c0 = time.perf_counter(), time.process_time()
         dt = self.cost.step_time(batch.extend_prefix_lens, batch.extend_seq_lens)
+        drafts = None
+        if batch.verify is not None and batch.verify.by_runner:
+            drafts, draft_s = self._draft(batch)
+            dt += draft_s
         self.clock.now += dt
         self.busy += dt
         out = []
@@ -94,9 +101,28 @@ class SimRunner:
         if batch.verify is not None:  # a draft is right where it is the request's own next token
             result.verified = [[self._token(batch.rids[row], batch.sampling.steps[row] + j) for j in range(len(d) + 1)]
                                for row, d in zip(batch.verify.rows, batch.verify.drafts, strict=True)]
+            result.drafts = drafts
         self.wall += time.perf_counter() - t0
         self.cpu += time.process_time() - c0
         return result
+
+    def _draft(self, batch: ForwardBatch) -> tuple[list[list[int]], float]:
+        """The simulated draft model's tokens for the verify rows (each the request's own next
+        token with probability ``acceptance``, else another) and the seconds its forwards take."""
+        model = self.cost.draft
+        assert batch.verify is not None and model is not None
+        drafts = []
+        for row, d in zip(batch.verify.rows, batch.verify.drafts, strict=True):
+            rid, k = batch.rids[row], batch.sampling.steps[row]
+            made = []
+            for j in range(len(d)):
+                true = self._token(rid, k + j)
+                hit = random.Random(zlib.crc32(f"{rid}:{k + j}".encode())).random() < model.acceptance
+                made.append(true if hit else true + 1)
+            drafts.append(made)
+        steps = max(len(d) for d in batch.verify.drafts)
+        decode = self.cost.step_time(batch.extend_prefix_lens, [1] * len(batch.extend_seq_lens))
+        return drafts, steps * model.cost * decode
 
     def _token(self, rid: str, k: int) -> int:
         """Request ``rid``'s output token ``k``."""
@@ -110,9 +136,9 @@ def build_sim_scheduler(
 ) -> tuple[SchedulerCore, SimRunner, VirtualClock]:
     """The engine's pools, cache and scheduler (as ``engine.build_scheduler``) without a model."""
     clock = clock or VirtualClock()
-    if (args.speculative_algorithm or "").lower() in DRAFT_MODEL_ALGORITHMS:
-        raise ValueError("the simulator has no draft model: it runs --speculative-algorithm ngram (its drafts "
-                         "are checked against each request's synthetic tokens), not draft")
+    if (args.speculative_algorithm or "").lower() in DRAFT_MODEL_ALGORITHMS and cost.draft is None:
+        raise ValueError("--speculative-algorithm draft in the simulator needs a simulated draft model "
+                         "(the cost model's draft: --draft-acceptance and --draft-cost)")
     if args.max_total_tokens is None:
         raise ValueError("the simulator needs --max-total-tokens (KV pool size in tokens)")
     kv = build_kv(args, args.max_total_tokens, context_len,
@@ -335,6 +361,9 @@ def _close_trace(trace: SimTrace, sched: SchedulerCore, runner: SimRunner, clock
         "num_preemptions": st.num_preemptions, "num_aborted": st.num_aborted, "num_finished": st.num_finished,
         "cache_hit_rate": st.cache_hit_rate,
     }
+    spec = sched.parts.spec
+    if spec is not None:
+        trace.stats.update(spec_verify_steps=spec.stats.verify_steps, **spec_counts(spec))
     if len(trace.timeline) > max_timeline:  # keep the plot and the JSON small
         stride = math.ceil(len(trace.timeline) / max_timeline)
         trace.timeline = trace.timeline[::stride]

@@ -11,7 +11,8 @@ import pytest
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.sched.finish import FINISH_LENGTH, FINISH_STOP
-from radixserve.sched.spec import NgramDrafts, StepCosts, plan
+from radixserve.sched.spec import NgramDrafts, StepCosts, match_class, plan
+from radixserve.server.scheduler.dashboard_state import rank_snapshot
 from tests.fakes import VOCAB, EchoRunner, drain, make_scheduler
 from tests.sched.sched_helpers import finals, prompt, submit, tokens
 
@@ -173,6 +174,15 @@ def test_meta_counts_per_request() -> None:
     assert r.spec_accepted_tokens + sched.stats.decode_steps + 1 >= 30  # 1 from the prefill
     fin = finals(outs)["r0"]
     assert fin.spec == (r.spec_verify_ct, r.spec_accepted_tokens)
+    # the dashboard's figures are the scheduler's counters
+    shown = rank_snapshot(sched)["spec"]
+    st = sched.parts.spec.stats
+    assert shown["algorithm"] == "ngram" and shown["num_draft_tokens"] == 6
+    assert (shown["verify_steps"], shown["draft_tokens"], shown["accepted_tokens"]) == \
+        (st.verify_steps, st.draft_tokens, st.accepted_tokens)
+    assert shown["accept_rate"] == st.accepted_tokens / st.draft_tokens
+    assert len(shown["class_acceptance"]) == 3
+    assert rank_snapshot(run(CycleRunner, [cycle_prompt(3, 30)], 4, False)[0])["spec"] is None
 
 
 # --- the n-gram drafter alone ------------------------------------------------------------------
@@ -218,6 +228,28 @@ def test_acceptance_estimate() -> None:
     for _ in range(50):
         d.idle()
     assert low < d.alpha < a0
+
+
+def test_acceptance_is_kept_by_match_length_and_shared() -> None:
+    """A one-token match and a long one are different bets: their acceptance is learned apart, and
+    what one request learned is where the next one starts."""
+    shared = [0.6, 0.6, 0.6]
+    req = _Req([5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8])  # suffix 5 6 7 8 matched at the start: long
+    d = NgramDrafts(req, 1, 12, shared)  # type: ignore[arg-type]
+    d.sync(req)  # type: ignore[arg-type]
+    assert d.propose(3) == [9, 1, 2] and d.cls == match_class(4) == 1
+    for _ in range(20):
+        d.update(3, 3)
+    long_alpha = d.alpha
+    req.output_ids = [42, 2]  # suffix ... 42, 2: only "2" matches (one token)
+    d.sync(req)  # type: ignore[arg-type]
+    assert d.propose(3) == [3, 4, 5] and d.cls == 0
+    for _ in range(20):
+        d.update(3, 0)
+    assert d.alpha < 0.1 < 0.9 < long_alpha
+    assert shared[0] < 0.6 < shared[1]  # every request's starting point moved with them
+    other = NgramDrafts(_Req([1]), 1, 12, shared)  # type: ignore[arg-type]
+    assert other.alphas == shared and other.alphas is not shared
 
 
 def costs(table: dict[int, float]) -> StepCosts:

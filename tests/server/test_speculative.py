@@ -64,3 +64,30 @@ def test_stream_openai_and_concurrent_requests(spec_server: ServerProcess) -> No
         assert accepted and float(accepted[0].split()[-1]) > 0
         assert "radixserve:spec_accept_length" in metrics
         assert_memory_ok(wait_idle(c))
+
+
+def test_dashboard_shows_speculation(spec_server: ServerProcess) -> None:
+    """The state the dashboard polls carries the scheduler's speculation counters, and the page
+    renders them in a card of their own (in Chromium, where it is installed)."""
+    from tests.server.test_dashboard import _browser_or_skip, _open_dashboard
+
+    with spec_server.client() as c:
+        chat(c)
+        spec = c.get("/dashboard/state").json()["ranks"][0]["spec"]
+        metrics = c.get("/metrics").text
+    assert spec["algorithm"] == "ngram" and spec["verify_steps"] > 0 and 0 < spec["accept_rate"] <= 1
+    drafted = next(line for line in metrics.splitlines() if line.startswith("radixserve:spec_draft_tokens_total"))
+    assert float(drafted.split()[-1]) == spec["draft_tokens"]
+    sync_playwright, exe = _browser_or_skip()
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe, headless=True)
+        try:
+            page = _open_dashboard(browser, f"{spec_server.url}/dashboard", errors, height=1400)
+            assert page.inner_text('[data-k="spec-accept-rate"]').endswith("%")
+            drafted_shown, accepted_shown = page.inner_text('[data-k="spec-tokens"]').split(" / ")
+            assert int(drafted_shown.replace(",", "")) >= spec["draft_tokens"] > 0
+            assert page.inner_text('[data-k="spec-classes"]').count("%") == 3
+        finally:
+            browser.close()
+    assert errors == []

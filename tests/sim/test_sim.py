@@ -13,12 +13,14 @@ from radixserve.config import ServerArgs
 from radixserve.sched.core import SchedulerCore
 from radixserve.sim.cost_model import (
     BUNDLED_TABLE,
+    DraftModelSim,
     H100Llama2CostModel,
     LinearCostModel,
     OpTable,
     make_cost_model,
     shared_table_path,
 )
+from radixserve.sim.report import summary_text
 from radixserve.sim.simulator import args_for, run
 from radixserve.sim.summary import summarize
 from radixserve.sim.workload import (
@@ -240,13 +242,38 @@ def test_help_explains_every_option() -> None:
 def test_ngram_speculation_runs_the_real_scheduler_and_keeps_every_request() -> None:
     """With n-gram drafts on, the simulator's requests finish with the same tokens (a draft is checked
     against the request's synthetic stream) and the memory invariant holds (``run`` checks it). Its
-    random synthetic tokens rarely repeat, so little is drafted: acceptance is not modelled yet. A
-    draft model it has not: refused."""
+    random synthetic tokens rarely repeat, so little is drafted. The draft algorithm needs the cost
+    model's simulated draft model."""
     cfg = WorkloadConfig(num_requests=12, request_rate=20.0, input_len=64, output_len=24, context_len=CTX, seed=3)
     base = ServerArgs(max_total_tokens=20000, max_running_requests=4)
     plain = summarize(run(base, generate(cfg), make_cost_model(), CTX))
     spec = summarize(run(base.replace(speculative_algorithm="ngram"), generate(cfg), make_cost_model(), CTX))
     assert spec["completed"] == plain["completed"] == 12
     assert spec["stats"]["generated_tokens"] == plain["stats"]["generated_tokens"]
-    with pytest.raises(ValueError, match="no draft model"):
+    with pytest.raises(ValueError, match="simulated draft model"):
         run(base.replace(speculative_algorithm="draft"), generate(cfg), make_cost_model(), CTX)
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
+def test_simulated_draft_model_acceptance_and_cost(acceptance: float) -> None:
+    """A simulated draft model whose tokens are right with probability ``acceptance``: every request
+    still ends with its own tokens, the accepted share follows ``acceptance`` (all, about
+    ``sum a^i / sum 1`` of geometric runs, none), and the drafts' forwards are paid for: with
+    nothing accepted, speculation only costs time; with everything accepted, it saves most of it."""
+    cfg = WorkloadConfig(num_requests=8, request_rate=float("inf"), input_len=64, output_len=48, context_len=CTX, seed=4)
+    base = ServerArgs(max_total_tokens=20000, max_running_requests=2)
+    cost = make_cost_model(draft=DraftModelSim(acceptance, 0.05))
+    plain = summarize(run(base, generate(cfg), cost, CTX))
+    got = summarize(run(base.replace(speculative_algorithm="draft"), generate(cfg), cost, CTX))
+    assert got["completed"] == plain["completed"] == 8
+    assert got["stats"]["generated_tokens"] == plain["stats"]["generated_tokens"]
+    st = got["stats"]
+    assert st["spec_draft_tokens"] > 0
+    rate = st["spec_accepted_tokens"] / st["spec_draft_tokens"]
+    if acceptance == 1.0:
+        assert rate == 1.0 and got["tpot_ms"]["p50"] < 0.5 * plain["tpot_ms"]["p50"]
+    elif acceptance == 0.0:
+        assert rate == 0.0 and got["tpot_ms"]["p50"] > plain["tpot_ms"]["p50"]
+    else:
+        assert 0.2 < rate < 0.6
+    assert "speculation:" in summary_text(got)

@@ -104,7 +104,7 @@
     const dt = p ? time - p.time : 0;
     const recentHit = p && cache.prompt_tokens > p.cache.prompt_tokens
       ? (cache.cached_tokens - p.cache.cached_tokens) / (cache.prompt_tokens - p.cache.prompt_tokens) : null;
-    prev.set(id, { time, counters: c, cache });
+    prev.set(id, { time, counters: c, cache, spec: r.spec });
 
     const steps = r.steps;
     const modes = { EXTEND: 0, DECODE: 0, MIXED: 0 };
@@ -161,7 +161,27 @@
       fig("deadline rejected", int(c.deadline_rejected), "deadline-rejected") +
       fig("finished", int(c.finished), "finished") + fig("aborted", int(c.aborted), "aborted") + `</div>`);
 
-    return `<div class="grid">${running}${queue}${stepsCard}${kvCard}${cacheCard}${countersCard}</div>`;
+    return `<div class="grid">${running}${queue}${stepsCard}${kvCard}${cacheCard}${countersCard}${specCard(r.spec, p, dt)}</div>`;
+  }
+
+  // speculative decoding, where it is on: acceptance since start and since the last poll
+  function specCard(sp, p, dt) {
+    if (!sp) return "";
+    const before = p && p.spec;
+    const recent = before && sp.draft_tokens > before.draft_tokens
+      ? (sp.accepted_tokens - before.accepted_tokens) / (sp.draft_tokens - before.draft_tokens) : null;
+    const classes = sp.class_acceptance
+      ? fig("learned acceptance, match short / medium / long", sp.class_acceptance.map((a) => pct(a)).join(" / "),
+        "spec-classes", "chance a draft is kept, by the length of the n-gram match it came from") : "";
+    return card(`Speculative decoding (${esc(sp.algorithm)})`,
+      `<div class="figs">${fig("accept rate (since start)", pct(sp.accept_rate), "spec-accept-rate", "accepted / drafted tokens")}` +
+      fig("accept rate (last poll)", pct(recent), "spec-accept-recent") +
+      fig("tokens per verify", num(sp.accept_length, 2), "spec-accept-length", "accepted drafts + the target's own token, per request and verify step") +
+      fig("drafted tokens/s", num(rate(sp.draft_tokens, before && before.draft_tokens, dt), 1), "spec-draft-rate") +
+      fig("verify steps", int(sp.verify_steps), "spec-verify-steps") +
+      fig("drafted / accepted", `${int(sp.draft_tokens)} / ${int(sp.accepted_tokens)}`, "spec-tokens") +
+      fig("most drafts per request / drafting batch", `${int(sp.num_draft_tokens)} / ${int(sp.max_batch_size)}`, "spec-settings") +
+      classes + `</div>`);
   }
 
   // --- one server ----------------------------------------------------------------------------------

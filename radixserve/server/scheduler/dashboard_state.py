@@ -45,6 +45,22 @@ def _classes(reqs: list[Req], low_first: bool, held: bool) -> dict[str, list[lis
     return {"by_priority": prio, "by_tenant": tenants}
 
 
+def _speculation(sched: SchedulerCore) -> dict[str, Any] | None:
+    """Speculative decoding's counters since start, the settings the scheduler drafts under and,
+    for n-gram drafts, the acceptance it has learned by match class (short, medium, long); None
+    when speculation is off."""
+    spec = sched.parts.spec
+    if spec is None:
+        return None
+    s = spec.stats
+    return {"algorithm": sched.settings.args.speculative_algorithm, "num_draft_tokens": spec.max_k,
+            "max_batch_size": spec.max_batch_size, "verify_steps": s.verify_steps, "verify_rows": s.verify_rows,
+            "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+            "accept_rate": s.accepted_tokens / s.draft_tokens if s.draft_tokens else None,
+            "accept_length": (s.verify_rows + s.accepted_tokens) / s.verify_rows if s.verify_rows else None,
+            "class_acceptance": None if spec.by_runner else [round(a, 3) for a in spec.match_alpha]}
+
+
 def rank_snapshot(sched: SchedulerCore, dp_rank: int = 0) -> dict[str, Any]:
     """One rank's figures for the dashboard; runs in the scheduler process between steps.
     ``load`` is exactly what ``/get_load`` answers at the same moment."""
@@ -82,4 +98,5 @@ def rank_snapshot(sched: SchedulerCore, dp_rank: int = 0) -> dict[str, Any]:
                      "deadline_rejected": st.num_deadline_rejected},
         # oldest first: [mode, requests, prefill tokens, decode tokens, seconds]
         "steps": [list(s) for s in st.recent_steps],
+        "spec": _speculation(sched),
     }
