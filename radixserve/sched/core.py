@@ -111,11 +111,14 @@ class SchedulerCore:
     def can_build_ahead(self, running: InFlight) -> bool:
         """Whether the next step may be scheduled before ``running``'s results are processed.
         Only after a decode step (a prefill's results feed the prefix cache and the chunked
-        request), never with priority preemption (a victim could be a request in flight) nor with
-        speculative decoding (the next drafts come from the tokens this step accepts), and as
-        the builder allows (``PrefillFirst``: not when the next decode would have to retract)."""
+        request), never with priority preemption (a victim could be a request in flight), and as
+        the builder allows (``PrefillFirst``: not when the next decode would have to retract).
+        With speculative decoding only while the batch is too large to draft: drafts come from the
+        tokens the step in flight accepts, and a step with drafts gives back KV when it ends."""
+        spec = self.parts.spec
         return (running.batch.forward_mode is ForwardMode.DECODE and not self.settings.prio.enabled
-                and self.parts.spec is None and self.builder.may_build_ahead())
+                and (spec is None or (running.batch.drafts is None and not spec.active(len(running.batch.reqs))))
+                and self.builder.may_build_ahead())
 
     def step_overlapped(self) -> BatchOut:
         """One iteration of SGLang's overlap loop: schedule step N+1 while step N's forward runs,
@@ -129,7 +132,14 @@ class SchedulerCore:
             fwd.take()
             self._collect(prev)
             prev = None
-        batch = self.get_next_batch_to_run()
+        spec = self.parts.spec
+        if spec is not None:
+            spec.ahead = prev is not None  # a step built ahead drafts nothing (its tokens are not known yet)
+        try:
+            batch = self.get_next_batch_to_run()
+        finally:
+            if spec is not None:
+                spec.ahead = False
         self.cur_batch = batch
         if batch is not None:
             try:

@@ -236,10 +236,11 @@ class Speculation:
         self.stats = SpecStats()
         self.costs = StepCosts()
         self.match_alpha = list(_CLASS_PRIORS)  # shared by every request, by match class
+        self.ahead = False  # the overlap loop is building a step ahead of the one in flight: no drafts
 
     def active(self, batch_size: int) -> bool:
         """Whether a step of ``batch_size`` requests drafts at all."""
-        return 0 < batch_size <= self.max_batch_size
+        return not self.ahead and 0 < batch_size <= self.max_batch_size
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A decode step (with or without drafts) of ``tokens`` tokens took ``seconds``."""

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import pytest
 
+from radixserve.config.scheduling import SCHEDULE_POLICIES
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.mem.kv_pool import ReqToTokenPool
+from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_LENGTH, FINISH_STOP
+from radixserve.sched.req import Req
+from radixserve.sched.sampling_params import SamplingParams
 from radixserve.sched.spec import NgramDrafts, StepCosts, match_class, plan
 from radixserve.server.scheduler.dashboard_state import rank_snapshot
 from tests.fakes import VOCAB, EchoRunner, drain, make_scheduler
-from tests.sched.sched_helpers import finals, prompt, submit, tokens
+from tests.sched.sched_helpers import enter, finals, prompt, submit, tokens
 
 CYCLE = 23
 
@@ -67,6 +71,20 @@ def cycle_prompt(start: int, n: int) -> list[int]:
     return out
 
 
+def drain_loop(sched: SchedulerCore) -> list:
+    """``drain``, by the overlap loop where the options ask for it (``overlap_schedule="on"``)."""
+    if sched.settings.args.overlap_schedule != "on":
+        return drain(sched)
+    outs: list = []
+    for _ in range(10000):
+        outs.extend(sched.step_overlapped())
+        if not sched.has_work() and sched.forward.in_flight is None:
+            outs.extend(sched.step_overlapped())  # the idle step's self-check
+            sched.kv.check_invariant()
+            return outs
+    raise AssertionError("scheduler did not drain")
+
+
 def run(runner: type[EchoRunner], prompts: list[list[int]], max_new: int, spec: bool, **kw: object):
     args = dict(kw)
     pool = args.pop("pool_tokens", 512)
@@ -78,7 +96,7 @@ def run(runner: type[EchoRunner], prompts: list[list[int]], max_new: int, spec: 
     if isinstance(model, CheckingRunner):
         model.sched = sched  # type: ignore[assignment]
     reqs = [submit(sched, f"r{i}", p, max_new) for i, p in enumerate(prompts)]
-    outs = drain(sched)
+    outs = drain_loop(sched)
     return sched, model, reqs, outs
 
 
@@ -102,6 +120,44 @@ def test_greedy_outputs_equal_plain_decoding(kw: dict) -> None:
     assert reqs[0].spec_accepted_tokens >= 25
     # r2's random prompt says nothing of its outputs: its drafts start once its output went round the cycle
     assert reqs[2].spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("policy", SCHEDULE_POLICIES)
+def test_every_schedule_policy_keeps_outputs(policy: str) -> None:
+    """Prompts that share a prefix (what lpm and dfs-weight order by) and more requests than run at
+    once: each policy's order, with drafts, gives every request the tokens it gets without."""
+    base = cycle_prompt(3, 12)
+    prompts = [base + prompt(i, 6) for i in range(3)] + [cycle_prompt(i + 5, 20) for i in range(3)]
+    kw = {"schedule_policy": policy, "max_running_requests": 3}
+    _, _, _, plain = run(CycleRunner, prompts, 24, False, **kw)
+    sched, model, _, outs = run(CheckingRunner, prompts, 24, True, **kw)
+    assert tokens(outs) == tokens(plain)
+    assert model.spec_rows > 0
+
+
+def test_priority_preemption_with_drafts() -> None:
+    """A more important request arriving while the batch is full preempts a drafting one; every
+    request still ends with its plain tokens and the memory invariant holds (``drain`` checks it)."""
+    outputs = []
+    for spec in (False, True):
+        kw: dict = {"enable_priority_scheduling": True, "max_running_requests": 2}
+        if spec:
+            kw.update(speculative_algorithm="ngram", speculative_num_draft_tokens=6)
+        sched, model, _ = make_scheduler(pool_tokens=512, runner=CheckingRunner if spec else CycleRunner, **kw)
+        cheap_drafts(sched)
+        model.sched = sched  # type: ignore[attr-defined]
+        reqs = [Req(f"low{i}", cycle_prompt(i + 2, 20), SamplingParams(max_new_tokens=30), priority=0) for i in range(2)]
+        for r in reqs:
+            enter(sched, r)
+        for _ in range(4):
+            sched.step()
+        reqs.append(Req("high", cycle_prompt(9, 20), SamplingParams(max_new_tokens=10), priority=100))
+        enter(sched, reqs[-1])
+        drain(sched)
+        outputs.append([r.output_ids for r in reqs])
+        if spec:
+            assert sched.stats.num_preemptions > 0 and sched.parts.spec.stats.verify_steps > 0
+    assert outputs[1] == outputs[0] and [len(o) for o in outputs[0]] == [30, 30, 10]
 
 
 def test_echo_runner_drafts_are_rejected_and_outputs_still_equal() -> None:
@@ -147,6 +203,40 @@ def test_under_kv_pressure_outputs_equal(scheduler: str) -> None:
     _, _, _, plain = run(CycleRunner, prompts, 40, False, pool_tokens=160, **kw)
     sched, _, _, outs = run(CheckingRunner, prompts, 40, True, pool_tokens=160, **kw)
     assert tokens(outs) == tokens(plain)
+
+
+def test_overlap_builds_ahead_while_the_batch_is_too_large_to_draft() -> None:
+    """Under the overlap loop a batch larger than --speculative-max-batch-size is scheduled a step
+    ahead as without speculation; once requests finish and it is small enough to draft, each step
+    runs in the normal order. Outputs equal plain decoding's throughout."""
+    prompts = [cycle_prompt(i + 2, 30) for i in range(6)]
+    lengths = [8, 10, 12, 40, 40, 40]
+    kw = {"overlap_schedule": "on", "speculative_max_batch_size": 3}
+
+    def go(spec: bool) -> tuple[SchedulerCore, list[list[int]], list[tuple[int, bool, bool]]]:
+        args = dict(kw, speculative_algorithm="ngram", speculative_num_draft_tokens=6) if spec else dict(kw)
+        sched, model, _ = make_scheduler(pool_tokens=1024, runner=CycleRunner, **args)
+        cheap_drafts(sched)
+        model.sched = sched  # type: ignore[attr-defined]
+        seen: list[tuple[int, bool, bool]] = []
+        decide = sched.can_build_ahead
+
+        def record(running):  # type: ignore[no-untyped-def]
+            ok = decide(running)
+            seen.append((len(running.batch.reqs), running.batch.drafts is not None, ok))
+            return ok
+
+        sched.can_build_ahead = record  # type: ignore[method-assign]
+        reqs = [submit(sched, f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+        drain_loop(sched)
+        return sched, [r.output_ids for r in reqs], seen
+
+    _, plain, _ = go(False)
+    sched, got, seen = go(True)
+    assert got == plain
+    assert any(ok for n, _, ok in seen if n > 3), seen  # built ahead while large
+    assert not any(ok for _, drafted, ok in seen if drafted)  # never after a step with drafts
+    assert sched.parts.spec.stats.verify_steps > 0
 
 
 def test_requests_that_drafts_could_change_do_not_draft() -> None:

@@ -5,13 +5,15 @@ counts drafts, and no KV is leaked."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from importlib.resources import files
 
+import httpx
 import pytest
 
-from tests.server.helpers import ServerProcess, assert_memory_ok, started, wait_idle
+from tests.server.helpers import ServerProcess, assert_memory_ok, free_port, started, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -91,3 +93,36 @@ def test_dashboard_shows_speculation(spec_server: ServerProcess) -> None:
         finally:
             browser.close()
     assert errors == []
+
+
+def test_pd_decode_worker_with_data_parallel_ranks_drafts(spec_server: ServerProcess) -> None:
+    """A prefill worker hands the prompt's KV to a decode worker of two data-parallel ranks that
+    speculates: the rank asked for drafts, and the answer is plain decoding's, token for token."""
+    bport = free_port()
+    prefill = ServerProcess("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bport),
+                            "--dtype", "float32")
+    decode = ServerProcess("--disaggregation-mode", "decode", "--dp-size", "2", "--speculative-algorithm", "ngram",
+                           "--dtype", "float32")
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        with spec_server.client() as c:
+            assert c.post("/flush_cache").status_code == 200
+            want = chat(c, return_logprob=True)["output_ids"]  # logprobs: decoded without drafts
+        body = {"text": f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n",
+                "sampling_params": {"temperature": 0, "max_new_tokens": 64}, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bport, "bootstrap_room": random.getrandbits(63), "data_parallel_rank_decode": 1}
+        with ThreadPoolExecutor(2) as pool:
+            fp = pool.submit(httpx.post, prefill.url + "/generate", json=body, timeout=120)
+            fd = pool.submit(httpx.post, decode.url + "/generate", json=body, timeout=120)
+            assert fp.result().status_code == 200, fp.result().text
+            got = fd.result()
+        assert got.status_code == 200, got.text
+        out = got.json()
+        assert out["meta_info"]["dp_rank"] == 1 and out["meta_info"]["spec_verify_ct"] > 0
+        assert out["output_ids"] == want
+        with httpx.Client(base_url=decode.url, timeout=30) as dc:
+            assert_memory_ok(wait_idle(dc))
+    finally:
+        prefill.kill()
+        decode.kill()
