@@ -24,9 +24,10 @@ from radixserve.sim.options import (
     GPU_MEM_FRACTION,
     LINEAR_DEFAULT_POOL,
     WEIGHT_BYTES,
+    args_for,
 )
 from radixserve.sim.report import compare_table, plot, summary_text
-from radixserve.sim.simulator import SimTrace, args_for, run
+from radixserve.sim.simulator import SimTrace, run
 from radixserve.sim.summary import summarize
 from radixserve.sim.workload import RequestSpec, WorkloadConfig, generate, read_trace, write_trace
 

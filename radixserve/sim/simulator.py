@@ -9,7 +9,6 @@ its pre-sampled output length, then EOS. Everything above ``forward`` is the eng
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import time
@@ -367,44 +366,3 @@ def _close_trace(trace: SimTrace, sched: SchedulerCore, runner: SimRunner, clock
     if len(trace.timeline) > max_timeline:  # keep the plot and the JSON small
         stride = math.ceil(len(trace.timeline) / max_timeline)
         trace.timeline = trace.timeline[::stride]
-
-
-def args_for(base: ServerArgs, spec: str) -> tuple[str, ServerArgs]:
-    """One ``--compare`` item: ``NAME[:field=value:...]``. NAME is a schedule policy (``lpm``), a
-    scheduler (``unified``), ``priority`` (sglang + --enable-priority-scheduling) or
-    ``unified-priority``; the rest are ServerArgs overrides (``lpm:lpm_fallback_threshold=0``)."""
-    from radixserve.config import SCHEDULE_POLICIES
-
-    name, *overrides = spec.split(":")
-    changes: dict[str, Any] = {}
-    if name in ("unified", "unified-priority"):
-        changes.update(scheduler="unified", schedule_policy="fcfs", enable_priority_scheduling=False,
-                       scheduling_policy="priority" if name == "unified-priority" else "fcfs")
-    elif name == "priority":
-        changes.update(scheduler="sglang", scheduling_policy="fcfs", enable_priority_scheduling=True)
-    elif name in SCHEDULE_POLICIES:
-        changes.update(scheduler="sglang", scheduling_policy="fcfs", schedule_policy=name)
-    elif name:
-        raise ValueError(f"--compare: unknown item {name!r}; use a policy ({', '.join(SCHEDULE_POLICIES)}), "
-                         "unified, unified-priority or priority, optionally with :field=value overrides")
-    types = {f.name: f for f in dataclasses.fields(ServerArgs)}
-    for ov in overrides:
-        k, sep, v = ov.partition("=")
-        k = k.strip().replace("-", "_")
-        if not sep or k not in types:
-            raise ValueError(f"--compare: bad override {ov!r} (want field=value with a ServerArgs field)")
-        cur = getattr(base, k)
-        val: Any
-        if isinstance(cur, bool) or k.startswith(("enable_", "disable_")):
-            val = v.lower() in ("1", "true", "yes", "on")
-        elif v.lower() == "none":
-            val = None
-        elif isinstance(cur, int) or k in ("max_running_requests", "max_total_tokens", "max_queued_requests",
-                                           "prefill_max_requests", "default_priority_value"):
-            val = int(v)
-        elif isinstance(cur, float) or str(types[k].type).startswith("float"):  # also float | None fields
-            val = float(v)
-        else:
-            val = v
-        changes[k] = val
-    return spec, base.replace(**changes)

@@ -20,8 +20,9 @@ from radixserve.sim.cost_model import (
     make_cost_model,
     shared_table_path,
 )
+from radixserve.sim.options import args_for
 from radixserve.sim.report import summary_text
-from radixserve.sim.simulator import args_for, run
+from radixserve.sim.simulator import run
 from radixserve.sim.summary import summarize
 from radixserve.sim.workload import (
     RequestSpec,

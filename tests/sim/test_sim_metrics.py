@@ -84,7 +84,7 @@ def test_ttft_slo_classes_mix_deadlines_and_summarize_reports_goodput_and_fairne
 
 
 def test_compare_overrides_of_optional_float_fields_are_floats() -> None:
-    from radixserve.sim.simulator import args_for
+    from radixserve.sim.options import args_for
 
     base = ServerArgs(max_total_tokens=1000)
     assert args_for(base, "priority:priority_aging_horizon=10")[1].priority_aging_horizon == 10.0
