@@ -217,3 +217,34 @@ def advance(matchers: Sequence[Any | None], rows: list[int], tokens: Sequence[in
         elif m.is_stopped():
             ended[i] = ""
     return ended
+
+
+def masks_along(matcher: Any, drafts: Sequence[int], vocab: int) -> torch.Tensor:
+    """Speculative decoding: the tokens ``matcher``'s grammar allows at each position of a verify
+    row, ``[n, vocab]`` bool, where position ``j`` follows ``drafts[:j]``. Stops at the first draft
+    the grammar refuses or that completes it (no later position can be kept), so ``n <= len(drafts)
+    + 1``. The matcher is left as it was (the drafts it consumed are rolled back)."""
+    import llguidance.torch as llt
+    import torch
+
+    words = (vocab + 31) // 32
+    bitmask = torch.empty(len(drafts) + 1, words, dtype=torch.int32)
+    n = consumed = 0
+    try:
+        for j in range(len(drafts) + 1):
+            llt.fill_next_token_bitmask(matcher, bitmask, j)
+            n = j + 1
+            if j == len(drafts):
+                break
+            d = int(drafts[j])
+            if d < 0 or d >= vocab or not (int(bitmask[j, d // 32]) >> (d % 32)) & 1:
+                break
+            matcher.consume_token(d)
+            consumed += 1
+            if matcher.is_error() or matcher.is_stopped():
+                break
+    finally:
+        if consumed:
+            matcher.rollback(consumed)
+    bits = np.unpackbits(bitmask[:n].numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    return torch.from_numpy(bits).view(torch.bool)

@@ -5,6 +5,7 @@ invariant holds after each run."""
 
 from __future__ import annotations
 
+import json
 from importlib.resources import files
 
 import pytest
@@ -115,3 +116,22 @@ def test_draft_model_catches_up_after_steps_without_drafts(float_weights: ModelR
         assert plain.generate(p + " Once", {"temperature": 0.0, "max_new_tokens": 30})["output_ids"] == outs[3]["output_ids"]
     finally:
         plain.shutdown()
+
+
+PEOPLE = {"type": "object", "properties": {"people": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+          "required": ["people"], "additionalProperties": False}
+
+
+def test_structured_output_drafts_under_its_grammar(runner: ModelRunner) -> None:
+    """A request under a JSON schema drafts (names and keys recur from its prompt); every verified
+    position is masked by the grammar after the drafts before it, so the output is plain decoding's
+    token for token, and the grammar still ends the request."""
+    prompt = ("<|im_start|>user\nHere is a text:\n\n" + TEXT + "\n\nList the people it names, as JSON: "
+              '{"people": [their names]}.<|im_end|>\n<|im_start|>assistant\n')
+    sp = {"json_schema": json.dumps(PEOPLE)}
+    plain = generate(runner, 160, sp, prompt=prompt)
+    spec = generate(runner, 160, sp, prompt=prompt, speculative_algorithm="ngram")
+    assert spec["output_ids"] == plain["output_ids"]
+    assert spec["meta_info"]["finish_reason"]["type"] == "stop"
+    assert isinstance(json.loads(spec["text"])["people"], list)
+    assert spec["meta_info"]["spec_verify_ct"] > 0 and spec["meta_info"]["spec_accepted_tokens"] > 0

@@ -303,12 +303,16 @@ class ModelRunner:
         """(Called in inference mode.)"""
         extra = drafts = None
         B = batch.batch_size
+        info = batch.sampling
         if batch.verify is not None:
             n = len(batch.verify.positions)
             logits, drafts = logits[: logits.shape[0] - n], logits[logits.shape[0] - n :]
+            if info.grammars is not None:  # verify rows' matchers follow their kept tokens (spec_verify)
+                rows = set(batch.verify.rows)
+                info = replace(info, grammars=[None if i in rows else m for i, m in enumerate(info.grammars)])
         if batch.prompt_logprobs is not None:
             logits, extra = logits[:B], logits[B:]
-        sampled = self.sampler.sample(logits, batch.sampling)
+        sampled = self.sampler.sample(logits, info)
         out = ForwardOutput(
             next_token_ids=sampled.next_token_ids,
             logprobs=sampled.logprobs,
@@ -317,7 +321,9 @@ class ModelRunner:
             grammar_ended=sampled.grammar_ended,
         )
         if drafts is not None and batch.verify is not None:
-            out.verified = verify_drafts(logits, drafts, batch.verify, batch.sampling, self.sampler.generator)
+            out.verified, ended = verify_drafts(logits, drafts, batch.verify, batch.sampling, self.sampler.generator)
+            if ended:
+                out.grammar_ended = {**(out.grammar_ended or {}), **ended}
             if batch.verify.by_runner:
                 out.drafts = batch.verify.drafts
         if extra is not None and batch.prompt_logprobs is not None:

@@ -18,14 +18,20 @@ bonus token). Tokens after the first mismatch are computed and thrown away.
 - A seeded row draws position ``j``'s two uniforms from ``seed_for_step(seed, step + j)``: its
   output is reproducible, and independent of the rest of the batch.
 
-Rows with penalties, a grammar or logprobs never carry drafts (the scheduler does not draft for
-them), so the distributions here need nothing but the four filters.
+- A row under a grammar: position ``j``'s logits are masked by the grammar after ``d_1..d_j``
+  (``grammar.masks_along``; a draft the grammar refuses is never kept), and once the row's tokens
+  are known its matcher consumes the kept ones, as the sampler's would one step at a time. A
+  grammar that completes ends the kept tokens there.
+
+Rows with penalties or logprobs never carry drafts (the scheduler does not draft for them), so the
+distributions here need nothing but the four filters and the grammar's mask.
 """
 
 from __future__ import annotations
 
 import torch
 
+from radixserve.grammar import advance, masks_along
 from radixserve.mem.forward_batch import SamplingBatchInfo, VerifyRows
 from radixserve.model.sampler import _CANDIDATES, _GREEDY_EPS, _inverse_cdf, seed_for_step
 
@@ -34,29 +40,70 @@ from radixserve.model.sampler import _CANDIDATES, _GREEDY_EPS, _inverse_cdf, see
 def verify_drafts(
     last_logits: torch.Tensor, draft_logits: torch.Tensor, verify: VerifyRows, info: SamplingBatchInfo,
     generator: torch.Generator,
-) -> list[list[int]]:
+) -> tuple[list[list[int]], dict[int, str]]:
     """``last_logits`` [B, V]: each batch row's last position; ``draft_logits`` [sum k, V]: the
-    positions of ``verify.positions`` in order. Returns ``t_0..t_k`` per verify row."""
+    positions of ``verify.positions`` in order. Returns ``t_0..t_k`` per verify row (``-1`` past
+    what can be kept), and the batch rows whose grammar ended with their kept tokens (as
+    ``grammar.advance`` reports them)."""
     out: list[list[int]] = []
+    ended: dict[int, str] = {}
     off = 0
     for row, draft in zip(verify.rows, verify.drafts, strict=True):
         k = len(draft)
         logits = torch.cat([draft_logits[off : off + k], last_logits[row : row + 1]]).float()
         off += k
-        t, top_k = info.temperatures[row], info.top_ks[row]
-        if t <= _GREEDY_EPS or top_k == 1:
-            out.append(logits.argmax(dim=-1).tolist())
-            continue
-        probs = filtered_probs(logits, t, top_k, info.top_ps[row], info.min_ps[row])
-        seed = info.seeds[row]
-        if seed is None:
-            u = torch.rand(k + 1, 2, generator=generator)
-        else:
-            step = info.steps[row] if row < len(info.steps) else 0
-            u = torch.cat([torch.rand(1, 2, generator=torch.Generator().manual_seed(seed_for_step(seed, step + j)))
-                           for j in range(k + 1)])
-        out.append(_accept_or_redraw(probs, draft, u))
-    return out
+        matcher = info.grammars[row] if info.grammars is not None else None
+        if matcher is not None and matcher.is_stopped():
+            matcher = None
+        if matcher is not None:
+            try:
+                allowed = masks_along(matcher, draft, logits.shape[1])
+                logits = torch.where(allowed, logits[: allowed.shape[0]], float("-inf"))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # a Rust panic: this request ends with it, the batch goes on
+                ended[row] = f"the grammar engine failed: {e!r}"
+                matcher = None
+        tokens = _pick(logits, draft, row, info, generator)
+        tokens += [-1] * (k + 1 - len(tokens))
+        if matcher is not None:
+            tokens = _consume_kept(matcher, draft, tokens, row, ended)
+        out.append(tokens)
+    return out, ended
+
+
+def _consume_kept(matcher: object, draft: list[int], tokens: list[int], row: int, ended: dict[int, str]) -> list[int]:
+    """Feed the row's matcher the tokens the scheduler will keep (the drafts while they agree, then
+    the target's own); where the grammar ends (complete, or an error) the kept tokens end too."""
+    k = len(draft)
+    a = 0
+    while a < k and tokens[a] == draft[a]:
+        a += 1
+    kept = [x for x in tokens[: a + 1] if x >= 0]
+    for j, t in enumerate(kept):
+        done = advance([matcher], [0], [t])
+        if done:
+            ended[row] = done[0]
+            return kept[: j + 1] + [-1] * (k - j)
+    return tokens
+
+
+def _pick(logits: torch.Tensor, draft: list[int], row: int, info: SamplingBatchInfo,
+          generator: torch.Generator) -> list[int]:
+    """The target's tokens at the ``n <= k + 1`` positions of ``logits`` [n, V]."""
+    t, top_k = info.temperatures[row], info.top_ks[row]
+    if t <= _GREEDY_EPS or top_k == 1:
+        return logits.argmax(dim=-1).tolist()
+    n = logits.shape[0]
+    probs = filtered_probs(logits, t, top_k, info.top_ps[row], info.min_ps[row])
+    seed = info.seeds[row]
+    if seed is None:
+        u = torch.rand(n, 2, generator=generator)
+    else:
+        step = info.steps[row] if row < len(info.steps) else 0
+        u = torch.cat([torch.rand(1, 2, generator=torch.Generator().manual_seed(seed_for_step(seed, step + j)))
+                       for j in range(n)])
+    return _accept_or_redraw(probs, draft[: n - 1], u)
 
 
 def _accept_or_redraw(probs: torch.Tensor, draft: list[int], u: torch.Tensor) -> list[int]:

@@ -65,6 +65,8 @@ class Outputs:
                 continue
             if kept is not None and i in kept:
                 reason = self._append_kept(req, kept[i])
+                if reason is None and i in grammar_ended:
+                    reason = grammar_finish(grammar_ended[i])
                 if reason is not None:
                     self.end(req, reason)
                 elif req.stream:

@@ -22,9 +22,10 @@ The scheduler owns it, as it owns every other token of a step:
   usual stop checks (a stop token or string, ``max_new_tokens`` part-way through the accepted
   tokens ends the request there) and gives back the KV of every position past the last kept one
   (``KVManager.truncate``): rejected drafts never reach the prefix cache.
-- Requests with penalties, a grammar or logprobs do not draft (their outputs stay what they are
-  without speculation; drafting for them would need the penalty state, the matcher and the
-  logprobs at every position).
+- Requests with penalties or logprobs do not draft (their outputs stay what they are without
+  speculation; drafting for them would need the penalty state and the logprobs at every
+  position). A request under a grammar drafts: the verify step masks every position with the
+  grammar after the drafts before it.
 
 Adaptive: drafting pays only while the tokens it is expected to add are worth what verifying them
 costs, and on a CPU a step's cost grows with its tokens (unevenly: kernels work in blocks of
@@ -218,9 +219,10 @@ def plan(batch_tokens: int, candidates: list[tuple[float, list[int]]], cost: Ste
 
 
 def can_draft(req: Req) -> bool:
-    """Requests whose outputs speculation cannot change: no penalties, grammar or logprobs."""
+    """Requests whose outputs speculation cannot change: no penalties or logprobs (a grammar's
+    mask is applied at every verified position, ``model/spec_verify.py``)."""
     sp = req.sampling_params
-    return not (req.penalized or req.grammar is not None or sp.logprobs or sp.top_logprobs_num
+    return not (req.penalized or sp.logprobs or sp.top_logprobs_num
                 or req.input_logprob_start is not None and not req.output_ids)
 
 
@@ -328,7 +330,7 @@ class Speculation:
             a = 0
             while a < len(d) and t[a] == d[a]:
                 a += 1
-            kept[i] = t[: a + 1]
+            kept[i] = [x for x in t[: a + 1] if x >= 0]  # -1: past where a grammar ended the row
             req = batch.reqs[i]
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += a

@@ -13,9 +13,17 @@ import pytest
 import torch
 
 from radixserve.engine import Engine
-from radixserve.grammar import GrammarCompiler, GrammarError, advance, mask_logits, validate_grammar
-from radixserve.mem.forward_batch import SamplingBatchInfo
+from radixserve.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    advance,
+    mask_logits,
+    masks_along,
+    validate_grammar,
+)
+from radixserve.mem.forward_batch import SamplingBatchInfo, VerifyRows
 from radixserve.model.sampler import Sampler
+from radixserve.model.spec_verify import verify_drafts
 
 PERSON = {
     "type": "object",
@@ -85,6 +93,32 @@ def test_mask_is_exact_and_touches_only_its_row(compiler: GrammarCompiler, fp32_
     bad = compiler.submit("regex", "[0-9]{2}").result(timeout=60)
     err = advance([bad], [0], [tok.encode("x")[0]])
     assert err[0] != ""
+
+
+def test_masks_along_drafts_and_verify_under_a_grammar(compiler: GrammarCompiler, fp32_runner: Any) -> None:
+    """Speculative decoding: position j's mask is the grammar's after the first j drafts; a refused
+    draft ends the masks there, a completing one too; the matcher is left as it was. Verifying
+    drafts under the grammar keeps the allowed ones, and its matcher then holds the kept tokens."""
+    tok = fp32_runner.tokenizer
+    V = fp32_runner.model_config.vocab_size
+    seven, x = tok.encode("7")[0], tok.encode("x")[0]
+    matcher = compiler.submit("regex", "[0-9]{3}").result(timeout=60)
+    masks = masks_along(matcher, [seven, seven, seven], V)
+    assert masks.shape == (3, V)  # the third digit completes it: nothing after is needed
+    assert all(bool(masks[j, seven]) for j in range(3)) and not masks[0, x]
+    assert masks_along(matcher, [seven, x, seven], V).shape == (2, V)  # "x" refused at position 1
+    assert not masks_along(matcher, [seven] * 3, V)[0, x]  # rolled back: "x" is still refused first
+    assert advance([matcher], [0], [seven]) == {}  # the matcher now holds "7"
+    # verify: drafts 7 x (x refused), greedy logits that prefer x everywhere and 7 next
+    logits = torch.zeros(3, V)
+    logits[:, x], logits[:, seven] = 10.0, 5.0
+    info = SamplingBatchInfo.greedy(1)
+    info.grammars = [matcher]
+    tokens, ended = verify_drafts(logits[2:], logits[:2], VerifyRows([0], [[seven, x]], [0, 1]), info,
+                                  torch.Generator())
+    # the draft 7 kept, then the target's 7 where x was refused: "777", the grammar is complete
+    assert tokens == [[seven, seven, -1]] and ended == {0: ""}
+    assert matcher.is_stopped()
 
 
 def test_sampler_draws_only_what_the_grammar_allows(compiler: GrammarCompiler, fp32_runner: Any) -> None:

@@ -22,7 +22,7 @@ def test_greedy_is_the_argmax_at_every_position() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50, generator=g)
     draft = [int(logits[0].argmax()), 7, 9]
-    got = verify_drafts(logits[3:], logits[:3], VerifyRows([0], [draft], [0, 1, 2]), info(0.0), g)
+    got, _ = verify_drafts(logits[3:], logits[:3], VerifyRows([0], [draft], [0, 1, 2]), info(0.0), g)
     assert got == [logits.argmax(dim=-1).tolist()]
 
 
@@ -32,7 +32,7 @@ def kept_first_token(draft0: int, probs_logits: torch.Tensor, n: int, **kw: obje
     last = torch.zeros(1, V)
     counts = [0] * V
     for _ in range(n):
-        t = verify_drafts(last, probs_logits.view(1, V), VerifyRows([0], [[draft0]], [0]), info(1.0, **kw), g)[0]
+        t = verify_drafts(last, probs_logits.view(1, V), VerifyRows([0], [[draft0]], [0]), info(1.0, **kw), g)[0][0]
         counts[t[0]] += 1
     return counts
 
@@ -69,8 +69,8 @@ def _chi2_critical_0001(dof: int) -> float:
 def test_seeded_rows_are_reproducible_and_stop_at_the_first_rejection() -> None:
     logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(3))
     rows = VerifyRows([0], [[1, 2, 3]], [0, 1, 2])
-    a = verify_drafts(logits[3:], logits[:3], rows, info(0.8, seed=11), torch.Generator().manual_seed(5))
-    b = verify_drafts(logits[3:], logits[:3], rows, info(0.8, seed=11), torch.Generator().manual_seed(9))
+    a, _ = verify_drafts(logits[3:], logits[:3], rows, info(0.8, seed=11), torch.Generator().manual_seed(5))
+    b, _ = verify_drafts(logits[3:], logits[:3], rows, info(0.8, seed=11), torch.Generator().manual_seed(9))
     assert a == b and len(a[0]) == 4
     first_rejected = next((j for j, (t, d) in enumerate(zip(a[0], [1, 2, 3], strict=False)) if t != d), None)
     if first_rejected is not None:
