@@ -135,3 +135,15 @@ def test_structured_output_drafts_under_its_grammar(runner: ModelRunner) -> None
     assert spec["meta_info"]["finish_reason"]["type"] == "stop"
     assert isinstance(json.loads(spec["text"])["people"], list)
     assert spec["meta_info"]["spec_verify_ct"] > 0 and spec["meta_info"]["spec_accepted_tokens"] > 0
+
+
+def test_logprobs_of_kept_drafts_are_plain_decodings(runner: ModelRunner) -> None:
+    """A request that asks for logprobs drafts, and gets for every token the logprob and the top
+    logprobs plain decoding reports (the verify step's logits are the decode step's, bit for bit)."""
+    sp = {"logprobs": True, "top_logprobs_num": 3}
+    plain = generate(runner, 40, sp)
+    spec = generate(runner, 40, sp, speculative_algorithm="ngram")
+    assert spec["output_ids"] == plain["output_ids"]
+    assert spec["meta_info"]["spec_accepted_tokens"] > 0
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        assert spec["meta_info"][key] == plain["meta_info"][key], key

@@ -147,6 +147,10 @@ class ForwardOutput:
     # equal these, then the first token that differs (or the one after the last draft).
     verified: list[list[int]] | None = None
     drafts: list[list[int]] | None = None  # per verify row, the drafts the runner made (``VerifyRows.by_runner``)
+    # per verify row and position, the log-probability of ``verified``'s token and the top ones, as
+    # ``logprobs`` / ``top_logprobs`` are for a decode row (present when those are)
+    verified_logprobs: list[list[float]] | None = None
+    verified_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
 @dataclass

@@ -36,7 +36,7 @@ from radixserve.model.loader import load_model, parse_dtype, resolve_model_path
 from radixserve.model.parallel import TPGroup, check_tp_size, send_step, send_stop
 from radixserve.model.quant import check_quantization, default_max_rows
 from radixserve.model.sampler import Sampler, prompt_logprobs
-from radixserve.model.spec_verify import verify_drafts
+from radixserve.model.spec_verify import verified_logprobs, verify_drafts
 from radixserve.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -324,6 +324,9 @@ class ModelRunner:
             out.verified, ended = verify_drafts(logits, drafts, batch.verify, batch.sampling, self.sampler.generator)
             if ended:
                 out.grammar_ended = {**(out.grammar_ended or {}), **ended}
+            if out.logprobs is not None or out.top_logprobs is not None:
+                out.verified_logprobs, out.verified_top_logprobs = verified_logprobs(
+                    logits, drafts, batch.verify, out.verified, info.top_logprobs_nums or [], out.logprobs is not None)
             if batch.verify.by_runner:
                 out.drafts = batch.verify.drafts
         if extra is not None and batch.prompt_logprobs is not None:

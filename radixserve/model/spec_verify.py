@@ -23,8 +23,10 @@ bonus token). Tokens after the first mismatch are computed and thrown away.
   are known its matcher consumes the kept ones, as the sampler's would one step at a time. A
   grammar that completes ends the kept tokens there.
 
-Rows with penalties or logprobs never carry drafts (the scheduler does not draft for them), so the
-distributions here need nothing but the four filters and the grammar's mask.
+Rows with penalties never carry drafts (the scheduler does not draft for them), so the
+distributions here need nothing but the four filters and the grammar's mask. Logprobs of the kept
+tokens come from the same logits (``verified_logprobs``), as the sampler reports them for a
+decode row.
 """
 
 from __future__ import annotations
@@ -148,3 +150,30 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
         vals = vals.masked_fill(torch.arange(vals.shape[1]).view(1, -1) >= k, 0.0)
     kept = torch.zeros_like(probs).scatter_(1, idx, vals)
     return kept / kept.sum(dim=-1, keepdim=True)
+
+
+@torch.inference_mode()
+def verified_logprobs(
+    last_logits: torch.Tensor, draft_logits: torch.Tensor, verify: VerifyRows, verified: list[list[int]],
+    top_ns: list[int], want_lp: bool,
+) -> tuple[list[list[float]] | None, list[list[list[tuple[int, float]]]] | None]:
+    """Per verify row and position, the log-probability of its verified token (``want_lp``) and the
+    ``top_ns[row]`` most likely tokens, from the model's own logits as the sampler reports them for
+    a decode row (positions past what can be kept, ``-1``, get 0.0 and nothing)."""
+    lps: list[list[float]] = []
+    tops: list[list[list[tuple[int, float]]]] = []
+    off = 0
+    for row, draft, tokens in zip(verify.rows, verify.drafts, verified, strict=True):
+        k = len(draft)
+        logp = torch.log_softmax(torch.cat([draft_logits[off : off + k], last_logits[row : row + 1]]).float(), dim=-1)
+        off += k
+        idx = torch.tensor([max(t, 0) for t in tokens], dtype=torch.int64).view(-1, 1)
+        lp = logp.gather(1, idx).view(-1).tolist()
+        lps.append([v if t >= 0 else 0.0 for v, t in zip(lp, tokens, strict=True)])
+        n = min(top_ns[row] if row < len(top_ns) else 0, logp.shape[1])
+        if n > 0:
+            vals, ids = logp.topk(n, dim=-1)
+            tops.append([list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)])
+        else:
+            tops.append([[] for _ in tokens])
+    return (lps if want_lp else None), (tops if any(n > 0 for n in top_ns) else None)

@@ -55,6 +55,7 @@ class Outputs:
                 and out.grammar_ended is None and self.process_decode_result(batch, out)):
             return
         grammar_ended = out.grammar_ended or {}
+        verify_index = {row: j for j, row in enumerate(sorted(kept))} if kept else {}
         if out.prompt_logprobs is not None:
             store_prompt_logprobs(batch.reqs, out.prompt_logprobs)
         for i, req in enumerate(batch.reqs):
@@ -64,7 +65,10 @@ class Outputs:
             if req.finished():
                 continue
             if kept is not None and i in kept:
-                reason = self._append_kept(req, kept[i])
+                j = verify_index[i]
+                reason = self._append_kept(
+                    req, kept[i], out.verified_logprobs[j] if out.verified_logprobs is not None else None,
+                    out.verified_top_logprobs[j] if out.verified_top_logprobs is not None else None)
                 if reason is None and i in grammar_ended:
                     reason = grammar_finish(grammar_ended[i])
                 if reason is not None:
@@ -92,13 +96,19 @@ class Outputs:
                 if req.stream or len(req.output_ids) == 1:  # one that does not stream: first token only
                     self.emit(req)
 
-    def _append_kept(self, req: Req, tokens: list[int]) -> FinishReason | None:
-        """A verify row's kept tokens, one at a time with the stop checks (a stop ends the request
-        at that token, the rest are dropped); then its KV is cut back to the tokens it holds (the
-        last token's KV is the next step's to write), freeing what the rejected drafts took."""
+    def _append_kept(self, req: Req, tokens: list[int], logprobs: list[float] | None = None,
+                     top_logprobs: list[list[tuple[int, float]]] | None = None) -> FinishReason | None:
+        """A verify row's kept tokens (and their logprobs, position by position), one at a time with
+        the stop checks (a stop ends the request at that token, the rest are dropped); then its KV
+        is cut back to the tokens it holds (the last token's KV is the next step's to write),
+        freeing what the rejected drafts took."""
         reason = None
-        for t in tokens:
+        for j, t in enumerate(tokens):
             req.output_ids.append(t)
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs[j])
+            if top_logprobs is not None:
+                req.output_top_logprobs.append(top_logprobs[j])
             self.stats.generated_tokens += 1
             reason = self.check_finished(req)
             if reason is not None:

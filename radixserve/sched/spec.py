@@ -22,10 +22,10 @@ The scheduler owns it, as it owns every other token of a step:
   usual stop checks (a stop token or string, ``max_new_tokens`` part-way through the accepted
   tokens ends the request there) and gives back the KV of every position past the last kept one
   (``KVManager.truncate``): rejected drafts never reach the prefix cache.
-- Requests with penalties or logprobs do not draft (their outputs stay what they are without
-  speculation; drafting for them would need the penalty state and the logprobs at every
-  position). A request under a grammar drafts: the verify step masks every position with the
-  grammar after the drafts before it.
+- Requests with penalties do not draft (their outputs stay what they are without speculation;
+  drafting for them would need the penalty state at every position). A request under a grammar
+  drafts (the verify step masks every position with the grammar after the drafts before it), and
+  so does one that asks for logprobs (reported for every kept position).
 
 Adaptive: drafting pays only while the tokens it is expected to add are worth what verifying them
 costs, and on a CPU a step's cost grows with its tokens (unevenly: kernels work in blocks of
@@ -219,11 +219,10 @@ def plan(batch_tokens: int, candidates: list[tuple[float, list[int]]], cost: Ste
 
 
 def can_draft(req: Req) -> bool:
-    """Requests whose outputs speculation cannot change: no penalties or logprobs (a grammar's
-    mask is applied at every verified position, ``model/spec_verify.py``)."""
-    sp = req.sampling_params
-    return not (req.penalized or sp.logprobs or sp.top_logprobs_num
-                or req.input_logprob_start is not None and not req.output_ids)
+    """Requests whose outputs speculation cannot change: no penalties, and prompt logprobs (if
+    asked) already computed. A grammar's mask is applied at every verified position and logprobs
+    are reported for every kept one (``model/spec_verify.py``)."""
+    return not (req.penalized or req.input_logprob_start is not None and not req.output_ids)
 
 
 class Speculation:

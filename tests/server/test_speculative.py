@@ -1,6 +1,7 @@
 """Speculative decoding through a real server (``--speculative-algorithm ngram``, float32): the
-native API reports the drafts in ``meta_info``, greedy output equals plain decoding token for token
-(a request that asks for logprobs does not draft: the same server decodes it plainly), streaming, the OpenAI API and concurrent requests work, ``/metrics``
+native API reports the drafts in ``meta_info``, greedy output and its logprobs equal plain decoding's
+token for token (a request with a penalty does not draft: the same server decodes it plainly),
+streaming, the OpenAI API and concurrent requests work, ``/metrics``
 counts drafts, and no KV is leaked."""
 
 from __future__ import annotations
@@ -26,22 +27,35 @@ def spec_server() -> Iterator[ServerProcess]:
     yield from started(ServerProcess("--speculative-algorithm", "ngram", "--dtype", "float32", "--enable-metrics"))
 
 
-def chat(client, **extra) -> dict:  # type: ignore[no-untyped-def]
+def chat(client, sp: dict | None = None, **extra) -> dict:  # type: ignore[no-untyped-def]
     body = {"text": f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n",
-            "sampling_params": {"temperature": 0, "max_new_tokens": 64}, **extra}
+            "sampling_params": {"temperature": 0, "max_new_tokens": 64, **(sp or {})}, **extra}
     r = client.post("/generate", json=body)
     assert r.status_code == 200, r.text
     return r.json()
 
 
+# a logit bias of 0 changes no logit, but a request with one never drafts (its sampler applies
+# penalties, which speculation does not): plain decoding on the same server
+PLAIN = {"logit_bias": {"0": 0.0}}
+
+
+def flush(client) -> None:  # type: ignore[no-untyped-def]
+    """Empty the prefix cache (once idle), so the next request prefills its whole prompt: a cache
+    hit would compute its first token in a one-row step instead of the prefill's."""
+    wait_idle(client)
+    assert client.post("/flush_cache").status_code == 200
+
+
 def test_greedy_output_equals_plain_decoding_and_meta_counts(spec_server: ServerProcess) -> None:
     with spec_server.client() as c:
-        # each from an empty cache, so both prefill the same rows the same way
-        assert c.post("/flush_cache").status_code == 200
-        spec = chat(c)
-        assert c.post("/flush_cache").status_code == 200
-        plain = chat(c, return_logprob=True)  # logprobs: this one decodes without drafts
+        flush(c)
+        spec = chat(c, return_logprob=True, top_logprobs_num=2)  # logprobs: reported for drafted tokens too
+        flush(c)
+        plain = chat(c, PLAIN, return_logprob=True, top_logprobs_num=2)
         assert spec["output_ids"] == plain["output_ids"]
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            assert spec["meta_info"][key] == plain["meta_info"][key]
         assert spec["meta_info"]["spec_verify_ct"] > 0 and spec["meta_info"]["spec_accepted_tokens"] > 0
         assert "spec_verify_ct" not in plain["meta_info"]
         assert_memory_ok(wait_idle(c))
@@ -107,8 +121,8 @@ def test_pd_decode_worker_with_data_parallel_ranks_drafts(spec_server: ServerPro
         prefill.wait_ready()
         decode.wait_ready()
         with spec_server.client() as c:
-            assert c.post("/flush_cache").status_code == 200
-            want = chat(c, return_logprob=True)["output_ids"]  # logprobs: decoded without drafts
+            flush(c)
+            want = chat(c, PLAIN)["output_ids"]
         body = {"text": f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n",
                 "sampling_params": {"temperature": 0, "max_new_tokens": 64}, "bootstrap_host": "127.0.0.1",
                 "bootstrap_port": bport, "bootstrap_room": random.getrandbits(63), "data_parallel_rank_decode": 1}
