@@ -179,3 +179,13 @@ def fake_dashboard_tm(api_key: str | None) -> Any:
 
     return SimpleNamespace(args=ServerArgs(api_key=api_key), tokenizer=None, model_name="fake", dp_size=1,
                            control=control, recent_requests=RecentRequests(), alive=lambda: True, info={})
+
+
+def post_disaggregated(prefill_url: str, decode_url: str, body: dict[str, Any], timeout: float = 120) -> httpx.Response:
+    """One request through a prefill/decode pair, as a router sends it: the same body (with its
+    bootstrap fields) to both at once. Asserts the prefill side's answer; returns the decode side's."""
+    with ThreadPoolExecutor(2) as pool:
+        fp = pool.submit(httpx.post, prefill_url + "/generate", json=body, timeout=timeout)
+        fd = pool.submit(httpx.post, decode_url + "/generate", json=body, timeout=timeout)
+        assert fp.result().status_code == 200, fp.result().text
+        return fd.result()

@@ -13,6 +13,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -82,6 +83,20 @@ def _open_dashboard(browser: Any, url: str, errors: list[str], height: int) -> A
     page.goto(url)
     page.wait_for_function("Number(document.body.dataset.polls || 0) >= 1", timeout=10_000)
     return page
+
+
+@contextmanager
+def dashboard_page(url: str, height: int) -> Iterator[tuple[Any, list[str]]]:
+    """A headless Chromium page on the dashboard at ``url`` after its first poll, and the list its
+    console errors go to (skips without chromium or playwright)."""
+    sync_playwright, exe = _browser_or_skip()
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=exe, headless=True)
+        try:
+            yield _open_dashboard(browser, url, errors, height), errors
+        finally:
+            browser.close()
 
 
 def _polls(page: Any) -> int:
@@ -218,18 +233,11 @@ def test_dashboard_sends_the_key_from_its_url(keyed_app: str) -> None:
 
 def test_router_dashboard_in_chromium(router_over_fakes: str) -> None:
     """The router's page: its queue, then a column per worker; a worker that is down shows an error."""
-    sync_playwright, exe = _browser_or_skip()
-    errors: list[str] = []
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=exe, headless=True)
-        try:
-            page = _open_dashboard(browser, f"{router_over_fakes}/dashboard", errors, height=900)
-            assert page.inner_text('[data-k="router-waiting"]') == "0"
-            columns = page.locator(".column")
-            assert columns.count() == 2
-            assert columns.nth(0).locator('[data-k="running"]').inner_text() == "0"
-            assert "unreachable" in columns.nth(1).inner_text().lower()
-            page.screenshot(path=os.path.join(os.path.dirname(ARTIFACT), "dashboard-router.png"), full_page=True)
-        finally:
-            browser.close()
+    with dashboard_page(f"{router_over_fakes}/dashboard", height=900) as (page, errors):
+        assert page.inner_text('[data-k="router-waiting"]') == "0"
+        columns = page.locator(".column")
+        assert columns.count() == 2
+        assert columns.nth(0).locator('[data-k="running"]').inner_text() == "0"
+        assert "unreachable" in columns.nth(1).inner_text().lower()
+        page.screenshot(path=os.path.join(os.path.dirname(ARTIFACT), "dashboard-router.png"), full_page=True)
     assert not errors, f"console errors on the router's /dashboard: {errors}"

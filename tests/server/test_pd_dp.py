@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.server.helpers import ServerProcess, assert_memory_ok, free_port, wait_idle
+from tests.server.helpers import ServerProcess, assert_memory_ok, free_port, post_disaggregated, wait_idle
 
 pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
 
@@ -46,11 +45,7 @@ def test_ranks_on_both_sides(pd_dp: tuple[ServerProcess, ServerProcess, int], sh
     body = {**_native(prompt), "bootstrap_host": "127.0.0.1", "bootstrap_port": bport,
             "bootstrap_room": random.getrandbits(63), "data_parallel_rank": p_rank,
             "data_parallel_rank_decode": d_rank}
-    with ThreadPoolExecutor(2) as pool:
-        fp = pool.submit(httpx.post, prefill.url + "/generate", json=body, timeout=60)
-        fd = pool.submit(httpx.post, decode.url + "/generate", json=body, timeout=60)
-        assert fp.result().status_code == 200, fp.result().text
-        got = fd.result()
+    got = post_disaggregated(prefill.url, decode.url, body, timeout=60)
     assert got.status_code == 200, got.text
     out = got.json()
     assert out["meta_info"]["dp_rank"] == d_rank

@@ -14,7 +14,14 @@ from importlib.resources import files
 import httpx
 import pytest
 
-from tests.server.helpers import ServerProcess, assert_memory_ok, free_port, started, wait_idle
+from tests.server.helpers import (
+    ServerProcess,
+    assert_memory_ok,
+    free_port,
+    post_disaggregated,
+    started,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +92,7 @@ def test_stream_openai_and_concurrent_requests(spec_server: ServerProcess) -> No
 def test_dashboard_shows_speculation(spec_server: ServerProcess) -> None:
     """The state the dashboard polls carries the scheduler's speculation counters, and the page
     renders them in a card of their own (in Chromium, where it is installed)."""
-    from tests.server.test_dashboard import _browser_or_skip, _open_dashboard
+    from tests.server.test_dashboard import dashboard_page
 
     with spec_server.client() as c:
         chat(c)
@@ -94,18 +101,11 @@ def test_dashboard_shows_speculation(spec_server: ServerProcess) -> None:
     assert spec["algorithm"] == "ngram" and spec["verify_steps"] > 0 and 0 < spec["accept_rate"] <= 1
     drafted = next(line for line in metrics.splitlines() if line.startswith("radixserve:spec_draft_tokens_total"))
     assert float(drafted.split()[-1]) == spec["draft_tokens"]
-    sync_playwright, exe = _browser_or_skip()
-    errors: list[str] = []
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=exe, headless=True)
-        try:
-            page = _open_dashboard(browser, f"{spec_server.url}/dashboard", errors, height=1400)
-            assert page.inner_text('[data-k="spec-accept-rate"]').endswith("%")
-            drafted_shown, accepted_shown = page.inner_text('[data-k="spec-tokens"]').split(" / ")
-            assert int(drafted_shown.replace(",", "")) >= spec["draft_tokens"] > 0
-            assert page.inner_text('[data-k="spec-classes"]').count("%") == 3
-        finally:
-            browser.close()
+    with dashboard_page(f"{spec_server.url}/dashboard", height=1400) as (page, errors):
+        assert page.inner_text('[data-k="spec-accept-rate"]').endswith("%")
+        drafted_shown, _ = page.inner_text('[data-k="spec-tokens"]').split(" / ")
+        assert int(drafted_shown.replace(",", "")) >= spec["draft_tokens"] > 0
+        assert page.inner_text('[data-k="spec-classes"]').count("%") == 3
     assert errors == []
 
 
@@ -126,11 +126,7 @@ def test_pd_decode_worker_with_data_parallel_ranks_drafts(spec_server: ServerPro
         body = {"text": f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n",
                 "sampling_params": {"temperature": 0, "max_new_tokens": 64}, "bootstrap_host": "127.0.0.1",
                 "bootstrap_port": bport, "bootstrap_room": random.getrandbits(63), "data_parallel_rank_decode": 1}
-        with ThreadPoolExecutor(2) as pool:
-            fp = pool.submit(httpx.post, prefill.url + "/generate", json=body, timeout=120)
-            fd = pool.submit(httpx.post, decode.url + "/generate", json=body, timeout=120)
-            assert fp.result().status_code == 200, fp.result().text
-            got = fd.result()
+        got = post_disaggregated(prefill.url, decode.url, body)
         assert got.status_code == 200, got.text
         out = got.json()
         assert out["meta_info"]["dp_rank"] == 1 and out["meta_info"]["spec_verify_ct"] > 0
