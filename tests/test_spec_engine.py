@@ -1,7 +1,7 @@
 """Speculative decoding on the real model through ``Engine``: greedy outputs equal decoding without
-it (token for token, float32, both event loops and both schedulers), drafts are accepted on a
-prompt that asks for its own text back, seeded sampling is reproducible, and the KV memory
-invariant holds after each run."""
+it (token for token, float32, both event loops and both schedulers; under a JSON schema, with
+penalties, and with the logprobs of every token), drafts are accepted on a prompt that asks for its
+own text back, seeded sampling is reproducible, and the KV memory invariant holds after each run."""
 
 from __future__ import annotations
 
@@ -147,3 +147,15 @@ def test_logprobs_of_kept_drafts_are_plain_decodings(runner: ModelRunner) -> Non
     assert spec["meta_info"]["spec_accepted_tokens"] > 0
     for key in ("output_token_logprobs", "output_top_logprobs"):
         assert spec["meta_info"][key] == plain["meta_info"][key], key
+
+
+def test_penalties_apply_at_every_verified_position(runner: ModelRunner) -> None:
+    """Frequency, presence and repetition penalties, a logit bias and min_new_tokens: each verified
+    position is penalized as a decode step after the drafts before it would be, so the output is
+    plain decoding's token for token."""
+    sp = {"frequency_penalty": 0.3, "presence_penalty": 0.2, "repetition_penalty": 1.1,
+          "logit_bias": {"13": -2.0}, "min_new_tokens": 3}
+    plain = generate(runner, 48, sp)
+    spec = generate(runner, 48, sp, speculative_algorithm="ngram")
+    assert spec["output_ids"] == plain["output_ids"]
+    assert spec["meta_info"]["spec_accepted_tokens"] > 0

@@ -23,19 +23,24 @@ bonus token). Tokens after the first mismatch are computed and thrown away.
   are known its matcher consumes the kept ones, as the sampler's would one step at a time. A
   grammar that completes ends the kept tokens there.
 
-Rows with penalties never carry drafts (the scheduler does not draft for them), so the
-distributions here need nothing but the four filters and the grammar's mask. Logprobs of the kept
-tokens come from the same logits (``verified_logprobs``), as the sampler reports them for a
-decode row.
+- A row with penalties (frequency, presence, repetition, ``logit_bias``, ``min_new_tokens``):
+  position ``j``'s logits are penalized as the sampler penalizes a decode row whose history ends
+  with ``d_1..d_j`` (before the grammar's mask, as the sampler orders them).
+
+Logprobs of the kept tokens come from the model's own logits (``verified_logprobs``), as the
+sampler reports them for a decode row.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from radixserve.grammar import advance, masks_along
 from radixserve.mem.forward_batch import SamplingBatchInfo, VerifyRows
-from radixserve.model.sampler import _CANDIDATES, _GREEDY_EPS, _inverse_cdf, seed_for_step
+from radixserve.mem.penalties import RowPenalties
+from radixserve.model.sampler import _CANDIDATES, _GREEDY_EPS, _inverse_cdf, apply_penalties, seed_for_step
 
 
 @torch.inference_mode()
@@ -54,6 +59,9 @@ def verify_drafts(
         k = len(draft)
         logits = torch.cat([draft_logits[off : off + k], last_logits[row : row + 1]]).float()
         off += k
+        pens = info.penalties[row] if info.penalties is not None else None
+        if pens is not None:
+            logits = _penalized(logits, pens, draft, info.steps[row] if row < len(info.steps) else pens.n_out)
         matcher = info.grammars[row] if info.grammars is not None else None
         if matcher is not None and matcher.is_stopped():
             matcher = None
@@ -72,6 +80,18 @@ def verify_drafts(
             tokens = _consume_kept(matcher, draft, tokens, row, ended)
         out.append(tokens)
     return out, ended
+
+
+def _penalized(logits: torch.Tensor, pens: RowPenalties, draft: list[int], step: int) -> torch.Tensor:
+    """A row's ``k + 1`` positions with its penalties applied as the sampler applies them to a
+    decode row: position ``j``'s history is the request's output followed by ``d_1..d_j``, its
+    step ``step + j`` (``min_new_tokens``)."""
+    n = logits.shape[0]
+    hist = list(pens.output_ids[: pens.n_out])
+    rows = [replace(pens, output_ids=hist + draft[:j], n_out=len(hist) + j, pending_pos=-1) for j in range(n)]
+    per_position = SamplingBatchInfo([0.0] * n, [1.0] * n, [-1] * n, [0.0] * n, [None] * n,
+                                     [step + j for j in range(n)], penalties=list(rows))
+    return apply_penalties(logits, per_position)
 
 
 def _consume_kept(matcher: object, draft: list[int], tokens: list[int], row: int, ended: dict[int, str]) -> list[int]:

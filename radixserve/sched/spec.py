@@ -22,10 +22,9 @@ The scheduler owns it, as it owns every other token of a step:
   usual stop checks (a stop token or string, ``max_new_tokens`` part-way through the accepted
   tokens ends the request there) and gives back the KV of every position past the last kept one
   (``KVManager.truncate``): rejected drafts never reach the prefix cache.
-- Requests with penalties do not draft (their outputs stay what they are without speculation;
-  drafting for them would need the penalty state at every position). A request under a grammar
-  drafts (the verify step masks every position with the grammar after the drafts before it), and
-  so does one that asks for logprobs (reported for every kept position).
+- Every decoding request may draft: the verify step applies a request's penalties and its
+  grammar's mask at every position as they would stand after the drafts before it, and reports
+  logprobs for every kept position.
 
 Adaptive: drafting pays only while the tokens it is expected to add are worth what verifying them
 costs, and on a CPU a step's cost grows with its tokens (unevenly: kernels work in blocks of
@@ -219,10 +218,10 @@ def plan(batch_tokens: int, candidates: list[tuple[float, list[int]]], cost: Ste
 
 
 def can_draft(req: Req) -> bool:
-    """Requests whose outputs speculation cannot change: no penalties, and prompt logprobs (if
-    asked) already computed. A grammar's mask is applied at every verified position and logprobs
-    are reported for every kept one (``model/spec_verify.py``)."""
-    return not (req.penalized or req.input_logprob_start is not None and not req.output_ids)
+    """Whether ``req`` may draft this step: not while its prompt logprobs are still to come (the
+    step that computes them samples its first token). Grammars, penalties and logprobs apply at
+    every verified position (``model/spec_verify.py``)."""
+    return not (req.input_logprob_start is not None and not req.output_ids)
 
 
 class Speculation:

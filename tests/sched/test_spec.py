@@ -238,17 +238,22 @@ def test_overlap_builds_ahead_while_the_batch_is_too_large_to_draft() -> None:
     assert sched.parts.spec.stats.verify_steps > 0
 
 
-def test_requests_with_penalties_do_not_draft() -> None:
-    """Penalties depend on every token before: such a request decodes as without speculation.
-    One that asks for logprobs drafts (they are reported for each kept position)."""
+def test_prompt_logprobs_first_then_drafts() -> None:
+    """A request that wants its prompt's logprobs gets them from the step that samples its first
+    token, which has no drafts; then it drafts like any other, as do requests with penalties or
+    logprobs (both applied at every verified position by the runner)."""
     sched, model, kv = make_scheduler(runner=CheckingRunner, speculative_algorithm="ngram")
     cheap_drafts(sched)
     model.sched = sched  # type: ignore[attr-defined]
     p = cycle_prompt(5, 40)
     pen = submit(sched, "pen", p, 20, frequency_penalty=0.5)
     lp = submit(sched, "lp", p, 20, logprobs=True)
+    plp = Req("plp", p, SamplingParams(max_new_tokens=20))
+    plp.want_input_logprobs(10)
+    enter(sched, plp)
     drain(sched)
-    assert pen.spec_verify_ct == 0 and lp.spec_verify_ct > 0
+    assert pen.spec_verify_ct > 0 and lp.spec_verify_ct > 0 and plp.spec_verify_ct > 0
+    assert len(plp.input_logprobs) == len(p) - 10
 
 
 def test_large_batches_do_not_draft() -> None:

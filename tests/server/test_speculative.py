@@ -1,7 +1,6 @@
 """Speculative decoding through a real server (``--speculative-algorithm ngram``, float32): the
-native API reports the drafts in ``meta_info``, greedy output and its logprobs equal plain decoding's
-token for token (a request with a penalty does not draft: the same server decodes it plainly),
-streaming, the OpenAI API and concurrent requests work, ``/metrics``
+native API reports the drafts in ``meta_info``, greedy output and its logprobs equal a server's
+without speculation token for token, streaming, the OpenAI API and concurrent requests work, ``/metrics``
 counts drafts, and no KV is leaked."""
 
 from __future__ import annotations
@@ -34,17 +33,18 @@ def spec_server() -> Iterator[ServerProcess]:
     yield from started(ServerProcess("--speculative-algorithm", "ngram", "--dtype", "float32", "--enable-metrics"))
 
 
+@pytest.fixture(scope="module")
+def plain_server() -> Iterator[ServerProcess]:
+    """The same server without speculation: the reference."""
+    yield from started(ServerProcess("--dtype", "float32"))
+
+
 def chat(client, sp: dict | None = None, **extra) -> dict:  # type: ignore[no-untyped-def]
     body = {"text": f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n",
             "sampling_params": {"temperature": 0, "max_new_tokens": 64, **(sp or {})}, **extra}
     r = client.post("/generate", json=body)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-# a logit bias of 0 changes no logit, but a request with one never drafts (its sampler applies
-# penalties, which speculation does not): plain decoding on the same server
-PLAIN = {"logit_bias": {"0": 0.0}}
 
 
 def flush(client) -> None:  # type: ignore[no-untyped-def]
@@ -54,12 +54,13 @@ def flush(client) -> None:  # type: ignore[no-untyped-def]
     assert client.post("/flush_cache").status_code == 200
 
 
-def test_greedy_output_equals_plain_decoding_and_meta_counts(spec_server: ServerProcess) -> None:
-    with spec_server.client() as c:
+def test_greedy_output_equals_plain_decoding_and_meta_counts(spec_server: ServerProcess,
+                                                             plain_server: ServerProcess) -> None:
+    with spec_server.client() as c, plain_server.client() as pc:
         flush(c)
         spec = chat(c, return_logprob=True, top_logprobs_num=2)  # logprobs: reported for drafted tokens too
-        flush(c)
-        plain = chat(c, PLAIN, return_logprob=True, top_logprobs_num=2)
+        flush(pc)
+        plain = chat(pc, return_logprob=True, top_logprobs_num=2)
         assert spec["output_ids"] == plain["output_ids"]
         for key in ("output_token_logprobs", "output_top_logprobs"):
             assert spec["meta_info"][key] == plain["meta_info"][key]
@@ -109,7 +110,7 @@ def test_dashboard_shows_speculation(spec_server: ServerProcess) -> None:
     assert errors == []
 
 
-def test_pd_decode_worker_with_data_parallel_ranks_drafts(spec_server: ServerProcess) -> None:
+def test_pd_decode_worker_with_data_parallel_ranks_drafts(plain_server: ServerProcess) -> None:
     """A prefill worker hands the prompt's KV to a decode worker of two data-parallel ranks that
     speculates: the rank asked for drafts, and the answer is plain decoding's, token for token."""
     bport = free_port()
@@ -120,9 +121,9 @@ def test_pd_decode_worker_with_data_parallel_ranks_drafts(spec_server: ServerPro
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        with spec_server.client() as c:
+        with plain_server.client() as c:
             flush(c)
-            want = chat(c, PLAIN)["output_ids"]
+            want = chat(c)["output_ids"]
         body = {"text": f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n",
                 "sampling_params": {"temperature": 0, "max_new_tokens": 64}, "bootstrap_host": "127.0.0.1",
                 "bootstrap_port": bport, "bootstrap_room": random.getrandbits(63), "data_parallel_rank_decode": 1}
