@@ -18,11 +18,19 @@ weight row expanded to bf16 once, vdpbf16ps dot products; AVX512-BF16). float32 
 float kernel, their exact reference. A fused linear whose parts
 have different types (Q4_K_M files keep some ``attn_v`` / ``ffn_down`` in Q6_K) holds one segment
 per type and writes each segment's columns of the output.
+
+Which of the two bf16 kernels a row takes changes its numbers (the VNNI kernel quantizes the
+activations; each kernel alone computes a row the same way whatever the number of rows). A step
+that verifies drafted tokens has more rows than requests; ``decode_rows(n)`` makes its rows take
+the kernel a decode step of ``n`` requests takes, so that verifying a token computes what decoding
+it would have.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -34,6 +42,20 @@ from radixserve.model.quant import QuantizedWeight
 # bundled model at 1 / 4 rows took 9.3 / 19.8 ms with it and 15.7 / 23.7 ms with the bf16 kernel
 # (AVX-512 EPYC); from 8 rows the bf16 kernel's plain dot products win.
 VNNI_MAX_ROWS = 4
+
+# the number of requests of the decode step being run, where it has more rows than requests
+_decode_requests: ContextVar[int | None] = ContextVar("gguf_decode_requests", default=None)
+
+
+@contextmanager
+def decode_rows(requests: int) -> Iterator[None]:
+    """Inside: inputs of up to ``small_rows`` rows pick their bf16 kernel as a decode step of
+    ``requests`` rows would (a verify step's rows compute what its requests' decode rows would)."""
+    token = _decode_requests.set(requests)
+    try:
+        yield
+    finally:
+        _decode_requests.reset(token)
 
 
 class GGUFBlocks:
@@ -129,8 +151,10 @@ class GGUFWeight(QuantizedWeight):
         return [s.qtype for s in self.segments]
 
     def _segment(self, rows: torch.Tensor, s: GGUFBlocks) -> torch.Tensor:
-        if self._vnni is not None and rows.dtype == torch.bfloat16 and rows.shape[0] <= min(self.small_rows, VNNI_MAX_ROWS):
-            return self._vnni.linear(rows, s.data, s.qtype)
+        if self._vnni is not None and rows.dtype == torch.bfloat16 and rows.shape[0] <= self.small_rows:
+            requests = _decode_requests.get()
+            if (rows.shape[0] if requests is None else requests) <= VNNI_MAX_ROWS:
+                return self._vnni.linear(rows, s.data, s.qtype)
         return self._ext.linear(rows, s.data, s.qtype, self.small_rows)
 
     @property

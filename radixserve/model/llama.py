@@ -19,6 +19,7 @@ every layer; without one (``tp`` None) nothing of that runs: no collective, no m
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -31,7 +32,7 @@ from radixserve.model.attention_backend import AttentionBackend, create_attentio
 from radixserve.model.config import ModelConfig
 from radixserve.model.decoder_layer import NORMS, DecoderLayer
 from radixserve.model.fused_ops import TorchOps, make_small_ops
-from radixserve.model.gguf_blocks import GGUFBlocks, GGUFWeight
+from radixserve.model.gguf_blocks import GGUFBlocks, GGUFWeight, decode_rows
 from radixserve.model.layers import MLP, RMSNorm, SparseMoE, rope_attention_factor, rope_inv_freq
 from radixserve.model.linear import Linear, empty_param
 from radixserve.model.parallel import TPGroup
@@ -284,8 +285,14 @@ class LlamaForCausalLM(nn.Module):
         self, forward_batch: ForwardBatch, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool
     ) -> torch.Tensor:
         """Logits ``[B, vocab]`` (model dtype) of each request's last new token."""
-        hidden = self.forward_hidden(forward_batch, kv_pool, req_to_token_pool)
-        return self.compute_logits(hidden, forward_batch)
+        fb = forward_batch
+        # a step verifying drafts, every other row a decode row: its rows take the bf16 GGUF kernel
+        # its requests' decode rows would (gguf_blocks.decode_rows)
+        verify = set(fb.verify.rows) if fb.verify is not None else set()
+        decode_like = bool(verify) and all(n == 1 or i in verify for i, n in enumerate(fb.extend_seq_lens))
+        with decode_rows(fb.batch_size) if decode_like else nullcontext():
+            hidden = self.forward_hidden(fb, kv_pool, req_to_token_pool)
+            return self.compute_logits(hidden, fb)
 
     def forward_hidden(
         self, forward_batch: ForwardBatch, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool

@@ -11,7 +11,7 @@ import torch
 from kvharness import Harness
 
 from radixserve.mem.forward_batch import ForwardBatch, VerifyRows
-from radixserve.model.dequant import linear_ext
+from radixserve.model.dequant import has_bf16_kernel, linear_ext
 from radixserve.model.gguf_file import open_gguf
 from radixserve.model.loader import default_model_path
 from radixserve.model.model_runner import ModelRunner
@@ -54,9 +54,11 @@ def test_paged_attention_row_does_not_depend_on_the_batch(length: int) -> None:
         assert torch.equal(alone[0], full[b])
 
 
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
-    r = ModelRunner(None, dtype="float32", attention_backend="cpu_paged", progress=False)
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def runner(request: pytest.FixtureRequest) -> ModelRunner:
+    if request.param == "bfloat16" and not has_bf16_kernel():
+        pytest.skip("bfloat16 decode rows past a few take oneDNN's GEMM here (no AVX512-BF16)")
+    r = ModelRunner(None, dtype=request.param, attention_backend="cpu_paged", progress=False)
     r.attach_pools(r.make_kv_pool(4096, page_size=16), r.make_req_to_token_pool(8))
     return r
 
