@@ -40,7 +40,9 @@ def prompts(engine: Engine, workload: str) -> list[str]:
 
 
 def run(runner: ModelRunner, workload: str, algorithm: str | None, max_new: int) -> tuple[float, dict]:
-    kw = {"speculative_algorithm": algorithm} if algorithm else {}
+    kw: dict[str, object] = {"speculative_algorithm": algorithm} if algorithm else {}
+    if algorithm == "ngram-chain":  # n-gram drafts without trees (one match per step)
+        kw = {"speculative_algorithm": "ngram", "speculative_ngram_max_bfs_breadth": 1}
     engine = Engine(runner=runner, max_total_tokens=8192, context_length=4096, **kw)
     try:
         tpots, meta = [], {"spec_verify_ct": 0, "spec_accepted_tokens": 0}
@@ -95,7 +97,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto", help="the target's --quantization (none: float weights, "
                     "which the draft algorithm drafts for with the file's blocks)")
-    ap.add_argument("--algorithms", nargs="+", default=["ngram"], choices=["ngram", "draft"])
+    ap.add_argument("--algorithms", nargs="+", default=["ngram"], choices=["ngram", "ngram-chain", "draft"],
+                    help="ngram-chain: ngram with --speculative-ngram-max-bfs-breadth 1 (no draft trees)")
     ap.add_argument("--workloads", nargs="+", default=["grounded", "chat"], choices=["grounded", "chat"])
     ap.add_argument("--rounds", type=int, default=2, help="runs of each setting per workload, alternated")
     ap.add_argument("--max-new-tokens", type=int, default=160)

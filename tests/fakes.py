@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from radixserve.config import ServerArgs
+from radixserve.mem.draft_tree import children
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, PromptLogprobs, VerifyRows
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.sched.build import build_kv, build_scheduler
@@ -38,13 +39,17 @@ class EchoRunner:
             pos = int(batch.positions[off - 1])
             if self.pool is not None:
                 row = self.pool.req_to_token[int(batch.req_pool_indices[i])]
-                assert row[pos - n + 1 : pos + 1].tolist() == loc[off - n : off]
+                p = batch.extend_prefix_lens[i]  # (a draft tree's positions are depths, its slots in draft order)
+                assert row[p : p + n].tolist() == loc[off - n : off]
             out.append(self.next_token(last_tok, pos))
         result = ForwardOutput(next_token_ids=out)
         if batch.verify is not None:  # the same rule at every drafted position of a verify row
             ids, positions = batch.input_ids.tolist(), batch.positions.tolist()
-            result.verified = [[self.next_token(ids[f], positions[f]) for f in batch.verify.positions[a:b]]
-                               + [out[row]] for row, a, b in _verify_slices(batch.verify)]
+            if batch.verify.parents is None:
+                result.verified = [[self.next_token(ids[f], positions[f]) for f in batch.verify.positions[a:b]]
+                                   + [out[row]] for row, a, b in _verify_slices(batch.verify)]
+            else:
+                result.verified, result.verify_paths = self._walk_trees(batch, ids, positions)
         rows = batch.prompt_logprobs
         if rows is not None:  # a made-up logprob of each target from the input token and position it follows
             ids, positions = batch.input_ids.tolist(), batch.positions.tolist()
@@ -55,6 +60,29 @@ class EchoRunner:
 
     def next_token(self, token: int, position: int) -> int:
         return (token + position + 1) % (VOCAB - 1) + 1
+
+    def _walk_trees(self, batch: ForwardBatch, ids: list[int], positions: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """Each verify row's walk down its draft tree by the rule (mem/draft_tree.py): the tokens
+        along the kept path (-1 after) and the drafts on it."""
+        assert batch.verify is not None and batch.verify.parents is not None
+        starts = [sum(batch.extend_seq_lens[:i]) for i in range(batch.batch_size)]
+        verified, paths = [], []
+        for row, parents in zip(batch.verify.rows, batch.verify.parents, strict=True):
+            f0 = starts[row]
+            kids = children(parents)
+            toks, path, j = [], [], 0
+            while True:
+                f = f0 + j  # the flat index of the last token (j = 0) or of draft j - 1
+                t = self.next_token(ids[f], positions[f])
+                toks.append(t)
+                nxt = next((c for c in kids[j] if ids[f0 + 1 + c] == t), None)
+                if nxt is None:
+                    break
+                path.append(nxt)
+                j = nxt + 1
+            verified.append(toks + [-1] * (len(parents) + 1 - len(toks)))
+            paths.append(path)
+        return verified, paths
 
 
 def _verify_slices(verify: VerifyRows) -> list[tuple[int, int, int]]:

@@ -67,6 +67,30 @@ def test_greedy_equals_plain_decoding_everywhere(runner: ModelRunner, kw: dict) 
     assert spec["output_ids"] == plain["output_ids"]
 
 
+LIST = ("Copy this list exactly:\n- the old red house by the sea\n- the old red car by the road\n"
+        "- the old red door by the gate\n- the old red boat by the pier\n- the old red gate by the wall")
+
+
+def test_draft_trees_keep_greedy_outputs(runner: ModelRunner) -> None:
+    """A list whose items start alike (after "the old red" five continuations are in the prompt),
+    copied with draft trees of up to three branches beside a request writing freely: the same
+    tokens as decoding one at a time, and drafts branched."""
+    def run(**kw: object) -> tuple[list[list[int]], int]:
+        engine = Engine(runner=runner, max_total_tokens=4096, context_length=2048, **kw)
+        pin_step_costs(engine)
+        try:
+            prompts = [engine.apply_chat_template([{"role": "user", "content": LIST}]), STORY]
+            outs = engine.generate(prompts, {"temperature": 0.0, "max_new_tokens": 60})
+            engine.check_memory_invariant()
+            spec = engine.scheduler.parts.spec
+            return [o["output_ids"] for o in outs], spec.stats.tree_rows if spec is not None else 0
+        finally:
+            engine.shutdown()
+
+    got, trees = run(speculative_algorithm="ngram", speculative_ngram_max_bfs_breadth=3)
+    assert trees > 0 and got == run()[0]
+
+
 @pytest.mark.skipif(not has_bf16_kernel(), reason="bfloat16 decode rows past a few take oneDNN's GEMM here (no AVX512-BF16)")
 def test_bfloat16_greedy_equals_plain_decoding_in_a_batch() -> None:
     """bfloat16 on AVX-512: a verify step's rows take the kernel its requests' decode rows take

@@ -35,6 +35,11 @@ class SpeculativeOptions:
     speculative_ngram_max_match_window_size: int = option(
         12, "ngram: the longest match looked for (the longest match wins, the latest on a tie).",
         group="speculative")
+    speculative_ngram_max_bfs_breadth: int = option(
+        3, "ngram: the most earlier matches a request drafts from at once. Their continuations form a "
+        "tree (continuations that agree share their tokens) verified in one forward, each token attended "
+        "as the decode step of its own path; the longest accepted path is kept. 1: one chain. Trees need "
+        "--page-size 1 (a larger page size drafts chains).", group="speculative")
     speculative_max_batch_size: int = option(
         4, "With --speculative-algorithm: steps with more running requests than this draft nothing "
         "(a CPU step's cost grows with its tokens, and a full batch has no compute to spare for drafts).",
@@ -43,7 +48,8 @@ class SpeculativeOptions:
     def _speculative_errors(self) -> list[str]:
         errors: list[str] = []
         for name in ("speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
-                     "speculative_ngram_max_match_window_size", "speculative_max_batch_size"):
+                     "speculative_ngram_max_match_window_size", "speculative_ngram_max_bfs_breadth",
+                     "speculative_max_batch_size"):
             errors += not_positive(self, name, allow_none=False)
         if (self.speculative_algorithm or "").lower() in DRAFT_MODEL_ALGORITHMS and self.tp_size > 1:  # type: ignore[attr-defined]
             errors.append("--speculative-algorithm draft does not run under tensor parallelism yet")

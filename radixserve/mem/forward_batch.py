@@ -93,6 +93,9 @@ class VerifyRows:
     # the drafts are for the runner to make (a draft model): ``drafts`` holds placeholders of the
     # lengths the scheduler asked for, and the rows' input ids there are filled in before the forward
     by_runner: bool = False
+    # per row, its drafts' parents (mem/draft_tree.py): a row's drafts form a tree, each attended
+    # as the decode row of its own path; None: every row is a chain
+    parents: list[list[int]] | None = None
 
 
 @dataclass
@@ -147,6 +150,9 @@ class ForwardOutput:
     # equal these, then the first token that differs (or the one after the last draft).
     verified: list[list[int]] | None = None
     drafts: list[list[int]] | None = None  # per verify row, the drafts the runner made (``VerifyRows.by_runner``)
+    # per verify row when ``VerifyRows.parents`` is set: the drafts it kept, a path down its tree;
+    # ``verified`` then holds the target's tokens along that path (the last one after it)
+    verify_paths: list[list[int]] | None = None
     # per verify row and position, the log-probability of ``verified``'s token and the top ones, as
     # ``logprobs`` / ``top_logprobs`` are for a decode row (present when those are)
     verified_logprobs: list[list[float]] | None = None

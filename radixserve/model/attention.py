@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from radixserve.mem.draft_tree import depths, is_chain, path_to
 from radixserve.mem.forward_batch import ForwardBatch
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model.attention_backend import AttentionBackend, register_attention_backend
@@ -123,25 +124,31 @@ class TorchNativeAttention(AttentionBackend):
         # row as the decode row it would have been (its prefix grown by the drafts before it), so
         # that verifying a token computes what decoding it would have.
         by_token = set(fb.verify.rows) if fb.verify is not None else set()
+        trees = dict(zip(fb.verify.rows, fb.verify.parents, strict=True)) if fb.verify and fb.verify.parents else {}
         dec_tok: list[int] = []  # their tokens in the flat batch
         dec_rpi: list[int] = []
         lens: list[int] = []
         start = 0
         for i, n in enumerate(ext_lens):
             if n == 1 or i in by_token:
+                tree = trees.get(i)
+                heights = [0, *depths(tree)] if tree is not None else range(n)
                 for j in range(n):
                     dec_tok.append(start + j)
                     dec_rpi.append(rpi_list[i])
-                    lens.append(prefix_lens[i] + j + 1)
+                    lens.append(prefix_lens[i] + heights[j] + 1)
             start += n
         decode: _DecodeGroup | None = None
         shared: list[tuple[torch.Tensor, SharedPrefixGroup]] = []
+        dec_table = r2t
+        if any(not is_chain(t) for t in trees.values()):
+            dec_table, dec_rpi = self._tree_rows(fb, r2t, dec_tok, dec_rpi, lens, trees)
         if dec_tok:
             all_decode = len(dec_tok) == start  # every token, in order
             grouped: set[int] = set()
             if self.share_prefixes and len(dec_tok) > 1:
-                for members, p in find_shared_prefixes(r2t, dec_rpi, lens):
-                    grp = build_group(r2t, dec_rpi, lens, members, p)
+                for members, p in find_shared_prefixes(dec_table, dec_rpi, lens):
+                    grp = build_group(dec_table, dec_rpi, lens, members, p)
                     tok = torch.tensor([dec_tok[m] for m in members], dtype=torch.int64)
                     shared.append((tok, grp))
                     grouped.update(members)
@@ -155,9 +162,9 @@ class TorchNativeAttention(AttentionBackend):
                     rows_rpi = torch.tensor([dec_rpi[j] for j in rest], dtype=torch.int64)
                 rest_lens = [lens[j] for j in rest]
                 if self.window and max(rest_lens) > self.window:
-                    decode = self._window_decode_group(r2t, rows_rpi, rest_lens, token_idx, self.window)
+                    decode = self._window_decode_group(dec_table, rows_rpi, rest_lens, token_idx, self.window)
                 else:
-                    decode = self._decode_group(r2t, rows_rpi, rest_lens, token_idx)
+                    decode = self._decode_group(dec_table, rows_rpi, rest_lens, token_idx)
         extends: list[_Extend] = []
         start = 0
         for i, n in enumerate(ext_lens):
@@ -174,6 +181,28 @@ class TorchNativeAttention(AttentionBackend):
                 extends.append(_Extend(start, start + n, p, kv_idx, mask))
             start += n
         return _Metadata(id(fb), decode, extends, shared)
+
+    @staticmethod
+    def _tree_rows(fb: ForwardBatch, r2t: torch.Tensor, dec_tok: list[int], dec_rpi: list[int], lens: list[int],
+                   trees: dict[int, list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """A table with one row per token attended token by token, for a step whose drafts branch:
+        a draft's row is its request's prefix and last token, then the slots of its ancestors and
+        its own (where the request's row holds its siblings' drafts in draft order). Returns it and
+        each token's row in it."""
+        table = r2t.index_select(0, torch.tensor(dec_rpi, dtype=torch.int64))[:, : max(lens)].clone()
+        loc = fb.out_cache_loc.tolist()
+        row_of = {t: j for j, t in enumerate(dec_tok)}
+        start = 0
+        for i, n in enumerate(fb.extend_seq_lens):
+            tree = trees.get(i)
+            if tree is not None:
+                base = fb.extend_prefix_lens[i] + 1  # the first draft's position
+                for d in range(len(tree)):
+                    path = path_to(tree, d)
+                    slots = torch.tensor([loc[start + 1 + a] for a in path], dtype=table.dtype)
+                    table[row_of[start + 1 + d], base : base + len(path)] = slots
+            start += n
+        return table, list(range(len(dec_tok)))
 
     def _decode_group(
         self, r2t: torch.Tensor, rows_rpi: torch.Tensor, lens: list[int], token_idx: torch.Tensor | None

@@ -321,12 +321,16 @@ class ModelRunner:
             grammar_ended=sampled.grammar_ended,
         )
         if drafts is not None and batch.verify is not None:
-            out.verified, ended = verify_drafts(logits, drafts, batch.verify, batch.sampling, self.sampler.generator)
+            out.verified, ended, paths = verify_drafts(logits, drafts, batch.verify, batch.sampling,
+                                                       self.sampler.generator)
+            if batch.verify.parents is not None:
+                out.verify_paths = paths
             if ended:
                 out.grammar_ended = {**(out.grammar_ended or {}), **ended}
             if out.logprobs is not None or out.top_logprobs is not None:
                 out.verified_logprobs, out.verified_top_logprobs = verified_logprobs(
-                    logits, drafts, batch.verify, out.verified, info.top_logprobs_nums or [], out.logprobs is not None)
+                    logits, drafts, batch.verify, out.verified, paths, info.top_logprobs_nums or [],
+                    out.logprobs is not None)
             if batch.verify.by_runner:
                 out.drafts = batch.verify.drafts
         if extra is not None and batch.prompt_logprobs is not None:

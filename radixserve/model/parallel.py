@@ -47,7 +47,8 @@ STORE_CONNECT_TIMEOUT = timedelta(minutes=10)  # how long a rank keeps trying to
 WAITING_LOG_INTERVAL_S = 30.0
 
 OP_STOP, OP_FORWARD = 0, 1
-HEADER = 6  # op, tokens T, requests B, journal length W, extra logit positions E, verify rows V
+# op, tokens T, requests B, journal length W, extra logit positions E, verify rows V, draft parents P
+HEADER = 7
 # Header and payload travel in one broadcast when the payload fits (every decode step up to ~180
 # requests): on this 2-core VM each gloo collective costs ~0.3-0.6 ms whatever its size.
 INLINE_INTS = 2048
@@ -155,10 +156,13 @@ def send_step(tp: TPGroup, fb: ForwardBatch, journal: list[int]) -> None:
     T, B = fb.num_tokens, fb.batch_size
     extra = fb.extra_logit_positions()  # the other ranks compute these logits too (and sample nothing)
     verify = fb.verify.rows if fb.verify is not None else []  # attended token by token (attention.py)
+    # a draft tree's parents, every verify row's in turn (each row has its extend length - 1)
+    parents = [p for row in fb.verify.parents for p in row] if fb.verify is not None and fb.verify.parents else []
     body = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens,
             int64_tensor(fb.extend_prefix_lens), int64_tensor(fb.extend_seq_lens), int64_tensor(journal),
-            int64_tensor(extra), int64_tensor(verify)]
-    payload = torch.cat([int64_tensor((OP_FORWARD, T, B, len(journal), len(extra), len(verify))), *body])
+            int64_tensor(extra), int64_tensor(verify), int64_tensor(parents)]
+    header = (OP_FORWARD, T, B, len(journal), len(extra), len(verify), len(parents))
+    payload = torch.cat([int64_tensor(header), *body])
     n = payload.numel()
     first = torch.zeros(HEADER + INLINE_INTS, dtype=torch.int64)
     first[: min(n, first.numel())] = payload[: first.numel()]
@@ -177,18 +181,25 @@ def recv_step(tp: TPGroup) -> tuple[ForwardBatch, torch.Tensor] | None:
     """Ranks > 0: the next step's batch (sampling left greedy: only rank 0 samples) and the
     request-table journal to replay first; None when rank 0 stops."""
     first = tp.broadcast_(torch.empty(HEADER + INLINE_INTS, dtype=torch.int64, device=tp.device)).cpu()
-    op, T, B, W, E, V = first[:HEADER].tolist()
+    op, T, B, W, E, V, P = first[:HEADER].tolist()
     if op == OP_STOP:
         return None
-    n = 3 * T + 4 * B + W + E + V
+    n = 3 * T + 4 * B + W + E + V + P
     body = first[HEADER : HEADER + n]
     if n > INLINE_INTS:
         rest = tp.broadcast_(torch.empty(n - INLINE_INTS, dtype=torch.int64, device=tp.device)).cpu()
         body = torch.cat([body, rest])
-    ids, pos, loc, rows, seq_lens, prefix, ext, journal, extra, verify = body.split([T, T, T, B, B, B, B, W, E, V])
+    ids, pos, loc, rows, seq_lens, prefix, ext, journal, extra, verify, flat = body.split([T, T, T, B, B, B, B, W, E, V, P])
     # the extra positions (prompt logprobs and drafts alike) travel as prompt-logprob rows; the verify
     # rows only say which rows attention takes token by token
-    fb = ForwardBatch(ids, pos, loc, rows, seq_lens, prefix.tolist(), ext.tolist(), SamplingBatchInfo.greedy(B),
+    ext_lens = ext.tolist()
+    parents: list[list[int]] | None = None
+    if P:
+        flat_parents, parents = flat.tolist(), []
+        for row in verify.tolist():
+            parents.append(flat_parents[: ext_lens[row] - 1])
+            del flat_parents[: ext_lens[row] - 1]
+    fb = ForwardBatch(ids, pos, loc, rows, seq_lens, prefix.tolist(), ext_lens, SamplingBatchInfo.greedy(B),
                       prompt_logprobs=PromptLogprobRows(extra.tolist()) if E else None,
-                      verify=VerifyRows(verify.tolist(), [], []) if V else None)
+                      verify=VerifyRows(verify.tolist(), [], [], parents=parents) if V else None)
     return fb, journal

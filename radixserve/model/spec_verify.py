@@ -38,6 +38,7 @@ from dataclasses import replace
 import torch
 
 from radixserve.grammar import advance, masks_along
+from radixserve.mem.draft_tree import chain, children, depths, is_chain, path_to, walk
 from radixserve.mem.forward_batch import SamplingBatchInfo, VerifyRows
 from radixserve.mem.penalties import RowPenalties
 from radixserve.model.sampler import _CANDIDATES, _GREEDY_EPS, _inverse_cdf, apply_penalties, seed_for_step
@@ -47,25 +48,30 @@ from radixserve.model.sampler import _CANDIDATES, _GREEDY_EPS, _inverse_cdf, app
 def verify_drafts(
     last_logits: torch.Tensor, draft_logits: torch.Tensor, verify: VerifyRows, info: SamplingBatchInfo,
     generator: torch.Generator,
-) -> tuple[list[list[int]], dict[int, str]]:
+) -> tuple[list[list[int]], dict[int, str], list[list[int]]]:
     """``last_logits`` [B, V]: each batch row's last position; ``draft_logits`` [sum k, V]: the
-    positions of ``verify.positions`` in order. Returns ``t_0..t_k`` per verify row (``-1`` past
-    what can be kept), and the batch rows whose grammar ended with their kept tokens (as
+    positions of ``verify.positions`` in order. Returns, per verify row, the target's tokens along
+    the path it keeps (``t_0..t_a``, ``-1`` after: ``k + 1`` in all), the drafts on that path (its
+    first ``a``), and the batch rows whose grammar ended with their kept tokens (as
     ``grammar.advance`` reports them)."""
     out: list[list[int]] = []
+    paths: list[list[int]] = []
     ended: dict[int, str] = {}
     off = 0
-    for row, draft in zip(verify.rows, verify.drafts, strict=True):
+    for v, (row, draft) in enumerate(zip(verify.rows, verify.drafts, strict=True)):
         k = len(draft)
+        parents = verify.parents[v] if verify.parents is not None else chain(k)
         logits = torch.cat([draft_logits[off : off + k], last_logits[row : row + 1]]).float()
         off += k
         pens = info.penalties[row] if info.penalties is not None else None
         if pens is not None:
-            logits = _penalized(logits, pens, draft, info.steps[row] if row < len(info.steps) else pens.n_out)
+            logits = _penalized(logits, pens, draft, parents, info.steps[row] if row < len(info.steps) else pens.n_out)
         matcher = info.grammars[row] if info.grammars is not None else None
         if matcher is not None and matcher.is_stopped():
             matcher = None
         if matcher is not None:
+            if not is_chain(parents):
+                raise RuntimeError("a row under a grammar drafts a chain, not a tree")
             try:
                 allowed = masks_along(matcher, draft, logits.shape[1])
                 logits = torch.where(allowed, logits[: allowed.shape[0]], float("-inf"))
@@ -74,23 +80,25 @@ def verify_drafts(
             except BaseException as e:  # a Rust panic: this request ends with it, the batch goes on
                 ended[row] = f"the grammar engine failed: {e!r}"
                 matcher = None
-        tokens = _pick(logits, draft, row, info, generator)
+        tokens, path = _pick(logits, draft, parents, row, info, generator)
         tokens += [-1] * (k + 1 - len(tokens))
         if matcher is not None:
             tokens = _consume_kept(matcher, draft, tokens, row, ended)
         out.append(tokens)
-    return out, ended
+        paths.append(path)
+    return out, ended, paths
 
 
-def _penalized(logits: torch.Tensor, pens: RowPenalties, draft: list[int], step: int) -> torch.Tensor:
+def _penalized(logits: torch.Tensor, pens: RowPenalties, draft: list[int], parents: list[int], step: int) -> torch.Tensor:
     """A row's ``k + 1`` positions with its penalties applied as the sampler applies them to a
-    decode row: position ``j``'s history is the request's output followed by ``d_1..d_j``, its
-    step ``step + j`` (``min_new_tokens``)."""
+    decode row: the history of the position after draft ``j`` is the request's output followed by
+    the drafts on ``j``'s path (``d_1..d_j`` in a chain), its step ``step + depth`` (``min_new_tokens``)."""
     n = logits.shape[0]
     hist = list(pens.output_ids[: pens.n_out])
-    rows = [replace(pens, output_ids=hist + draft[:j], n_out=len(hist) + j, pending_pos=-1) for j in range(n)]
+    lines: list[list[int]] = [[]] + [[draft[a] for a in path_to(parents, j)] for j in range(n - 1)]
+    rows = [replace(pens, output_ids=hist + line, n_out=len(hist) + len(line), pending_pos=-1) for line in lines]
     per_position = SamplingBatchInfo([0.0] * n, [1.0] * n, [-1] * n, [0.0] * n, [None] * n,
-                                     [step + j for j in range(n)], penalties=list(rows))
+                                     [step + len(line) for line in lines], penalties=list(rows))
     return apply_penalties(logits, per_position)
 
 
@@ -110,40 +118,45 @@ def _consume_kept(matcher: object, draft: list[int], tokens: list[int], row: int
     return tokens
 
 
-def _pick(logits: torch.Tensor, draft: list[int], row: int, info: SamplingBatchInfo,
-          generator: torch.Generator) -> list[int]:
-    """The target's tokens at the ``n <= k + 1`` positions of ``logits`` [n, V]."""
+def _pick(logits: torch.Tensor, draft: list[int], parents: list[int], row: int, info: SamplingBatchInfo,
+          generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """The walk down a row's drafts (``logits`` [n, V]: the last token's position, then each
+    draft's): at each node the target's token; where it is one of the node's children the walk goes
+    on there. Returns the tokens and the children walked into."""
     t, top_k = info.temperatures[row], info.top_ks[row]
     if t <= _GREEDY_EPS or top_k == 1:
-        return logits.argmax(dim=-1).tolist()
+        best = logits.argmax(dim=-1).tolist()
+        return walk(parents, draft, lambda j, _: best[j])
     n = logits.shape[0]
     probs = filtered_probs(logits, t, top_k, info.top_ps[row], info.min_ps[row])
+    width = 1 + max(1, max(len(c) for c in children(parents)))  # a node's uniforms: one per child, one to draw
     seed = info.seeds[row]
     if seed is None:
-        u = torch.rand(n, 2, generator=generator)
-    else:
+        u = torch.rand(n, width, generator=generator)
+    else:  # one stream per position's depth: the row's output is its seed's alone
         step = info.steps[row] if row < len(info.steps) else 0
-        u = torch.cat([torch.rand(1, 2, generator=torch.Generator().manual_seed(seed_for_step(seed, step + j)))
+        deep = [0, *depths(parents)]
+        u = torch.cat([torch.rand(1, width, generator=torch.Generator().manual_seed(seed_for_step(seed, step + deep[j])))
                        for j in range(n)])
-    return _accept_or_redraw(probs, draft[: n - 1], u)
+    return walk(parents, draft, lambda j, cands: _accept_or_redraw(probs[j], [draft[c] for c in cands], u[j]))
 
 
-def _accept_or_redraw(probs: torch.Tensor, draft: list[int], u: torch.Tensor) -> list[int]:
-    """Rejection sampling over ``probs`` [k + 1, V] (rows sum to 1) with point-mass drafts."""
-    k = len(draft)
-    tokens: list[int] = []
-    for j in range(k):
-        d = draft[j]
-        if float(u[j, 0]) < float(probs[j, d]):
-            tokens.append(d)
-            continue
-        residual = probs[j : j + 1].clone()
-        residual[0, d] = 0.0
-        tokens.append(int(_inverse_cdf(residual, u[j : j + 1, 1:])[0]))
-        tokens.extend([-1] * (k - j))  # past the first rejection nothing is kept
-        return tokens
-    tokens.append(int(_inverse_cdf(probs[k : k + 1], u[k : k + 1, 1:])[0]))
-    return tokens
+def _accept_or_redraw(probs: torch.Tensor, cands: list[int], u: torch.Tensor) -> int:
+    """One position's token by rejection sampling over ``probs`` [V] (sums to 1) with point-mass
+    drafts ``cands`` (distinct tokens): each in turn is kept with its probability under what the
+    ones before it left (uniform ``u[i]``), else removed; with none kept, a draw from the rest
+    (``u[max(1, len(cands))]``). The token is distributed as ``probs``."""
+    rest = probs
+    mass = 1.0
+    for i, d in enumerate(cands):
+        p = float(rest[d])
+        if mass <= p or float(u[i]) < p / mass:  # (mass <= p: the candidates hold all that is left)
+            return d
+        if rest is probs:
+            rest = probs.clone()
+        rest[d] = 0.0
+        mass -= p
+    return int(_inverse_cdf(rest.view(1, -1), u[max(1, len(cands))].view(1, 1))[0])
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -175,17 +188,21 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 @torch.inference_mode()
 def verified_logprobs(
     last_logits: torch.Tensor, draft_logits: torch.Tensor, verify: VerifyRows, verified: list[list[int]],
-    top_ns: list[int], want_lp: bool,
+    paths: list[list[int]], top_ns: list[int], want_lp: bool,
 ) -> tuple[list[list[float]] | None, list[list[list[tuple[int, float]]]] | None]:
-    """Per verify row and position, the log-probability of its verified token (``want_lp``) and the
-    ``top_ns[row]`` most likely tokens, from the model's own logits as the sampler reports them for
-    a decode row (positions past what can be kept, ``-1``, get 0.0 and nothing)."""
+    """Per verify row and position of its kept path (``paths``, as ``verify_drafts`` returns them),
+    the log-probability of its verified token (``want_lp``) and the ``top_ns[row]`` most likely
+    tokens, from the model's own logits as the sampler reports them for a decode row (positions
+    past what can be kept, ``-1``, get 0.0 and nothing)."""
     lps: list[list[float]] = []
     tops: list[list[list[tuple[int, float]]]] = []
     off = 0
-    for row, draft, tokens in zip(verify.rows, verify.drafts, verified, strict=True):
+    for row, draft, tokens, path in zip(verify.rows, verify.drafts, verified, paths, strict=True):
         k = len(draft)
-        logp = torch.log_softmax(torch.cat([draft_logits[off : off + k], last_logits[row : row + 1]]).float(), dim=-1)
+        rows = [0] + [c + 1 for c in path]  # the logits rows the path's tokens come from
+        rows += [0] * (len(tokens) - len(rows))  # (their tokens are -1)
+        logits = torch.cat([draft_logits[off : off + k], last_logits[row : row + 1]])
+        logp = torch.log_softmax(logits.index_select(0, torch.tensor(rows)).float(), dim=-1)
         off += k
         idx = torch.tensor([max(t, 0) for t in tokens], dtype=torch.int64).view(-1, 1)
         lp = logp.gather(1, idx).view(-1).tolist()

@@ -273,7 +273,7 @@ class SchedulerCore:
 
     def process_batch_result(self, batch: ScheduleBatch, out: ForwardOutput) -> None:
         spec = self.parts.spec
-        kept = spec.accept(batch, out) if spec is not None and batch.drafts is not None else None
+        kept = spec.accept(batch, out, self.kv.keep_path) if spec is not None and batch.drafts is not None else None
         self.outputs.process_batch_result(batch, out, kept)
         self.deadlines.observe(batch)
         self.settings.policy.on_batch(batch)

@@ -226,6 +226,20 @@ class KVManager:
             self.allocator.free(kv[keep_pages:])
         del kv[n:]
 
+    def keep_path(self, req: Req, first: int, path: list[int]) -> None:
+        """Speculative decoding with a draft tree: ``req``'s drafts hold slots ``first, first + 1,
+        ..`` in draft order; the kept ones (``path``, draft indices) move to the front, in path
+        order, so that their KV sits at the positions they are kept at (the rest, now after them,
+        is cut off by ``truncate``). Slots move, not KV: page size 1 only."""
+        if self.page_size != 1:
+            raise ValueError("draft trees need a page size of 1 (their kept slots move between positions)")
+        kv = req.kv_indices
+        tail = kv[first:]
+        order = path + [j for j in range(len(tail)) if j not in set(path)]
+        kv[first:] = [tail[j] for j in order]
+        assert req.req_pool_idx is not None
+        self.req_to_token_pool.write(req.req_pool_idx, first, kv[first:])
+
     def release(self, req: Req) -> None:
         """A request ends (or is retracted): its computed KV goes to the cache, the rest is freed."""
         if req.req_pool_idx is None:  # matched while waiting but never admitted: holds no lock

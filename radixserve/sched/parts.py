@@ -113,6 +113,7 @@ def build_parts(
     if algo:
         spec = Speculation(args.speculative_num_draft_tokens, args.speculative_ngram_min_match_window_size,
                            args.speculative_ngram_max_match_window_size, args.speculative_max_batch_size,
-                           by_runner=algo in DRAFT_MODEL_ALGORITHMS)
+                           by_runner=algo in DRAFT_MODEL_ALGORITHMS,
+                           breadth=args.speculative_ngram_max_bfs_breadth if args.page_size == 1 else 1)
     return SchedParts(settings, clk, queues, stats, kv, runner, forward, outputs, deadlines, grammars, intake,
                       victims, ordering, preemption, spec)

@@ -8,6 +8,7 @@ from operator import attrgetter, itemgetter, not_
 
 import torch
 
+from radixserve.mem.draft_tree import chain, depths
 from radixserve.mem.forward_batch import (
     ForwardBatch,
     PromptLogprobRows,
@@ -42,6 +43,9 @@ class ScheduleBatch:
         # per row, the draft tokens it verifies after its last token this step (speculative
         # decoding, sched/spec.py); None: no row drafts
         self.drafts: list[list[int]] | None = None
+        # per row, its drafts' parents where they branch (mem/draft_tree.py; None: a chain);
+        # None: every row's drafts are a chain
+        self.draft_parents: list[list[int] | None] | None = None
         # what the requests' rows repeat every step (pool rows, sampling params, output fields):
         # a running batch keeps its requests for many steps, so these are kept with it
         self.columns = RowColumns()
@@ -60,6 +64,7 @@ class ScheduleBatch:
         b.columns = self.columns.copy()  # keyed by the same requests
         b.num_decode = self.num_decode
         b.drafts = self.drafts
+        b.draft_parents = self.draft_parents
         return b
 
     def to_forward_batch(self, capture_logits: bool = False, pending: dict[int, int] | None = None) -> ForwardBatch:
@@ -68,7 +73,7 @@ class ScheduleBatch:
         which the forward thread replaces with that token (``overlap.ForwardThread``)."""
         if self.forward_mode is ForwardMode.DECODE and self.drafts is None:
             return self._decode_forward_batch(capture_logits, pending)
-        drafts = self.drafts
+        drafts, trees = self.drafts, self.draft_parents
         ids: list[int] = []
         positions: list[int] = []
         steps = [len(r.output_ids) for r in self.reqs]
@@ -90,7 +95,12 @@ class ScheduleBatch:
             else:
                 ids.extend(req.origin_input_ids[start:])
                 ids.extend(req.output_ids[: start + n - k])
-            positions.extend(range(start, start + n))
+            tree = trees[i] if trees is not None else None
+            if tree is None:
+                positions.extend(range(start, start + n))
+            else:  # a draft's position is its depth below the last token
+                positions.append(start)
+                positions.extend(start + h for h in depths(tree))
         seq_lens = [s + n for s, n in zip(self.prefix_lens, self.extend_lens, strict=True)]
         fb = self._make(ids, int64_tensor(positions), int64_tensor(seq_lens), capture_logits, steps)
         fb.prompt_logprobs = self._prompt_logprob_rows()
@@ -111,7 +121,10 @@ class ScheduleBatch:
                 kept.append(d)
                 positions.extend(range(flat, flat + len(d)))
             flat += n
-        return VerifyRows(rows, kept, positions, by_runner=any(d[0] == DRAFT_BY_RUNNER for d in kept))
+        trees = self.draft_parents
+        parents = [trees[i] or chain(len(drafts[i])) for i in rows] if trees is not None else None
+        return VerifyRows(rows, kept, positions, by_runner=any(d[0] == DRAFT_BY_RUNNER for d in kept),
+                          parents=parents)
 
     def _prompt_logprob_rows(self) -> PromptLogprobRows | None:
         """The prompt positions of this extend whose next token's logprob a request still waits for:

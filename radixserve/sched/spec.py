@@ -3,10 +3,13 @@
 With ``--speculative-algorithm ngram`` a decoding request may extend by its last token plus ``k``
 draft tokens instead of one token. The drafts come from the request's own prompt and output
 (prompt lookup): the longest suffix of its tokens (``--speculative-ngram-min/max-match-window-size``)
-that occurred before, and the tokens that followed that occurrence. The target model verifies
-them in the same forward (``model/spec_verify.py``); the scheduler keeps the drafts up to the first
-one the target disagrees with, plus the target's own token there, so a step yields 1 to ``k + 1``
-tokens.
+that occurred before, and the tokens that followed that occurrence (``spec_ngram.py``); with
+``--speculative-ngram-max-bfs-breadth`` above 1, the next best occurrences' continuations too, as
+branches of a draft tree (``mem/draft_tree.py``). The target model verifies them in the same
+forward (``model/spec_verify.py``); the scheduler keeps the drafts down the path the target agrees
+with, plus the target's own token where it stops, so a step yields 1 to ``k + 1`` tokens. A tree
+row's drafts hold KV slots in draft order; the kept path's slots move to the front
+(``KVManager.keep_path``: page size 1, where a slot is a position) before the rest is cut off.
 
 With ``--speculative-algorithm draft`` the drafts come from a draft model in the runner
 (``model/draft.py``): the scheduler decides how many tokens each request drafts (placeholders,
@@ -32,7 +35,8 @@ rows). ``StepCosts`` keeps the measured time of decode steps by their token coun
 keeps ``alpha``, its measured chance that a draft token is accepted (the ``i``-th draft token is
 kept with probability ``alpha ** i``), by the length of the match the draft came from, starting
 from what all requests measured for that length. Each step ``Speculation.draft`` takes the request's
-candidates, orders every draft token by its expected value, and keeps the prefix of that order that
+candidates (a tree's nodes valued as ``DraftTree`` says), orders every draft token by its expected
+value, and keeps the prefix of that order that
 maximizes expected tokens per second of step (``plan``): a random chat whose drafts keep failing
 drafts nothing, a text being quoted drafts long, a full batch drafts only its surest tokens.
 Unmeasured token counts are estimated from the measured ones (optimistically, so they get tried
@@ -44,26 +48,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from radixserve.mem.draft_tree import is_chain
 from radixserve.mem.forward_batch import ForwardOutput
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import DRAFT_BY_RUNNER, ScheduleBatch
+from radixserve.sched.spec_ngram import _CLASS_PRIORS, EMA, DraftTree, NgramDrafts
 
-_CANDIDATES = 8  # earlier occurrences of the match key looked at per draft, the latest first
-_EMA = 0.3  # weight of the latest measurement in a request's acceptance and in a step cost
-_RECOVER = 0.02  # how fast an idle request's acceptance returns to the prior, per step
 _EXTRAPOLATE = 0.15  # an unmeasured larger step: this much of the largest measured one's per-token cost
 _MIN_GAIN = 0.02  # drafts must promise at least this much more tokens per second than none
 _STALE = 64  # steps after which a step cost is measured again rather than trusted
-_SHARED_EMA = 0.05  # weight of one verify in the acceptance all requests share, per match class
-# A draft's match class: how long the suffix it was found by (a one-token match is a guess, a
-# twelve-token one mostly a quotation). Measured on the grounded workload: matches of 1-2 tokens
-# kept 6-23% of their drafts, 3-5 tokens 55-100%, 6 or more ~70%.
-_MATCH_CLASSES = (3, 6)  # the shortest match of the medium and of the long class
-_CLASS_PRIORS = (0.2, 0.6, 0.7)  # the acceptance of each class before any request has verified
-
-
-def match_class(length: int) -> int:
-    return sum(length >= b for b in _MATCH_CLASSES)
 
 
 @dataclass
@@ -72,6 +65,8 @@ class SpecStats:
     verify_rows: int = 0  # request-steps that carried drafts
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    tree_rows: int = 0  # request-steps whose drafts branched
+    side_paths: int = 0  # of those, the ones that kept a path other than the first branch
 
 
 def spec_counts(spec: Speculation | None) -> dict[str, int]:
@@ -81,80 +76,6 @@ def spec_counts(spec: Speculation | None) -> dict[str, int]:
     s = spec.stats
     return {"spec_verify_rows": s.verify_rows, "spec_draft_tokens": s.draft_tokens,
             "spec_accepted_tokens": s.accepted_tokens}
-
-
-class NgramDrafts:
-    """A request's tokens (prompt + output, mirrored as they grow), an index from each
-    ``min_n``-gram to the positions that followed it, and its measured acceptance by match class
-    (``alpha``: the chance that a draft token of its latest proposal is accepted, given the ones
-    before it were). ``shared``: the acceptance by class over all requests, which a request starts
-    from, adds its verifies to, and drifts back to while idle."""
-
-    __slots__ = ("tokens", "index", "indexed", "min_n", "max_n", "alphas", "shared", "cls")
-
-    def __init__(self, req: Req, min_n: int, max_n: int, shared: list[float] | None = None) -> None:
-        self.tokens: list[int] = list(req.origin_input_ids)
-        self.index: dict[tuple[int, ...], list[int]] = {}
-        self.indexed = 0  # n-grams ending before this position are in the index
-        self.min_n, self.max_n = min_n, max_n
-        self.shared = shared if shared is not None else list(_CLASS_PRIORS)
-        self.alphas = list(self.shared)
-        self.cls = len(_MATCH_CLASSES)  # the latest proposal's class (a draft model's drafts: the last)
-
-    @property
-    def alpha(self) -> float:
-        return self.alphas[self.cls]
-
-    def sync(self, req: Req) -> None:
-        """Mirror the request's new output tokens and index the n-grams that now have a follower."""
-        tokens, n = self.tokens, self.min_n
-        have = len(tokens) - req.prompt_len
-        if have < len(req.output_ids):
-            tokens.extend(req.output_ids[have:])
-        index = self.index
-        for end in range(max(self.indexed, n), len(tokens)):  # the n-gram tokens[end-n:end] precedes tokens[end]
-            key = tuple(tokens[end - n : end])
-            pos = index.get(key)
-            if pos is None:
-                index[key] = [end]
-            else:
-                pos.append(end)
-        self.indexed = max(self.indexed, len(tokens))
-
-    def propose(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the longest earlier match of the current suffix."""
-        tokens, n = self.tokens, self.min_n
-        L = len(tokens)
-        if L <= n or k <= 0:
-            return []
-        hits = self.index.get(tuple(tokens[L - n :]))
-        if not hits:
-            return []
-        best, best_len = -1, 0
-        for p in reversed(hits[-_CANDIDATES:]):
-            m = n
-            while m < self.max_n and p - m - 1 >= 0 and tokens[p - m - 1] == tokens[L - m - 1]:
-                m += 1
-            if m > best_len:
-                best, best_len = p, m
-                if m == self.max_n:
-                    break
-        self.cls = match_class(best_len)
-        return tokens[best : best + k] if best >= 0 else []
-
-    def update(self, drafted: int, accepted: int) -> None:
-        """After a verify step: ``accepted`` of ``drafted`` tokens kept (each kept draft a success,
-        the first rejected one a failure)."""
-        trials = accepted + (accepted < drafted)
-        rate, c = accepted / trials, self.cls
-        self.alphas[c] = (1 - _EMA) * self.alphas[c] + _EMA * rate
-        self.shared[c] = (1 - _SHARED_EMA) * self.shared[c] + _SHARED_EMA * rate
-
-    def idle(self) -> None:
-        """A step without drafts: the estimates drift back towards the shared ones, so a request
-        whose early drafts failed is tried again later (its text may have turned repetitive)."""
-        for c, a in enumerate(self.alphas):
-            self.alphas[c] = a + _RECOVER * (self.shared[c] - a)
 
 
 class StepCosts:
@@ -170,7 +91,7 @@ class StepCosts:
 
     def observe(self, tokens: int, seconds: float) -> None:
         old = self.seconds.get(tokens)
-        self.seconds[tokens] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+        self.seconds[tokens] = seconds if old is None else (1 - EMA) * old + EMA * seconds
         self.observations += 1
         self.seen[tokens] = self.observations
 
@@ -196,12 +117,19 @@ class StepCosts:
         return s[hi] * n / hi
 
 
-def plan(batch_tokens: int, candidates: list[tuple[float, list[int]]], cost: StepCosts) -> list[int]:
+def chain_values(alpha: float, n: int) -> list[float]:
+    """The values of ``n`` chained draft tokens each kept with probability ``alpha`` given the ones
+    before it were: ``alpha ** i`` for the ``i``-th."""
+    return [alpha ** (i + 1) for i in range(n)]
+
+
+def plan(batch_tokens: int, candidates: list[list[float]], cost: StepCosts) -> list[int]:
     """How many of its candidate draft tokens each request verifies: the first ``m`` draft tokens of
-    the batch by expected value (``alpha ** i`` for a request's ``i``-th), ``m`` maximizing expected
-    tokens over the step's estimated cost. ``candidates``: per request, (alpha, its draft tokens)."""
-    values = sorted(((alpha ** (i + 1), r) for r, (alpha, d) in enumerate(candidates) for i in range(len(d))),
-                    key=lambda v: -v[0])
+    the batch by expected value, ``m`` maximizing expected tokens over the step's estimated cost.
+    ``candidates``: per request, its draft tokens' values (their chance of being kept), in an order
+    where a token never comes after one of lower value (a tree's nodes by value, ``DraftTree``):
+    each request keeps a prefix of its own."""
+    values = sorted(((v, r) for r, vs in enumerate(candidates) for v in vs), key=lambda v: -v[0])
     base = cost.cost(batch_tokens)
     if not values or base is None:
         return [0] * len(candidates)
@@ -226,13 +154,15 @@ def can_draft(req: Req) -> bool:
 
 class Speculation:
     def __init__(self, num_draft_tokens: int, min_window: int, max_window: int, max_batch_size: int,
-                 by_runner: bool = False) -> None:
+                 by_runner: bool = False, breadth: int = 1) -> None:
         """``by_runner``: the runner's draft model makes the drafts (``--speculative-algorithm
-        draft``); the scheduler asks for a number of them per request (placeholders)."""
+        draft``); the scheduler asks for a number of them per request (placeholders). ``breadth``:
+        the most n-gram matches a request's draft tree follows (1: a chain)."""
         self.by_runner = by_runner
         self.max_k = num_draft_tokens
         self.min_n, self.max_n = min_window, max(max_window, min_window)
         self.max_batch_size = max_batch_size
+        self.breadth = max(1, breadth)
         self.stats = SpecStats()
         self.costs = StepCosts()
         self.match_alpha = list(_CLASS_PRIORS)  # shared by every request, by match class
@@ -246,67 +176,70 @@ class Speculation:
         """A decode step (with or without drafts) of ``tokens`` tokens took ``seconds``."""
         self.costs.observe(tokens, seconds)
 
-    def draft(self, reqs: list[Req], room: int, slots_for: Callable[[Req, int], int]) -> list[list[int]] | None:
+    def draft(self, reqs: list[Req], room: int, slots_for: Callable[[Req, int], int]) -> list[DraftTree] | None:
         """Each request's drafts for a decode step of ``reqs`` (None: none drafts), as ``plan``
         chooses. ``room``: the KV slots the drafts may take; ``slots_for(req, k)``: the slots ``k``
         drafts of ``req`` take."""
         if not self.active(len(reqs)) or room <= 0:
             return None
         cands = [self.candidate(req, room, slots_for) for req in reqs]
-        if not any(cands):
+        if not any(c.tokens for c in cands):
             self._idle(reqs, cands)
             return None
-        counts = plan(len(reqs), [(r.spec.alpha if d else 0.0, d) for r, d in zip(reqs, cands, strict=True)],
-                      self.costs)
-        drafts: list[list[int]] = []
+        counts = plan(len(reqs), [c.values for c in cands], self.costs)
+        drafts: list[DraftTree] = []
         for req, d, c in zip(reqs, cands, counts, strict=True):
-            d = d[:c]
-            while d and slots_for(req, len(d)) > room:
-                d.pop()
-            room -= slots_for(req, len(d)) if d else 0
-            drafts.append(d)
+            while c and slots_for(req, c) > room:
+                c -= 1
+            room -= slots_for(req, c) if c else 0
+            drafts.append(d.prefix(c))
         self._idle(reqs, drafts)
-        return drafts if any(drafts) else None
+        return drafts if any(d.tokens for d in drafts) else None
 
-    def draft_one(self, req: Req, room: int, slots_for: Callable[[Req, int], int], batch_tokens: int) -> list[int]:
+    def draft_one(self, req: Req, room: int, slots_for: Callable[[Req, int], int], batch_tokens: int) -> DraftTree:
         """``draft`` for one request of a step that has ``batch_tokens`` tokens without it (the
         unified scheduler decides request by request)."""
         d = self.candidate(req, room, slots_for)
-        if d:
-            d = d[: plan(batch_tokens, [(req.spec.alpha, d)], self.costs)[0]]
+        if d.tokens:
+            d = d.prefix(plan(batch_tokens, [d.values], self.costs)[0])
         self._idle([req], [d])
         return d
 
-    def candidate(self, req: Req, room: int, slots_for: Callable[[Req, int], int]) -> list[int]:
+    def candidate(self, req: Req, room: int, slots_for: Callable[[Req, int], int]) -> DraftTree:
         """``req``'s proposal: at most ``--speculative-num-draft-tokens``, none past
-        ``max_new_tokens`` (the target's own token counts) and within ``room``; [] for a request
-        that cannot draft."""
+        ``max_new_tokens`` (the target's own token counts) and within ``room``; empty for a request
+        that cannot draft. A request under a grammar drafts a chain (its matcher follows one path)."""
+        none = DraftTree([], [], [])
         if room <= 0 or not can_draft(req):
-            return []
+            return none
         st = req.spec
         if st is None:
             st = req.spec = NgramDrafts(req, self.min_n, self.max_n, self.match_alpha)
         k = min(self.max_k, req.sampling_params.max_new_tokens - len(req.output_ids) - 1)
         if k <= 0:
-            return []
+            return none
         if self.by_runner:
-            d = [DRAFT_BY_RUNNER] * k
+            d = DraftTree([DRAFT_BY_RUNNER] * k, list(range(-1, k - 1)), chain_values(st.alpha, k))
         else:
             st.sync(req)
-            d = st.propose(k)
-        while d and slots_for(req, len(d)) > room:
-            d.pop()
-        return d
+            d = st.propose_tree(k, 1 if req.grammar is not None else self.breadth)
+        n = len(d.tokens)
+        while n and slots_for(req, n) > room:
+            n -= 1
+        return d.prefix(n)
 
     @staticmethod
-    def _idle(reqs: list[Req], drafts: list[list[int]]) -> None:
+    def _idle(reqs: list[Req], drafts: list[DraftTree]) -> None:
         for req, d in zip(reqs, drafts, strict=True):
-            if not d and req.spec is not None:
+            if not d.tokens and req.spec is not None:
                 req.spec.idle()
 
-    def accept(self, batch: ScheduleBatch, out: ForwardOutput) -> dict[int, list[int]]:
-        """Row -> the tokens a verify row keeps: its drafts while the target agreed, then the
-        target's token (at most ``k + 1``). Updates each request's acceptance and the counters."""
+    def accept(self, batch: ScheduleBatch, out: ForwardOutput,
+               keep_path: Callable[[Req, int, list[int]], None]) -> dict[int, list[int]]:
+        """Row -> the tokens a verify row keeps: its drafts while the target agreed (a tree row: the
+        path the runner walked), then the target's token (at most ``k + 1``). ``keep_path(req,
+        first, path)`` moves a tree row's kept drafts' KV slots, from its ``first`` draft on, to the
+        positions they are kept at. Updates each request's acceptance and the counters."""
         drafts, verified = batch.drafts, out.verified
         assert drafts is not None
         if verified is None:
@@ -320,35 +253,55 @@ class Speculation:
             drafts = list(drafts)
             for i, d in zip(rows, out.drafts, strict=True):
                 drafts[i] = d
+        parents = batch.draft_parents
+        if parents is not None and (out.verify_paths is None or len(out.verify_paths) != len(rows)):
+            raise RuntimeError("the runner returned no paths for a step with draft trees")
         kept: dict[int, list[int]] = {}
         s = self.stats
         s.verify_steps += 1
-        for i, t in zip(rows, verified, strict=True):
+        for j, (i, t) in enumerate(zip(rows, verified, strict=True)):
             d = drafts[i]
+            path = out.verify_paths[j] if parents is not None and out.verify_paths is not None else None
+            line = [d[n] for n in path] if path is not None else d
             a = 0
-            while a < len(d) and t[a] == d[a]:
+            while a < len(line) and t[a] == line[a]:
                 a += 1
-            kept[i] = [x for x in t[: a + 1] if x >= 0]  # -1: past where a grammar ended the row
             req = batch.reqs[i]
+            if parents is not None and parents[i] is not None:
+                s.tree_rows += 1
+            if path is not None and path[:a] != list(range(a)):
+                keep_path(req, batch.prefix_lens[i] + 1, path[:a])
+                s.side_paths += 1
+            kept[i] = [x for x in t[: a + 1] if x >= 0]  # -1: past where a grammar ended the row
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += a
             s.verify_rows += 1
             s.draft_tokens += len(d)
             s.accepted_tokens += a
-            if req.spec is not None:
-                req.spec.update(len(d), a)
+            if req.spec is not None:  # a failure where the walk stopped at a node with drafts under it
+                tree = parents[i] if parents is not None else None
+                end = path[a - 1] if tree is not None and path and a else -1
+                refused = (end in tree) if tree is not None else a < len(d)
+                req.spec.update(a + refused, a)
         return kept
 
 
-def attach_drafts(batch: ScheduleBatch, drafts: list[list[int]], grow: Callable[[Req, int], list[int]]) -> None:
+def attach_drafts(batch: ScheduleBatch, drafts: list[DraftTree], grow: Callable[[Req, int], list[int]]) -> None:
     """Turn a built decode step (one token and one slot per row, ``out_slots`` in row order) into
     one that also carries ``drafts``: each drafting row extends by ``1 + k``, with the slots that
-    ``grow`` takes for its drafts right after its own."""
+    ``grow`` takes for its drafts right after its own (in the drafts' order)."""
     flat: list[int] = []
     for i, (req, d, slot) in enumerate(zip(batch.reqs, drafts, batch.out_slots, strict=True)):
         flat.append(slot)
-        if d:
-            flat.extend(grow(req, len(d)))
-            batch.extend_lens[i] = 1 + len(d)
+        if d.tokens:
+            flat.extend(grow(req, len(d.tokens)))
+            batch.extend_lens[i] = 1 + len(d.tokens)
     batch.out_slots = flat
-    batch.drafts = drafts
+    set_drafts(batch, drafts)
+
+
+def set_drafts(batch: ScheduleBatch, drafts: list[DraftTree]) -> None:
+    """``batch.drafts`` and, where a row's drafts branch, ``batch.draft_parents``."""
+    batch.drafts = [d.tokens for d in drafts]
+    trees = [d.parents if d.tokens and not is_chain(d.parents) else None for d in drafts]
+    batch.draft_parents = trees if any(p is not None for p in trees) else None

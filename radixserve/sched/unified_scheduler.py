@@ -33,6 +33,8 @@ from __future__ import annotations
 from radixserve.sched.parts import SchedParts
 from radixserve.sched.req import Req
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
+from radixserve.sched.spec import set_drafts
+from radixserve.sched.spec_ngram import DraftTree
 
 
 class TokenBudget:
@@ -99,7 +101,7 @@ class TokenBudget:
                 i += 1
                 continue
             d = self._drafts(plan, req, n, len(running))
-            n += len(d)
+            n += len(d.tokens)
             s = kv.slots_for(req, n)
             while plan.needed + s > kv.reclaimable_size():
                 j = self._select_preempt_target(running)
@@ -116,13 +118,13 @@ class TokenBudget:
             i += 1
         return preempted
 
-    def _drafts(self, plan: _Plan, req: Req, n: int, running: int) -> list[int]:
+    def _drafts(self, plan: _Plan, req: Req, n: int, running: int) -> DraftTree:
         """Speculative decoding: a decoding request's draft tokens, within what is left of the token
         budget and of the KV the step may take: draft tokens are tokens of the step like any other."""
         spec = self.parts.spec
         if (spec is None or n != 1 or req.num_computed_tokens < req.prompt_len or not spec.active(running)
                 or plan.budget <= 1):
-            return []
+            return DraftTree([], [], [])
         kv = self.kv
         base = kv.slots_for(req, 1)
         room = min(plan.budget - 1, kv.reclaimable_size() - plan.needed - base)
@@ -151,11 +153,12 @@ class TokenBudget:
         """3. One forward for all of them: DECODE when every request decodes one token."""
         batch = ScheduleBatch(plan.reqs, ForwardMode.MIXED)
         all_decode = True
-        drafts = [plan.drafts.get(id(req), []) for req in plan.reqs] if plan.drafts else None
+        none = DraftTree([], [], [])
+        drafts = [plan.drafts.get(id(req), none) for req in plan.reqs] if plan.drafts else None
         for i, req in enumerate(plan.reqs):
             n = plan.tokens[id(req)]
             start = req.num_computed_tokens
-            k = len(drafts[i]) if drafts is not None else 0
+            k = len(drafts[i].tokens) if drafts is not None else 0
             decode = n - k == 1 and start >= req.prompt_len and start + 1 == req.num_tokens
             all_decode = all_decode and decode
             if decode:
@@ -169,8 +172,8 @@ class TokenBudget:
             batch.out_slots.extend(self.kv.grow(req, n))
         if all_decode:
             batch.forward_mode = ForwardMode.DECODE
-        if drafts is not None and any(drafts):
-            batch.drafts = drafts
+        if drafts is not None and any(d.tokens for d in drafts):
+            set_drafts(batch, drafts)
         return batch
 
 
@@ -184,14 +187,14 @@ class _Plan:
         self.tokens: dict[int, int] = {}  # id(req) -> tokens this step
         self.slots: dict[int, int] = {}  # id(req) -> KV slots this step
         self.needed = 0  # KV slots all of them take
-        self.drafts: dict[int, list[int]] = {}  # id(req) -> its draft tokens (counted in its tokens)
+        self.drafts: dict[int, DraftTree] = {}  # id(req) -> its draft tokens (counted in its tokens)
 
-    def add(self, req: Req, n: int, slots: int, drafts: list[int] | None = None) -> None:
+    def add(self, req: Req, n: int, slots: int, drafts: DraftTree | None = None) -> None:
         self.reqs.append(req)
         self.tokens[id(req)], self.slots[id(req)] = n, slots
         self.needed += slots
         self.budget -= n
-        if drafts:
+        if drafts is not None and drafts.tokens:
             self.drafts[id(req)] = drafts
 
     def take_back(self, req: Req) -> None:

@@ -22,6 +22,7 @@ import msgspec
 from radixserve.config import ServerArgs
 from radixserve.config.speculative import DRAFT_MODEL_ALGORITHMS
 from radixserve.mem.cache_events import CacheEvent
+from radixserve.mem.draft_tree import depths, walk
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.sched.build import build_kv, build_scheduler
@@ -98,8 +99,15 @@ class SimRunner:
             out.append(self._token(rid, k))
         result = ForwardOutput(next_token_ids=out)
         if batch.verify is not None:  # a draft is right where it is the request's own next token
-            result.verified = [[self._token(batch.rids[row], batch.sampling.steps[row] + j) for j in range(len(d) + 1)]
-                               for row, d in zip(batch.verify.rows, batch.verify.drafts, strict=True)]
+            v = batch.verify
+            if v.parents is None:
+                result.verified = [[self._token(batch.rids[row], batch.sampling.steps[row] + j) for j in range(len(d) + 1)]
+                                   for row, d in zip(v.rows, v.drafts, strict=True)]
+            else:  # a draft tree: the walk down it, by each node's depth
+                walks = [self._walk(batch.rids[row], batch.sampling.steps[row], d, p)
+                         for row, d, p in zip(v.rows, v.drafts, v.parents, strict=True)]
+                result.verified = [t + [-1] * (len(d) + 1 - len(t)) for (t, _), d in zip(walks, v.drafts, strict=True)]
+                result.verify_paths = [path for _, path in walks]
             result.drafts = drafts
         self.wall += time.perf_counter() - t0
         self.cpu += time.process_time() - c0
@@ -122,6 +130,10 @@ class SimRunner:
         steps = max(len(d) for d in batch.verify.drafts)
         decode = self.cost.step_time(batch.extend_prefix_lens, [1] * len(batch.extend_seq_lens))
         return drafts, steps * model.cost * decode
+
+    def _walk(self, rid: str, k: int, draft: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+        deep = [0, *depths(parents)]
+        return walk(parents, draft, lambda j, _: self._token(rid, k + deep[j]))
 
     def _token(self, rid: str, k: int) -> int:
         """Request ``rid``'s output token ``k``."""

@@ -114,7 +114,7 @@ def test_masks_along_drafts_and_verify_under_a_grammar(compiler: GrammarCompiler
     logits[:, x], logits[:, seven] = 10.0, 5.0
     info = SamplingBatchInfo.greedy(1)
     info.grammars = [matcher]
-    tokens, ended = verify_drafts(logits[2:], logits[:2], VerifyRows([0], [[seven, x]], [0, 1]), info,
+    tokens, ended, _ = verify_drafts(logits[2:], logits[:2], VerifyRows([0], [[seven, x]], [0, 1]), info,
                                   torch.Generator())
     # the draft 7 kept, then the target's 7 where x was refused: "777", the grammar is complete
     assert tokens == [[seven, seven, -1]] and ended == {0: ""}

@@ -18,12 +18,13 @@ def info(temperature: float, seed: int | None = None, top_k: int = -1, top_p: fl
     return SamplingBatchInfo([temperature], [top_p], [top_k], [0.0], [seed], [3])
 
 
-def test_greedy_is_the_argmax_at_every_position() -> None:
+def test_greedy_is_the_argmax_at_every_kept_position() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50, generator=g)
-    draft = [int(logits[0].argmax()), 7, 9]
-    got, _ = verify_drafts(logits[3:], logits[:3], VerifyRows([0], [draft], [0, 1, 2]), info(0.0), g)
-    assert got == [logits.argmax(dim=-1).tolist()]
+    best = logits.argmax(dim=-1).tolist()
+    draft = [best[0], best[1], (best[2] + 1) % 50]
+    got, _, paths = verify_drafts(logits[3:], logits[:3], VerifyRows([0], [draft], [0, 1, 2]), info(0.0), g)
+    assert got == [[*best[:3], -1]] and paths == [[0, 1]]
 
 
 def kept_first_token(draft0: int, probs_logits: torch.Tensor, n: int, **kw: object) -> list[int]:
@@ -69,8 +70,8 @@ def _chi2_critical_0001(dof: int) -> float:
 def test_seeded_rows_are_reproducible_and_stop_at_the_first_rejection() -> None:
     logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(3))
     rows = VerifyRows([0], [[1, 2, 3]], [0, 1, 2])
-    a, _ = verify_drafts(logits[3:], logits[:3], rows, info(0.8, seed=11), torch.Generator().manual_seed(5))
-    b, _ = verify_drafts(logits[3:], logits[:3], rows, info(0.8, seed=11), torch.Generator().manual_seed(9))
+    a, _, _ = verify_drafts(logits[3:], logits[:3], rows, info(0.8, seed=11), torch.Generator().manual_seed(5))
+    b, _, _ = verify_drafts(logits[3:], logits[:3], rows, info(0.8, seed=11), torch.Generator().manual_seed(9))
     assert a == b and len(a[0]) == 4
     first_rejected = next((j for j, (t, d) in enumerate(zip(a[0], [1, 2, 3], strict=False)) if t != d), None)
     if first_rejected is not None:
@@ -85,3 +86,34 @@ def test_filtered_probs_match_the_filters() -> None:
     assert float(p[0]) == 1.0  # the top token alone holds more than half
     p = filtered_probs(logits, 1.0, -1, 1.0, 0.3)[0]
     assert (p[2:] == 0).all() and float(p[1]) > 0  # min-p 0.3 of e^3: e^2 stays, e^1 goes
+
+
+# --- draft trees ---------------------------------------------------------------------------
+
+def test_greedy_walks_into_the_branch_the_target_takes() -> None:
+    """Drafts a, b under the last token, c under b, e under a: the target prefers b, then c, then
+    something else: the row keeps b and c, and its tokens are the target's along that path."""
+    a, b, c, e, z = 11, 12, 13, 14, 15
+    logits = torch.zeros(5, 20)  # rows: the last token, then each draft's position
+    logits[0, b] = logits[2, c] = logits[3, z] = logits[1, e] = logits[4, 1] = 5.0
+    rows = VerifyRows([0], [[a, b, c, e]], [0, 1, 2, 3], parents=[[-1, -1, 1, 0]])
+    got, _, paths = verify_drafts(logits[4:], logits[:4], rows, info(0.0), torch.Generator())
+    assert got == [[b, c, z, -1, -1]] and paths == [[1, 2]]
+
+
+def test_sibling_drafts_keep_the_target_distribution() -> None:
+    """Two sibling drafts under the last token: each is kept with its probability and, when the
+    first is refused, the second with its probability among what is left; the first token's
+    frequencies match the target's (the chi-square test above), and a kept sibling is walked into."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    p = filtered_probs(logits.view(1, V), 1.0, -1, 1.0, 0.0)[0]
+    n, g = 6000, torch.Generator().manual_seed(2)
+    counts = [0] * V
+    rows = VerifyRows([0], [[1, 0]], [0, 1], parents=[[-1, -1]])
+    for _ in range(n):
+        got, _, paths = verify_drafts(torch.zeros(1, V), torch.stack([logits, torch.zeros(V)]), rows, info(1.0), g)
+        t = got[0][0]
+        counts[t] += 1
+        assert paths[0] == ([0] if t == 1 else [1] if t == 0 else [])
+    chi2 = sum((c - n * float(q)) ** 2 / (n * float(q)) for c, q in zip(counts, p.tolist(), strict=True))
+    assert chi2 < _chi2_critical_0001(V - 1), (counts, p.tolist())

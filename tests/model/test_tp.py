@@ -11,9 +11,10 @@ import torch
 
 from radixserve.config import ServerArgs
 from radixserve.engine import Engine
+from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo, VerifyRows
 from radixserve.mem.kv_pool import JournaledReqToTokenPool, ReqToTokenPool, replay_journal
 from radixserve.model.config import ModelConfig
-from radixserve.model.parallel import TPGroup, check_tp_size
+from radixserve.model.parallel import TPGroup, check_tp_size, recv_step, send_step
 from tests.model.tiny_llama import make_tiny_llama
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
@@ -135,6 +136,41 @@ def test_tp_options_are_cli_flags() -> None:
     args = ServerArgs.from_cli_args(ns)
     assert (args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr) == (2, 2, 1, "10.0.0.1:5000")
     assert args.tp_ranks_per_node == 1
+
+
+class _Wire:
+    """Rank 0's broadcasts, replayed into the buffers another rank passes (one process)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+        self.sending = True
+
+    def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.sending:
+            self.sent.append(t.clone())
+            return t
+        return t.copy_(self.sent.pop(0))
+
+
+def test_step_message_carries_verify_rows_and_draft_trees() -> None:
+    """What the other ranks attend by: the verify rows and, where drafts branch, every verify
+    row's parents (a chain row's too), cut apart again by the rows' extend lengths."""
+    t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    fb = ForwardBatch(t([5, 1, 2, 3, 9, 4, 6]), t([10, 20, 21, 21, 7, 8, 9]), t([11, 12, 13, 14, 15, 16, 17]),
+                      t([0, 1, 2]), t([11, 24, 10]), [10, 20, 7], [1, 4, 2], SamplingBatchInfo.greedy(3),
+                      verify=VerifyRows([1, 2], [[1, 2, 3], [4]], [1, 2, 3, 5], parents=[[-1, -1, 1], [-1]]))
+    wire = _Wire()
+    send_step(wire, fb, [7, 8])  # type: ignore[arg-type]
+    wire.sending = False
+    got = recv_step(wire)  # type: ignore[arg-type]
+    assert got is not None
+    other, journal = got
+    assert journal.tolist() == [7, 8] and torch.equal(other.positions, fb.positions)
+    assert other.verify is not None and other.verify.rows == [1, 2]
+    assert other.verify.parents == [[-1, -1, 1], [-1]]
+    assert other.extra_logit_positions() == [1, 2, 3, 5]
 
 
 @pytest.mark.slow

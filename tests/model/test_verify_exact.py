@@ -92,3 +92,39 @@ def test_verify_logits_equal_decode_logits(runner: ModelRunner) -> None:
     assert torch.equal(verified, torch.stack(step))
     for r in (a, b, c, d):
         h.free_request(r)
+
+
+def test_tree_verify_logits_equal_each_paths_decode_logits(runner: ModelRunner) -> None:
+    """Drafts as a tree (two branches from the last token, each two or three deep, beside a plain
+    decode row): every node's logits are, bit for bit, those of decoding its own path."""
+    assert runner.kv_pool is not None and runner.req_to_token_pool is not None
+    h = Harness(runner.kv_pool, runner.req_to_token_pool)
+    prompt = torch.randint(0, 1000, (120,), generator=torch.Generator().manual_seed(5)).tolist()
+    other = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    last, branch_a, branch_b = 17, [942, 5, 300], [61, 8]
+    decoded: dict[int, torch.Tensor] = {}  # token -> logits after it, along its branch
+
+    for branch in (branch_a, branch_b):
+        a, b = h.new_request(), h.new_request()
+        run(runner, h.batch([a, b], [prompt, other]))
+        decoded[-1] = run(runner, h.batch([a, b], [[last], [5]]))[0]
+        for t in branch:
+            decoded[t] = run(runner, h.batch([a, b], [[t], [5]]))[0]
+        for r in (a, b):
+            h.free_request(r)
+    # the tree: 942, 61 under the last token; 5 under 942; 8 under 61; 300 under 5
+    drafts, parents = [942, 61, 5, 8, 300], [-1, -1, 0, 1, 2]
+    c, d = h.new_request(), h.new_request()
+    run(runner, h.batch([c, d], [prompt, other]))
+    fb = h.batch([d, c], [[5], [last, *drafts]])
+    p = len(prompt)
+    fb.positions = torch.tensor([len(other), p, p + 1, p + 1, p + 2, p + 2, p + 3])
+    fb.verify = VerifyRows([1], [drafts], [1, 2, 3, 4, 5], parents=[parents])
+    out = run(runner, fb)
+    # rows: d's last, c's last (its final draft, 300), then c's positions before it: last, 942, 61, 5, 8
+    got = dict(zip([-1, *drafts[:-1]], out[2:], strict=True))
+    got[300] = out[1]
+    for t, logits in decoded.items():
+        assert torch.equal(got[t], logits), t
+    for r in (c, d):
+        h.free_request(r)

@@ -13,6 +13,7 @@ from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_LENGTH, FINISH_STOP
+from radixserve.sched.kv_manager import KVManager
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
 from radixserve.server.scheduler.dashboard_state import rank_snapshot
@@ -33,12 +34,15 @@ class CycleRunner(EchoRunner):
 class CheckingRunner(CycleRunner):
     """Also checks between forwards what the scheduler promises: every request in the step holds
     KV for exactly its tokens before the step (the last one's is this step's to write), plus this
-    step's; nothing of a rejected draft is left over."""
+    step's; nothing of a rejected draft is left over; and the "KV" (here: the token and position
+    each slot was written with) of every position before the step is that position's token, also
+    where a draft tree's kept path moved its slots."""
 
     def __init__(self, pool: ReqToTokenPool | None = None) -> None:
         super().__init__(pool)
         self.sched = None
         self.spec_rows = 0
+        self.written: dict[int, tuple[int, int]] = {}  # slot -> (token, position) of its last write
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         if self.sched is not None:
@@ -50,6 +54,10 @@ class CheckingRunner(CycleRunner):
                 if batch.verify is not None and i in batch.verify.rows:
                     assert start == req.num_tokens - 1
                     self.spec_rows += 1
+                have = (req.origin_input_ids + req.output_ids)[:start]
+                assert [self.written.get(s) for s in req.kv_indices[:start]] == [(t, q) for q, t in enumerate(have)]
+        self.written.update(zip(batch.out_cache_loc.tolist(),
+                                zip(batch.input_ids.tolist(), batch.positions.tolist(), strict=True), strict=True))
         return super().forward(batch)
 
 
@@ -157,6 +165,28 @@ def test_priority_preemption_with_drafts() -> None:
         if spec:
             assert sched.stats.num_preemptions > 0 and sched.parts.spec.stats.verify_steps > 0
     assert outputs[1] == outputs[0] and [len(o) for o in outputs[0]] == [30, 30, 10]
+
+
+@pytest.mark.parametrize("kw", [{}, {"scheduler": "unified"}, {"overlap_schedule": "on"}, {"page_size": 4}])
+def test_draft_tree_keeps_the_branch_the_model_takes(kw: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first output's last two tokens occurred twice before: latest followed by a junk token,
+    earlier by what the model says next. A chain drafts the junk; a tree also drafts the earlier
+    continuation and keeps it, its KV slots moved to the positions it is kept at (the runner checks
+    every position's KV each step); outputs equal plain decoding's, and a repeat hits the cache."""
+    c = cycle_prompt(3, 12)
+    p = [*c, 99, c[4], c[5], 500, 7, c[4]]  # the model's first token: c[5]
+    _, _, _, plain = run(CycleRunner, [p], 12, False, **kw)
+    moved: list[list[int]] = []
+    keep_path = KVManager.keep_path
+    monkeypatch.setattr(KVManager, "keep_path", lambda kv, req, first, path: (moved.append(path),
+                                                                              keep_path(kv, req, first, path)))
+    sched, model, reqs, outs = run(CheckingRunner, [p], 12, True, speculative_ngram_max_bfs_breadth=2, **kw)
+    assert tokens(outs) == tokens(plain)
+    trees = kw.get("page_size", 1) == 1  # trees move slots: page size 1 only, chains otherwise
+    assert bool(moved) == trees and all(path[0] > 0 for path in moved)
+    again = submit(sched, "again", p + tokens(outs)["r0"], 1)
+    ps = kw.get("page_size", 1)  # (the cache matches whole pages)
+    assert finals(drain(sched))["again"].cached_tokens == (len(again.origin_input_ids) - 1) // ps * ps
 
 
 def test_echo_runner_drafts_are_rejected_and_outputs_still_equal() -> None:

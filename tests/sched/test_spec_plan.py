@@ -4,7 +4,8 @@ tokens against a step's cost."""
 
 from __future__ import annotations
 
-from radixserve.sched.spec import NgramDrafts, StepCosts, match_class, plan
+from radixserve.sched.spec import StepCosts, chain_values, plan
+from radixserve.sched.spec_ngram import NgramDrafts, match_class
 
 # --- the n-gram drafter ------------------------------------------------------------------
 
@@ -28,6 +29,22 @@ def test_ngram_prefers_the_longest_match_then_the_latest() -> None:
     req.output_ids = [9]  # suffix ..., 2, 3, 9: matches 1, 2, 3, 9 at the start -> what followed: 8, 5
     d.sync(req)  # type: ignore[arg-type]
     assert d.propose(2) == [8, 5]
+
+
+def test_ngram_tree_follows_the_next_best_matches() -> None:
+    """The suffix 1 2 occurred twice, followed by 9? 5 6 .. (a 3-token match) and by 3 4 .. (2
+    tokens): the tree holds both continuations, ordered by their chance of being kept, so that any
+    prefix of its nodes is a tree."""
+    req = _Req([1, 2, 3, 4, 9, 1, 2, 5, 6, 9, 1, 2])
+    d = NgramDrafts(req, 2, 4)  # type: ignore[arg-type]
+    d.sync(req)  # type: ignore[arg-type]
+    assert d.propose_tree(7, 1).tokens == [5, 6, 9, 1, 2] == d.propose(7)
+    tree = d.propose_tree(7, 2)
+    # 5 6 9 1 (the long match's, 0.6 each), then 3 (2-token match, 0.2, and only if 5 fails: x 0.4)
+    assert tree.tokens == [5, 6, 9, 1, 3, 2, 4]
+    assert tree.parents == [-1, 0, 1, 2, -1, 3, 4]
+    assert tree.values == sorted(tree.values, reverse=True)
+    assert d.propose_tree(3, 2).tokens == [5, 6, 9]  # the budget is in tokens, the best branch first
 
 
 def test_ngram_no_match_no_draft() -> None:
@@ -82,15 +99,15 @@ def costs(table: dict[int, float]) -> StepCosts:
 def test_plan_follows_acceptance_and_the_cost_curve() -> None:
     # a CPU's row kernels work 4 rows at a time: 5 tokens cost a lot more than 4
     blocky = costs({1: 20.0, 2: 26.0, 3: 29.0, 4: 28.0, 5: 40.0, 8: 47.0, 9: 50.0, 16: 72.0})
-    assert plan(1, [(0.7, [7] * 8)], blocky) == [3]  # stops where the next block starts
-    assert plan(1, [(0.95, [7] * 8)], blocky) == [8]  # unless most of a longer draft is likely kept
-    assert plan(1, [(0.1, [7] * 8)], blocky) == [0]  # unlikely drafts are not worth a bigger step
+    assert plan(1, [chain_values(0.7, 8)], blocky) == [3]  # stops where the next block starts
+    assert plan(1, [chain_values(0.95, 8)], blocky) == [8]  # unless most of a longer draft is likely kept
+    assert plan(1, [chain_values(0.1, 8)], blocky) == [0]  # unlikely drafts are not worth a bigger step
     flat = costs({1: 20.0, 9: 21.0})
-    assert plan(1, [(0.95, [7] * 8)], flat) == [8]
+    assert plan(1, [chain_values(0.95, 8)], flat) == [8]
     # a batch: the surest tokens first
     batch = costs({4: 40.0, 5: 41.0, 6: 42.0, 7: 50.0, 8: 70.0, 12: 120.0})
-    assert plan(4, [(0.9, [1] * 4), (0.2, [1] * 4), (0.0, []), (0.85, [1] * 4)], batch) == [1, 0, 0, 1]
-    assert plan(4, [(0.9, [1] * 4)], StepCosts()) == [0]  # nothing measured yet
+    assert plan(4, [chain_values(0.9, 4), chain_values(0.2, 4), [], chain_values(0.85, 4)], batch) == [1, 0, 0, 1]
+    assert plan(4, [chain_values(0.9, 4)], StepCosts()) == [0]  # nothing measured yet
 
 
 def test_step_cost_estimates() -> None:
