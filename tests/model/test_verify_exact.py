@@ -11,7 +11,7 @@ import torch
 from kvharness import Harness
 
 from radixserve.mem.forward_batch import ForwardBatch, VerifyRows
-from radixserve.model.dequant import has_bf16_kernel, linear_ext
+from radixserve.model.dequant import has_bf16_kernel, linear_ext, vnni_ext
 from radixserve.model.gguf_file import open_gguf
 from radixserve.model.loader import default_model_path
 from radixserve.model.model_runner import ModelRunner
@@ -37,6 +37,19 @@ def test_block_kernel_rows_do_not_depend_on_the_batch(weight: tuple[str, torch.T
     alone = torch.cat([ext.linear(x[i : i + 1], w, qtype, 64) for i in range(40)])
     for m in (2, 3, 4, 5, 8, 9, 13, 17, 40):
         assert torch.equal(ext.linear(x[:m], w, qtype, 64), alone[:m]), f"{m} rows"
+
+
+@pytest.mark.skipif(vnni_ext() is None, reason="no AVX512-VNNI on this CPU")
+@pytest.mark.parametrize("weight", block_weights()[:-1], ids=lambda w: w[0])
+def test_vnni_kernel_rows_do_not_depend_on_the_batch(weight: tuple[str, torch.Tensor, int, int]) -> None:
+    """The integer kernel a bfloat16 model's decode and verify rows take: rows in chunks of up to 8
+    unpacked straight into the products, or (past 24) from a buffered weight row, alike."""
+    _, w, qtype, k = weight
+    ext = vnni_ext()
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(0)).bfloat16()
+    alone = torch.cat([ext.linear(x[i : i + 1], w, qtype) for i in range(40)])
+    for m in (2, 4, 5, 8, 9, 16, 17, 24, 25, 40):
+        assert torch.equal(ext.linear(x[:m], w, qtype), alone[:m]), f"{m} rows"
 
 
 @pytest.mark.parametrize("length", [1, 100, 129, 300, 1000, 3000])
