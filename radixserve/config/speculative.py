@@ -51,8 +51,6 @@ class SpeculativeOptions:
                      "speculative_ngram_max_match_window_size", "speculative_ngram_max_bfs_breadth",
                      "speculative_max_batch_size"):
             errors += not_positive(self, name, allow_none=False)
-        if (self.speculative_algorithm or "").lower() in DRAFT_MODEL_ALGORITHMS and self.tp_size > 1:  # type: ignore[attr-defined]
-            errors.append("--speculative-algorithm draft does not run under tensor parallelism yet")
         if self.speculative_draft_model_path and (self.speculative_algorithm or "").lower() not in DRAFT_MODEL_ALGORITHMS:
             errors.append("--speculative-draft-model-path needs --speculative-algorithm draft")
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:

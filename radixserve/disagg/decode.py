@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -71,8 +72,12 @@ class DecodeStats:
 
 class DecodeRooms:
     def __init__(self, ctx: zmq.Context, host: str, kv: KVMemory, pool: KVPool, headroom: int, timeout_s: float,
-                 clock: Any = time.monotonic, backend: str = "zmq") -> None:
+                 clock: Any = time.monotonic, backend: str = "zmq",
+                 on_kv: Callable[[list[int], list[int]], None] | None = None) -> None:
+        """``on_kv(slots, tokens)``: told of every prompt's KV written into the pool (the runner's
+        draft model then knows it lacks those positions)."""
         self.rx = TRANSFER_BACKENDS[backend][1](ctx, host)
+        self.on_kv = on_kv
         self.kv = kv
         self.pool = pool
         self.headroom = headroom
@@ -133,6 +138,8 @@ class DecodeRooms:
                 out.append(Arrived(r.payload, error=f"bad KV transfer: {e}", failure=RoomFailure.BAD_TRANSFER))
                 continue
             del self.rooms[hdr.room]
+            if self.on_kv is not None and n:
+                self.on_kv(r.slots[:n], r.prompt[:n])
             self.rx.ack(r.bootstrap, hdr.room, True)
             st = self.stats
             st.rooms_received += 1

@@ -64,6 +64,13 @@ class DraftModel:
         self.slot_token = torch.zeros(rows, dtype=torch.int64)
         self.valid = torch.zeros(rows, dtype=torch.bool)
 
+    def target_wrote(self, slots: list[int], tokens: list[int]) -> None:
+        """The target's KV of ``tokens`` reached ``slots`` without a forward (a KV transfer): record
+        the tokens; the draft lacks them until it catches up."""
+        idx = torch.tensor(slots, dtype=torch.int64)
+        self.slot_token[idx] = torch.tensor(tokens, dtype=torch.int64)
+        self.valid[idx] = False
+
     @torch.inference_mode()
     def before_target(self, fb: ForwardBatch, r2t: ReqToTokenPool) -> None:
         """Every forward, before the target runs: draft the rows that want it (filling their input

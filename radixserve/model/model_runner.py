@@ -241,8 +241,8 @@ class ModelRunner:
             return
         if self.draft is not None:
             return
-        if self.tp is not None:
-            raise ValueError("a draft model does not run under tensor parallelism yet")
+        # under tensor parallelism the draft runs whole on rank 0 (it is small), before the step is
+        # sent: the other ranks verify the drafts it wrote into the step's input ids
         path = getattr(args, "speculative_draft_model_path", None) or args.model_path
         logger.info("loading the draft model %s", path or "(the bundled model)")
         draft = ModelRunner(path, dtype=self.dtype, attention_backend=args.attention_backend,
@@ -252,6 +252,12 @@ class ModelRunner:
             raise ValueError(f"the draft model's vocabulary ({draft.model_config.vocab_size} tokens) is not the "
                              f"target's ({self.model_config.vocab_size})")
         self.draft = DraftModel(draft)
+
+    def kv_written(self, slots: list[int], tokens: list[int]) -> None:
+        """KV of ``tokens`` was written into ``slots`` of the pool from outside a forward (a prefill
+        worker's transfer): a draft model lacks those positions and reads them before drafting."""
+        if self.draft is not None:
+            self.draft.target_wrote(slots, tokens)
 
     def make_kv_pool(self, size: int, page_size: int = 1, device: str | torch.device = "cpu") -> KVPool:
         c = self.model_config
@@ -348,6 +354,11 @@ class ModelRunner:
         if tp.broken is not None:  # a group that lost a rank cannot recover: fail every later step too
             raise RuntimeError(f"the tensor-parallel group is broken: {tp.broken}")
         try:
+            with torch.inference_mode():
+                if self.draft is not None:  # the drafts go into the input ids the other ranks get
+                    self.draft.before_target(batch, self.req_to_token_pool)
+                elif batch.verify is not None and batch.verify.by_runner:
+                    raise RuntimeError("the step asks for a draft model's drafts, and this runner has none")
             send_step(tp, batch, self.req_to_token_pool.take_journal())
             with torch.inference_mode():
                 logits = self.model(batch, self.kv_pool, self.req_to_token_pool).float()

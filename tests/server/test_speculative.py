@@ -110,13 +110,16 @@ def test_dashboard_shows_speculation(spec_server: ServerProcess) -> None:
     assert errors == []
 
 
-def test_pd_decode_worker_with_data_parallel_ranks_drafts(plain_server: ServerProcess) -> None:
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_pd_decode_worker_with_data_parallel_ranks_drafts(plain_server: ServerProcess, algorithm: str) -> None:
     """A prefill worker hands the prompt's KV to a decode worker of two data-parallel ranks that
-    speculates: the rank asked for drafts, and the answer is plain decoding's, token for token."""
+    speculates: the rank asked for drafts, and the answer is plain decoding's, token for token. A
+    draft model (here the target's own file: its drafts are the target's tokens) reads the
+    transferred prompt before its first draft, so nearly every draft is kept."""
     bport = free_port()
     prefill = ServerProcess("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bport),
                             "--dtype", "float32")
-    decode = ServerProcess("--disaggregation-mode", "decode", "--dp-size", "2", "--speculative-algorithm", "ngram",
+    decode = ServerProcess("--disaggregation-mode", "decode", "--dp-size", "2", "--speculative-algorithm", algorithm,
                            "--dtype", "float32")
     try:
         prefill.wait_ready()
@@ -132,6 +135,8 @@ def test_pd_decode_worker_with_data_parallel_ranks_drafts(plain_server: ServerPr
         out = got.json()
         assert out["meta_info"]["dp_rank"] == 1 and out["meta_info"]["spec_verify_ct"] > 0
         assert out["output_ids"] == want
+        if algorithm == "draft":
+            assert out["meta_info"]["spec_accept_length"] > 3
         with httpx.Client(base_url=decode.url, timeout=30) as dc:
             assert_memory_ok(wait_idle(dc))
     finally:

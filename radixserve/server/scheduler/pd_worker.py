@@ -57,7 +57,8 @@ class PDWorker:
             logger.info("prefill worker: bootstrap server on %s", endpoint)
         else:
             self.decode = DecodeRooms(ctx, args.host, kv, pool, args.num_reserved_decode_tokens, timeout,
-                                      backend=args.disaggregation_transfer_backend)
+                                      backend=args.disaggregation_transfer_backend,
+                                      on_kv=getattr(sched.runner, "kv_written", None))
             logger.info("decode worker: receiving KV on %s", self.decode.rx.endpoint)
         self.poller = zmq.Poller()
         for s in (self.prefill or self.decode).sockets:  # type: ignore[union-attr]
