@@ -7,7 +7,8 @@ requests, which any server answers alike.
 
 Workloads: ``grounded`` asks the model to copy, list or restate parts of a shipped text (the
 n-grams of the answer are in the prompt: where speculation pays); ``chat`` asks open questions
-(little to match: speculation must cost nothing there). Prints one line per run and a summary.
+(little to match: speculation must cost nothing there); ``lists`` asks to copy lists whose items
+start alike (draft trees). Prints one line per run and a summary.
 
     python scripts/bench_spec.py --rounds 2 --max-new-tokens 160
     python scripts/bench_spec.py --algorithms draft --quantization none
@@ -30,6 +31,15 @@ TEXT = files("radixserve.bench").joinpath("data/grounded.txt").read_text()
 GROUNDED = ["Copy the second paragraph of the text word for word.",
             "List every year the text mentions, each with the sentence it appears in, quoted exactly.",
             "Rewrite the first paragraph, keeping every sentence but changing 'town' to 'village'."]
+# lists whose items start alike: after a shared opening several continuations are in the prompt
+# (where draft trees pay: ``--speculative-ngram-max-bfs-breadth``)
+LISTS = ["Copy this list exactly:\n" + "\n".join(f"- the old red {w} by the {p}" for w, p in (
+             ("house", "sea"), ("car", "road"), ("door", "gate"), ("boat", "pier"), ("gate", "wall"), ("barn", "field"))),
+         "Repeat these settings, one per line:\n" + "\n".join(f"set the {k} limit to {v} for the {s} queue" for k, v, s in (
+             ("memory", "4 GB", "batch"), ("time", "30 s", "interactive"), ("memory", "8 GB", "training"),
+             ("time", "2 h", "batch"), ("retry", "3", "interactive"))),
+         "Copy these lines of code:\n" + "\n".join(f"    self.{n} = config.get(\"{n}\", {d})" for n, d in (
+             ("max_batch", "32"), ("max_tokens", "4096"), ("max_retries", "3"), ("min_batch", "1"), ("min_tokens", "16")))]
 CHAT = ["Write a short story about a robot who learns to paint.",
         "Explain why the sky is blue to a ten-year-old.",
         "Give me five ideas for a birthday party for a book lover."]
@@ -68,7 +78,7 @@ def run(runner: ModelRunner, workload: str, algorithm: str | None, max_new: int)
 def messages(workload: str) -> list[list[dict[str, str]]]:
     if workload == "grounded":
         return [[{"role": "user", "content": f"Here is a text:\n\n{TEXT}\n\n{q}"}] for q in GROUNDED]
-    return [[{"role": "user", "content": q}] for q in CHAT]
+    return [[{"role": "user", "content": q}] for q in (LISTS if workload == "lists" else CHAT)]
 
 
 def server_tpot(url: str, workload: str, max_new: int) -> float:
@@ -99,7 +109,8 @@ def main() -> None:
                     "which the draft algorithm drafts for with the file's blocks)")
     ap.add_argument("--algorithms", nargs="+", default=["ngram"], choices=["ngram", "ngram-chain", "draft"],
                     help="ngram-chain: ngram with --speculative-ngram-max-bfs-breadth 1 (no draft trees)")
-    ap.add_argument("--workloads", nargs="+", default=["grounded", "chat"], choices=["grounded", "chat"])
+    ap.add_argument("--workloads", nargs="+", default=["grounded", "chat"], choices=["grounded", "chat", "lists"],
+                    help="lists: copy lists whose items start alike (where draft trees pay)")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each setting per workload, alternated")
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--servers", nargs="+", metavar="LABEL=URL",
