@@ -260,10 +260,16 @@ template <bool kFifthBit, class Sink>
 inline void k_quant_4_5_run(const uint8_t* b, const uint8_t* qh, const uint8_t* qs, Sink& sink) {
     const float d = f16(b), dmin = f16(b + 2);
     const __m256i high = kFifthBit ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
+    // the 8 sub-blocks' d * scale and dmin * min computed together, broadcast one at a time
+    uint32_t sc, sc_hi, mn, mn_hi;
+    gguf::k_scales_mins(b + 4, &sc, &sc_hi, &mn, &mn_hi);
+    const __m256 dsv = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                         _mm_set_epi32(0, 0, static_cast<int>(sc_hi), static_cast<int>(sc)))));
+    const __m256 dmv = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                         _mm_set_epi32(0, 0, static_cast<int>(mn_hi), static_cast<int>(mn)))));
     for (int sub = 0; sub < 8; ++sub) {
-        int sc, m;
-        k_scale_min(b + 4, sub, &sc, &m);
-        const __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc)), dm = _mm256_set1_ps(dmin * static_cast<float>(m));
+        const __m256i at = _mm256_set1_epi32(sub);
+        const __m256 ds = _mm256_permutevar8x32_ps(dsv, at), dm = _mm256_permutevar8x32_ps(dmv, at);
         const __m256i v = gguf::k45_values32<kFifthBit>(qs, high, sub);
         affine32(v, false, ds, ds, dm, kSub, sub * 32, sink);
     }

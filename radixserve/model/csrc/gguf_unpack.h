@@ -33,6 +33,19 @@ inline void k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
     }
 }
 
+// Q4_K / Q5_K: all 8 sub-blocks' scales (bytes 0-3 of `sc`: sub-blocks 0-3, of `sc_hi`: 4-7) and
+// mins likewise, from the 12 packed bytes at once (k_scale_min's arithmetic on 4 bytes per word)
+inline void k_scales_mins(const uint8_t* s, uint32_t* sc, uint32_t* sc_hi, uint32_t* mn, uint32_t* mn_hi) {
+    uint32_t a, b, c;
+    std::memcpy(&a, s, 4);
+    std::memcpy(&b, s + 4, 4);
+    std::memcpy(&c, s + 8, 4);
+    *sc = a & 0x3F3F3F3Fu;
+    *mn = b & 0x3F3F3F3Fu;
+    *sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
+    *mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+}
+
 #if defined(__AVX2__)
 inline float hsum8(__m256 v) {  // the sum of the 8 lanes
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -187,11 +187,18 @@ struct K45v {  // Q4_K (d, dmin, scales[12], qs[128]) and Q5_K (..., qh[32], qs[
         const float d = f16(b), dmin = f16(b + 2);
         const uint8_t* qs = b + (kFifthBit ? 48 : 16);
         const __m256i high = kFifthBit ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+        // the 8 sub-blocks' d * scale and -dmin * min, computed together (the same float products
+        // one at a time would give), then broadcast one sub-block at a time
+        uint32_t sc, sc_hi, mn, mn_hi;
+        gguf::k_scales_mins(b + 4, &sc, &sc_hi, &mn, &mn_hi);
+        const __m256 scf = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                             _mm_set_epi32(0, 0, static_cast<int>(sc_hi), static_cast<int>(sc)))));
+        const __m256 mnf = _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                             _mm_set_epi32(0, 0, static_cast<int>(mn_hi), static_cast<int>(mn)))));
         for (int sub = 0; sub < 8; ++sub) {
-            int sc, mn;
-            gguf::k_scale_min(b + 4, sub, &sc, &mn);
+            const __m256i at = _mm256_set1_epi32(sub);
             const __m256i v = gguf::k45_values32<kFifthBit>(qs, high, sub);
-            sink(sub, v, lanes(d * static_cast<float>(sc)), lanes(-dmin * static_cast<float>(mn)));
+            sink(sub, v, _mm256_permutevar8x32_ps(scf, at), _mm256_permutevar8x32_ps(mnf, at));
         }
     }
 };
