@@ -206,13 +206,17 @@ struct K45v {  // Q4_K (d, dmin, scales[12], qs[128]) and Q5_K (..., qh[32], qs[
 struct Q6_Kv {  // ql[128], qh[64], scales int8[16], d
     static constexpr int64_t kValues = 256, kBytes = 210;
     template <class Sink> static void run(const uint8_t* b, Sink& sink) {
-        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
         const float d = f16(b + 208);
+        // d * scale of the 16 scales (values h * 128 + c * 32 + l take scale h * 8 + c * 2 + l / 16),
+        // computed together: the same float products one at a time would give
+        __m256 ds[2];
+        for (int h = 0; h < 2; ++h)
+            ds[h] = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + 8 * h)))));
         for (int h = 0; h < 2; ++h) {
             for (int c = 0; c < 4; ++c) {  // values h * 128 + c * 32 + l, l < 32
-                const int e = h * 128 + c * 32;
-                const __m256 s = _mm256_set_m128(_mm_set1_ps(d * static_cast<float>(sc[e / 16 + 1])),
-                                                 _mm_set1_ps(d * static_cast<float>(sc[e / 16])));
+                const __m256 s = _mm256_permutevar8x32_ps(ds[h], _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1,
+                                                                                   2 * c + 1, 2 * c + 1, 2 * c + 1));
                 sink(h * 4 + c, gguf::q6_k_values32(b, h, c), s, _mm256_mul_ps(s, lanes(-32.f)));
             }
         }
