@@ -10,7 +10,7 @@ runs through ``Engine`` (prompt logprobs: the prefill path, the GGUF blocks read
     bin=$(bash ../shared/tools/build_llama_server.sh | tail -1)
     python scripts/bench_perplexity.py --llama-bin-dir "$(dirname "$bin")" --output ppl.json
 
-Prints one line per type: both perplexities and their ratio (the issue's bar: within 1%).
+Prints one line per type: both perplexities and their ratio.
 """
 
 from __future__ import annotations
