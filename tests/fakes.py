@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from radixserve.config import ServerArgs
-from radixserve.mem.draft_tree import children
+from radixserve.mem.draft_tree import walk
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, PromptLogprobs, VerifyRows
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.sched.build import build_kv, build_scheduler
@@ -68,18 +68,9 @@ class EchoRunner:
         starts = [sum(batch.extend_seq_lens[:i]) for i in range(batch.batch_size)]
         verified, paths = [], []
         for row, parents in zip(batch.verify.rows, batch.verify.parents, strict=True):
-            f0 = starts[row]
-            kids = children(parents)
-            toks, path, j = [], [], 0
-            while True:
-                f = f0 + j  # the flat index of the last token (j = 0) or of draft j - 1
-                t = self.next_token(ids[f], positions[f])
-                toks.append(t)
-                nxt = next((c for c in kids[j] if ids[f0 + 1 + c] == t), None)
-                if nxt is None:
-                    break
-                path.append(nxt)
-                j = nxt + 1
+            f0 = starts[row]  # the last token's flat index; draft c's is f0 + 1 + c
+            draft = ids[f0 + 1 : f0 + 1 + len(parents)]
+            toks, path = walk(parents, draft, lambda j, _, f0=f0: self.next_token(ids[f0 + j], positions[f0 + j]))
             verified.append(toks + [-1] * (len(parents) + 1 - len(toks)))
             paths.append(path)
         return verified, paths

@@ -2,21 +2,23 @@
 
 A verify row extended a request by its last token and ``k`` draft tokens ``d1..dk``, so the model
 produced ``k + 1`` logit rows: row ``j`` predicts the token after ``d_j`` (``d_0`` = the last
-token). For each row this returns ``k + 1`` tokens ``t_0..t_k``; the scheduler keeps ``t_0..t_a``
-where ``a`` is the first ``j`` with ``t_j != d_{j+1}`` (or ``k``: every draft kept, ``t_k`` is the
-bonus token). Tokens after the first mismatch are computed and thrown away.
+token). The drafts form a chain or a tree (``mem/draft_tree.py``); verification walks down it
+from ``d_0``: at each node the target's token ``t``, and where ``t`` is one of the node's
+children the walk goes on there (``draft_tree.walk``). For each row this returns the tokens along
+the walk, ``t_0..t_a`` (``a`` drafts kept, ``t_a`` the target's own token where it stopped, the
+bonus token if every draft on the path was kept), ``-1`` after, and the drafts walked into. In a
+chain that is: keep ``d_{j+1}`` while ``t_j == d_{j+1}``.
 
 - Greedy rows: ``t_j`` = the argmax of row ``j``: exactly the token plain decoding picks after the
   same tokens, so greedy output does not change with speculation.
-- Sampled rows (rejection sampling with a draft distribution that puts all its mass on ``d_{j+1}``,
+- Sampled rows (rejection sampling with a draft distribution that puts all its mass on each draft,
   as n-gram drafts do): ``p_j`` is row ``j``'s distribution after temperature, min-p, top-k and
-  top-p, as the sampler builds it. ``d_{j+1}`` is accepted with probability ``p_j(d_{j+1})``
-  (``t_j = d_{j+1}``); otherwise ``t_j`` is drawn from ``p_j`` with ``d_{j+1}`` removed and
-  renormalized, which is never the draft. The kept tokens are then distributed exactly as tokens
-  drawn one at a time from the target (Leviathan et al. 2023, with ``q`` a point mass). ``t_k`` is
-  drawn from ``p_k``.
-- A seeded row draws position ``j``'s two uniforms from ``seed_for_step(seed, step + j)``: its
-  output is reproducible, and independent of the rest of the batch.
+  top-p, as the sampler builds it. A child ``d`` is kept with probability ``p_j(d)``; otherwise it
+  is removed and the next child is tried under what is left, renormalized; with none kept ``t_j``
+  is drawn from the rest, which is never a draft. The kept tokens are then distributed exactly as
+  tokens drawn one at a time from the target (Leviathan et al. 2023, with ``q`` a point mass).
+- A seeded row draws a node's uniforms from ``seed_for_step(seed, step + depth)``: its output is
+  reproducible, and independent of the rest of the batch.
 
 - A row under a grammar: position ``j``'s logits are masked by the grammar after ``d_1..d_j``
   (``grammar.masks_along``; a draft the grammar refuses is never kept), and once the row's tokens
@@ -51,9 +53,9 @@ def verify_drafts(
 ) -> tuple[list[list[int]], dict[int, str], list[list[int]]]:
     """``last_logits`` [B, V]: each batch row's last position; ``draft_logits`` [sum k, V]: the
     positions of ``verify.positions`` in order. Returns, per verify row, the target's tokens along
-    the path it keeps (``t_0..t_a``, ``-1`` after: ``k + 1`` in all), the drafts on that path (its
-    first ``a``), and the batch rows whose grammar ended with their kept tokens (as
-    ``grammar.advance`` reports them)."""
+    the path it keeps (``t_0..t_a``, ``-1`` after: ``k + 1`` in all); the batch rows whose grammar
+    ended with their kept tokens (as ``grammar.advance`` reports them); and per verify row the
+    drafts walked into (its first ``a``)."""
     out: list[list[int]] = []
     paths: list[list[int]] = []
     ended: dict[int, str] = {}
