@@ -25,10 +25,20 @@ STARTUP_TIMEOUT_S = 240.0
 API_KEY = "sk-radixserve-test"
 
 
+_issued: set[int] = set()  # ports handed out in this test process, and the port after each
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now and this process has not handed out yet: a port is closed
+    again when this returns, so two calls could otherwise name the same one to two servers that
+    start together (a prefill worker's data-parallel ranks also take the port after its base)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not {port, port + 1} & _issued:
+            _issued.update((port, port + 1))
+            return port
 
 
 def pid_alive(pid: int) -> bool:
