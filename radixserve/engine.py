@@ -38,6 +38,7 @@ from radixserve.sched.build import build_scheduler as build_sched
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import InputLogprobsOut, OutRow, spec_meta
+from radixserve.sched.kv_tiering import build_hicache
 from radixserve.sched.req import Req
 from radixserve.sched.request_checks import check_request, logprob_start
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
@@ -143,7 +144,11 @@ class Engine:
         return runner
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks (no-op without them). The engine cannot run afterwards."""
+        """Stop the tensor-parallel ranks (no-op without them) and let the KV tier finish its writes.
+        The engine cannot run afterwards."""
+        sched = getattr(self, "scheduler", None)
+        if sched is not None:
+            sched.kv.close()
         self._stop_tp()
 
     def __enter__(self) -> Engine:
@@ -361,9 +366,10 @@ def _stop_tp_ranks(runners: list[ModelRunner], procs: list[Any], threads: int, t
 
 
 def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,
-                    event_sink: Callable[[CacheEvent], None] | None = None) -> SchedulerCore:
+                    event_sink: Callable[[CacheEvent], None] | None = None, dp_rank: int | None = None) -> SchedulerCore:
     """Size the pools, attach them to the runner, and build the scheduler over them (``event_sink``:
-    the radix cache's events, ``sched.build.build_kv``).
+    the radix cache's events, ``sched.build.build_kv``), with the KV tier behind the prefix cache if
+    ``--enable-hierarchical-cache`` (``dp_rank``: whose store it is).
 
     ``--overlap-schedule auto`` is the normal loop here: on a CPU the forward thread would share the
     cores with the model's own threads (the option's help has the figures)."""
@@ -385,7 +391,12 @@ def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,
     # under tensor parallelism the other ranks replay this pool's writes into their copy of the table
     kv = build_kv(args, total, context_len, pool_cls=JournaledReqToTokenPool if args.tp_size > 1 else ReqToTokenPool,
                   event_sink=event_sink)
-    runner.attach_pools(runner.make_kv_pool(total, args.page_size), kv.req_to_token_pool)
+    pool = runner.make_kv_pool(total, args.page_size)
+    runner.attach_pools(pool, kv.req_to_token_pool)
+    if args.enable_hierarchical_cache:
+        assert kv.prefix_tree is not None  # the options refuse the tier without a radix cache
+        kv.attach_tier(build_hicache(args, kv.prefix_tree, kv.allocator, pool, runner.kv_identity(),
+                                     runner.kv_written, dp_rank))
     tok = runner.tokenizer
     vocab = runner.model_config.vocab_size
     grammars = GrammarCompiler(lambda: tok.backend.to_str(), vocab, list(tok.stop_token_ids))

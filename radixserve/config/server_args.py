@@ -57,6 +57,13 @@ class ServerArgs(ModelOptions, MemoryOptions, SchedulingOptions, QoSOptions, Ser
             if value is not None and self.disable_radix_cache:
                 errors.append(f"{flag} reports the radix cache's changes; it cannot be used with "
                               "--disable-radix-cache")
+        if self.enable_hierarchical_cache:
+            if self.disable_radix_cache:
+                errors.append("--enable-hierarchical-cache keeps the radix cache's evicted prefixes; it cannot be "
+                              "used with --disable-radix-cache")
+            if self.tp_size != 1:
+                errors.append("--enable-hierarchical-cache does not support --tp-size > 1 yet (each rank "
+                              "would have to store its own heads)")
         if self.disaggregation_mode != "null":
             if self.disable_radix_cache:
                 errors.append("--disaggregation-mode hands KV over through the radix cache; it cannot be used "

@@ -46,31 +46,12 @@ HEADER_DEC = msgspec.msgpack.Decoder(KVHeader)
 
 def gather_layers(pool: KVPool, slots: list[int]) -> list[torch.Tensor]:
     """K and V rows of ``slots`` for every layer, each a fresh contiguous tensor (one frame)."""
-    idx = torch.tensor(slots, dtype=torch.int64)
-    out: list[torch.Tensor] = []
-    for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True):
-        out.append(k.index_select(0, idx))
-        out.append(v.index_select(0, idx))
-    return out
+    return pool.gather(slots)
 
 
 def scatter_layers(pool: KVPool, slots: list[int], frames: list[zmq.Frame]) -> int:
     """Write received frames into ``slots``; returns the bytes written. Raises on a size mismatch."""
-    bufs = pool.k_buffers + pool.v_buffers
-    if len(frames) != 2 * pool.num_layers:
-        raise ValueError(f"{len(frames)} KV frames, expected {2 * pool.num_layers}")
-    idx = torch.tensor(slots, dtype=torch.int64)
-    total = 0
-    for i, frame in enumerate(frames):
-        dst = bufs[i // 2] if i % 2 == 0 else bufs[pool.num_layers + i // 2]
-        shape = (len(slots), *dst.shape[1:])
-        mv = frame.buffer
-        src = torch.frombuffer(mv, dtype=torch.uint8).view(dst.dtype).view(shape) if len(mv) else None
-        if src is None or src.numel() * src.element_size() != len(mv):
-            raise ValueError(f"KV frame {i} has {len(mv)} bytes for {len(slots)} tokens")
-        dst.index_copy_(0, idx, src)
-        total += len(mv)
-    return total
+    return pool.scatter(slots, [f.buffer for f in frames])
 
 
 class KVSender:

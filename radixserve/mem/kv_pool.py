@@ -25,6 +25,7 @@ import ctypes
 import mmap
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -85,6 +86,42 @@ class KVPool:
         rows = size + page_size  # + the reserved padding page
         self.k_buffers = [_zeros(rows, num_kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
         self.v_buffers = [_zeros(rows, num_kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
+
+    def gather(self, slots: Sequence[int]) -> list[torch.Tensor]:
+        """K and V rows of ``slots`` for every layer (``K_0, V_0, .., K_{L-1}, V_{L-1}``), each a fresh
+        contiguous ``[n, kv_heads, head_dim]`` tensor: what leaves the pool (a transfer, the KV tier)."""
+        idx = torch.tensor(list(slots), dtype=torch.int64)
+        out: list[torch.Tensor] = []
+        for k, v in zip(self.k_buffers, self.v_buffers, strict=True):
+            out.append(k.index_select(0, idx))
+            out.append(v.index_select(0, idx))
+        return out
+
+    def scatter(self, slots: Sequence[int], parts: Sequence[Any]) -> int:
+        """Write ``parts`` (buffers in ``gather``'s order and layout, e.g. received frames or a tier
+        block's payload cut per layer) into ``slots``; returns the bytes written. Raises ``ValueError``
+        on a count or size mismatch, before writing anything."""
+        if len(parts) != 2 * self.num_layers:
+            raise ValueError(f"{len(parts)} KV parts, expected {2 * self.num_layers}")
+        k0 = self.k_buffers[0]
+        shape = (len(slots), *k0.shape[1:])
+        want = len(slots) * k0[0].numel() * k0.element_size()
+        views = [memoryview(p).cast("B") for p in parts]
+        for i, mv in enumerate(views):
+            if len(mv) != want:
+                raise ValueError(f"KV part {i} has {len(mv)} bytes for {len(slots)} tokens (expected {want})")
+        if not slots:
+            return 0
+        idx = torch.tensor(list(slots), dtype=torch.int64)
+        for i, mv in enumerate(views):
+            dst = (self.k_buffers if i % 2 == 0 else self.v_buffers)[i // 2]
+            dst.index_copy_(0, idx, torch.frombuffer(mv, dtype=torch.uint8).view(dst.dtype).view(shape))
+        return want * len(views)
+
+    def bytes_per_token_here(self) -> int:
+        """KV bytes one token takes in this pool (every layer's K and V row)."""
+        k0 = self.k_buffers[0]
+        return 2 * self.num_layers * k0[0].numel() * k0.element_size()
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -24,13 +24,18 @@ lpm's cached prefix lengths this way, so a queue of waiting requests is not re-m
 Cache events (``event_sink``, off by default): when set, the tree reports what it now stores and
 what it evicted as ``cache_events`` records (a new path on ``insert``, each evicted leaf, a
 ``reset``), for a worker to publish to the router. Unset, each hook is one attribute test.
+
+Tier hooks (``tier_hooks``, off by default): the KV tier behind the tree (``sched.kv_tiering``)
+hears of each new leaf (``inserted``), each node a match passes through (``hit``) and each node
+about to be evicted while its slots still hold its KV and its path is still in the tree
+(``evicting``), and copies out what its write policy asks for.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from radixserve.mem.allocator import TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache, CacheableReq, MatchResult, RadixKey
@@ -40,6 +45,14 @@ from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.leaf_heap import LeafHeap
 from radixserve.mem.radix_walks import all_values, exclusive_locked_tokens, peek, pretty, tally
 from radixserve.mem.tree_node import TreeNode, fire, fire_all, match_len, path_of
+
+
+class TierHooks(Protocol):
+    def inserted(self, node: TreeNode) -> None: ...
+
+    def hit(self, node: TreeNode) -> None: ...
+
+    def evicting(self, node: TreeNode) -> None: ...
 
 
 class RadixCache(BasePrefixCache):
@@ -52,6 +65,7 @@ class RadixCache(BasePrefixCache):
     ) -> None:
         super().__init__(req_to_token_pool, allocator)
         self.event_sink: Callable[[CacheEvent], None] | None = None
+        self.tier_hooks: TierHooks | None = None
         self._leaves: set[TreeNode] = set()
         self._strategy = (
             get_eviction_strategy(eviction_policy) if isinstance(eviction_policy, str) else eviction_policy
@@ -167,7 +181,11 @@ class RadixCache(BasePrefixCache):
                     break
                 node = self._split(child, n)
                 indices.extend(node.value)
+                if self.tier_hooks is not None:
+                    self.tier_hooks.hit(node)
                 break
+            if self.tier_hooks is not None:
+                self.tier_hooks.hit(child)
             indices.extend(child.value)
             node = child
             pos += n
@@ -216,6 +234,8 @@ class RadixCache(BasePrefixCache):
                 self._refresh_leaf(leaf)
                 if self.event_sink is not None and key.extra_key is None:
                     self.event_sink(BlockStored(list(ids), pos))
+                if self.tier_hooks is not None:
+                    self.tier_hooks.inserted(leaf)
                 return pos
             n = self._page_floor(match_len(child.key, ids[pos : pos + len(child.key)]))
             child.last_access_time = now
@@ -293,7 +313,10 @@ class RadixCache(BasePrefixCache):
         if num_tokens <= 0 or not self._leaves:
             return 0
         slots = array("q")  # every evicted node's slots, freed in one call
+        hooks = self.tier_hooks
         for node in self._heap.pop_order():  # a parent left childless is pushed by _delete_leaf
+            if hooks is not None:
+                hooks.evicting(node)
             slots.extend(node.value)
             self._delete_leaf(node)
             self.evicted_nodes += 1

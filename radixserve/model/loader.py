@@ -11,6 +11,7 @@ Nothing is ever downloaded: a path that does not exist raises ``FileNotFoundErro
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from typing import TYPE_CHECKING
@@ -81,6 +82,26 @@ def resolve_model_path(path: str | None) -> tuple[str, str]:
     if len(ggufs) > 1:
         raise ValueError(f"{path} holds several .gguf files, name one: {ggufs}")
     raise FileNotFoundError(f"no config.json or .gguf file in model directory: {path}")
+
+
+def model_identity(path: str | None, *settings: object) -> bytes:
+    """A 16-byte name for "this model, loaded this way" (``settings``: what else changes the numbers,
+    e.g. the dtype): the files' names and sizes and their first and last MiB (a GGUF's header and
+    metadata, its last tensors), hashed. Cheap to compute, and different for any two models one would
+    realistically swap in place."""
+    kind, where = resolve_model_path(path)
+    files = [where] if kind == "gguf" else sorted(
+        os.path.join(where, f) for f in os.listdir(where) if f.endswith((".json", ".safetensors")))
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr(settings).encode())
+    for f in files:
+        size = os.path.getsize(f)
+        h.update(f"{os.path.basename(f)}:{size};".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return h.digest()
 
 
 def load_model(

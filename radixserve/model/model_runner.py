@@ -32,7 +32,7 @@ from radixserve.model.gguf_blocks import GGUFWeight
 from radixserve.model.host import configure_threads, cpu_flags, tune_malloc
 from radixserve.model.linear import Linear
 from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.loader import load_model, parse_dtype, resolve_model_path
+from radixserve.model.loader import load_model, model_identity, parse_dtype, resolve_model_path
 from radixserve.model.parallel import TPGroup, check_tp_size, send_step, send_stop
 from radixserve.model.quant import check_quantization, default_max_rows
 from radixserve.model.sampler import Sampler, prompt_logprobs
@@ -258,6 +258,13 @@ class ModelRunner:
         worker's transfer): a draft model lacks those positions and reads them before drafting."""
         if self.draft is not None:
             self.draft.target_wrote(slots, tokens)
+
+    def kv_identity(self) -> bytes:
+        """Names the KV this runner computes (the model, its dtype and weight format, the KV layout):
+        KV stored under one identity is only ever read back under the same (the KV tier)."""
+        c = self.model_config
+        return model_identity(self.model_path, "kv-v1", str(self.dtype), self.quantization, c.num_layers,
+                              self.local_kv_heads, c.head_dim, self.tp.rank if self.tp is not None else 0)
 
     def make_kv_pool(self, size: int, page_size: int = 1, device: str | torch.device = "cpu") -> KVPool:
         c = self.model_config

@@ -24,7 +24,7 @@ from radixserve.sched.request_checks import Limits
 from radixserve.sched.schedule_batch import ForwardMode, ScheduleBatch
 
 logger = logging.getLogger(__name__)
-_GRAMMAR_WAIT = 0.005  # seconds the loop waits on a grammar's compile when it has nothing else to do
+_GRAMMAR_WAIT = 0.005  # seconds the loop waits on a grammar's compile (or a KV load) with nothing else to do
 
 Command = tuple[str, str]  # ("abort", rid)
 
@@ -77,21 +77,32 @@ class SchedulerCore:
     def has_work(self) -> bool:
         q, fwd = self.queues, self.forward
         return bool(q.waiting or q.running.reqs or q.chunked or fwd.in_flight or fwd.held or self.grammars.pending
-                    or self.builder.busy(self.last_batch))
+                    or self.kv.loads_pending() or self.builder.busy(self.last_batch))
+
+    def _parked(self) -> bool:
+        """Whether requests wait outside the queue (a grammar compiling, a prefix loading); if so,
+        wait a little on them: nothing else can run until they are ready."""
+        if self.grammars.pending:
+            self.grammars.wait(_GRAMMAR_WAIT)
+        elif self.kv.loads_pending():
+            self.kv.wait_loads(_GRAMMAR_WAIT)
+        else:
+            return False
+        return True
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         return self.builder.next_batch(self.last_batch)
 
     def step(self) -> BatchOut:
-        self.intake.poll_grammars()
+        self.intake.poll()
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         if batch is not None:
             out = self.run_batch(batch)
             if out is not None:
                 self.process_batch_result(batch, out)
-        elif self.grammars.pending:
-            self.grammars.wait(_GRAMMAR_WAIT)  # nothing to run until a grammar is compiled: no spinning
+        elif self._parked():  # nothing to run until a grammar compiles or a load lands: no spinning
+            pass
         elif not self._idle_checked and not self.has_work():
             self.on_idle()
         self.last_batch = batch
@@ -125,7 +136,7 @@ class SchedulerCore:
         launch it, then process step N's results (one step late). A request that step N finishes
         is in step N+1 too; the token it gets there is dropped, so outputs equal the normal loop's.
         Falls back to the normal order for a step that ``can_build_ahead`` refuses."""
-        self.intake.poll_grammars()
+        self.intake.poll()
         fwd = self.forward
         prev = fwd.in_flight
         if prev is not None and not self.can_build_ahead(prev):
@@ -151,8 +162,8 @@ class SchedulerCore:
         if prev is not None:
             self._collect(prev)
         fwd.release_held()  # those only the collected step included
-        if fwd.in_flight is None and batch is None and self.grammars.pending:
-            self.grammars.wait(_GRAMMAR_WAIT)
+        if fwd.in_flight is None and batch is None and self._parked():
+            pass
         elif fwd.in_flight is None and batch is None and not self._idle_checked and not self.has_work():
             self.on_idle()
         self.last_batch = batch
@@ -303,6 +314,7 @@ class SchedulerCore:
             "num_reqs": len(q.by_rid),
             "num_waiting_reqs": len(q.waiting),
             "num_grammar_queue_reqs": len(self.grammars),  # waiting for their grammar to compile
+            "num_kv_loading_reqs": self.kv.loads_pending(),  # waiting for their prefix to load from the KV tier
             "num_tokens": used + waiting,
             "num_used_tokens": used,
             "num_waiting_tokens": waiting,

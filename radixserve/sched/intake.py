@@ -11,7 +11,10 @@
 - Without priority scheduling a priority is accepted and ignored, or refused (400) with
   ``--abort-on-priority-when-disabled``.
 - a request with a grammar waits in the ``GrammarQueue`` until it is compiled, then joins the
-  waiting queue (``poll_grammars``, each step); it counts against ``--max-queued-requests``.
+  waiting queue (``poll``, each step); it counts against ``--max-queued-requests``.
+- with a KV tier (``--enable-hierarchical-cache``), a request whose prefix the tier holds waits for
+  it to load (``KVManager.prefetch``), then joins the waiting queue (``poll``, each step); it
+  counts against ``--max-queued-requests`` too.
 - ``abort``: a waiting request is finished at once; a running or chunked one is flagged and
   released at the start of the next step (``apply_aborts``), wherever it is by then.
 - ``--queue-timeout``: a request not scheduled within that many seconds of queueing is aborted
@@ -61,13 +64,16 @@ class Intake:
         req.queue_entry_time = self.clock()
         if self.grammars.park(req):  # waits for its grammar (or ended: no grammar engine here)
             return not req.finished()
-        self.queues.waiting.append(req)
+        if not self.kv.prefetch(req):  # else it waits for its prefix to load from the KV tier
+            self.queues.waiting.append(req)
         return True
 
-    def poll_grammars(self) -> None:
-        """Move the requests whose grammar is compiled now to the waiting queue."""
+    def poll(self) -> None:
+        """Move the requests whose grammar is compiled, or whose prefix is loaded, to the waiting queue."""
         if self.grammars.pending:
             self.queues.waiting.extend(self.grammars.poll())
+        if self.kv.tier is not None:
+            self.queues.waiting.extend(self.kv.poll_loads())
 
     def validate(self, req: Req) -> FINISH_ABORT | None:
         if req.rid in self.queues.by_rid:
@@ -101,7 +107,7 @@ class Intake:
         """Room in the waiting queue for ``req``: refuse it, or abort a less important queued one."""
         cap = self.settings.args.max_queued_requests
         queue = self.queues.waiting
-        if cap is None or len(queue) + len(self.grammars) < cap:
+        if cap is None or len(queue) + len(self.grammars) + self.kv.loads_pending() < cap:
             return None
         prio = self.settings.prio
         if prio.enabled and queue:
@@ -127,7 +133,7 @@ class Intake:
         if req is None:
             return False
         reason = FINISH_ABORT(message, status_code=status_code, code="aborted")
-        if self.grammars.remove(req):
+        if self.grammars.remove(req) or self.kv.cancel_load(req):
             self.outputs.end(req, reason)
         elif req in self.queues.waiting:
             self.queues.waiting.remove(req)

@@ -6,19 +6,24 @@ dry), release a request into the cache and check the accounting invariant; a dis
 worker reserves slots for KV that arrives from elsewhere and adopts it into the cache
 (``reserve`` / ``adopt`` / ``unlock``), and the prefill side reads a cached prompt's slots. Policies
 and the dashboard get a read-only view of the radix tree (``prefix_tree``), None without one.
+With ``--enable-hierarchical-cache`` the KV tier behind the tree is here too (``attach_tier``): a
+request whose prefix the tier holds is loaded before it is queued (``prefetch`` / ``poll_loads``).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.mem.allocator import OutOfKVSlots, TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache, RadixKey
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.req import Req
+
+if TYPE_CHECKING:
+    from radixserve.sched.kv_tiering import HiCache
 
 
 class Hold:
@@ -43,6 +48,38 @@ class KVManager:
         self.prefix_tree: RadixCache | None = tree_cache if isinstance(tree_cache, RadixCache) else None
         self._reserved = 0  # slots reserved outside any request (KV on its way in)
         self._holds = 0  # live Holds
+        self.tier: HiCache | None = None
+
+    def attach_tier(self, tier: HiCache | None) -> None:
+        """The KV tier behind the prefix cache (``kv_tiering.build_hicache``), once the pool exists."""
+        self.tier = tier
+
+    # --- the KV tier: a request waits for its prefix to load before it is queued ------------------
+    def prefetch(self, req: Req) -> bool:
+        """Start loading ``req``'s prefix from the tier; True: it waits for ``poll_loads`` to hand it back."""
+        return self.tier is not None and self.tier.prefetch(req)
+
+    def poll_loads(self) -> list[Req]:
+        """The requests whose prefix is loaded now (their KV is in the pool and the tree)."""
+        return self.tier.poll() if self.tier is not None else []
+
+    def loads_pending(self) -> int:
+        """Requests waiting for their prefix to load."""
+        return len(self.tier.loads) if self.tier is not None else 0
+
+    def wait_loads(self, timeout: float) -> None:
+        if self.tier is not None:
+            self.tier.wait(timeout)
+
+    def close(self) -> None:
+        """Let the tier finish its writes (a restart finds them) and stop its threads."""
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
+
+    def cancel_load(self, req: Req) -> bool:
+        """Whether ``req`` was waiting for a load (it is not handed back now)."""
+        return self.tier is not None and self.tier.cancel(req)
 
     @property
     def total_tokens(self) -> int:
@@ -105,7 +142,9 @@ class KVManager:
         self.tree_cache.mark_wanted(r.match_key() for r in waiting)
 
     def flush(self) -> None:
-        """Drop every cached prefix (only when no request holds KV)."""
+        """Drop every cached prefix, the tier's too (only when no request holds KV)."""
+        if self.tier is not None:
+            self.tier.flush()
         self.tree_cache.evict(self.tree_cache.evictable_size())
         self.tree_cache.reset()
 
@@ -278,6 +317,8 @@ class KVManager:
                 f"request slot leak: {self.req_to_token_pool.size - self.req_to_token_pool.available_size()} in use at idle"
             )
         self.tree_cache.check_integrity()
+        if self.tier is not None:
+            self.tier.check()
 
 
 _get_kv_indices = attrgetter("kv_indices")

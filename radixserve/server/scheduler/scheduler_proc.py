@@ -81,7 +81,8 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_r
         to_tm.send(ENCODER.encode(LoadProgress("model loaded")))
         context_len = runner.max_context_len
         publisher = open_cache_events(ctx, args, dp_rank or 0, args.page_size)
-        scheduler = build_scheduler(args, runner, context_len, publisher.add if publisher is not None else None)
+        scheduler = build_scheduler(args, runner, context_len, publisher.add if publisher is not None else None,
+                                    dp_rank)
         to_tm.send(ENCODER.encode(LoadProgress("KV cache allocated")))
     except Exception as e:
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
@@ -106,6 +107,7 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_r
     try:
         scheduler.event_loop(server.recv, server.send, server.should_stop)
     finally:
+        scheduler.kv.close()  # the KV tier's queued writes land before the process goes
         if publisher is not None:
             publisher.close()
         ctx.destroy(linger=0)

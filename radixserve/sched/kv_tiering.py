@@ -1,0 +1,329 @@
+"""``HiCache``: the KV tier (``mem.kv_tier``) wired to the radix cache and the KV pool, SGLang's
+hierarchical cache on a CPU: what falls out of the pool is found again on disk (or in memory).
+
+    pool (RadixCache) ──copy out (write policy)──> KVTier ──writer thread──> TierStore (file | memory)
+          ^                                          │
+          └──── fresh slots + insert <── poll <── reader thread (read, check) <── prefetch(req)
+
+Writes (``--hicache-write-policy``), in tier blocks aligned from the prefix's start: a node that
+spans tokens ``[s, e)`` of its path copies out blocks ``s // B .. e // B - 1`` that the tier lacks
+(the first may begin in its parent, still in the pool: parents are evicted after their children;
+the block that runs past ``e`` waits for the node's child or its next extension):
+- ``write_back``: when the node is evicted from the pool;
+- ``write_through``: when it enters the cache;
+- ``write_through_selective``: when a match passes through it the second time (reused prefixes).
+The copy out of the pool happens at once (the slots are about to be reused); the write to the
+store on the writer thread.
+
+Loads, as prefetch (seed 000's ``_prefetch_kvcache``): a request that arrives while the tier holds
+blocks after its cached prefix does not join the waiting queue yet. Its cached prefix is locked,
+the reader thread reads and checks the blocks, and at the start of a later step (``poll``) their KV
+goes into fresh pool slots and into the tree; then the request joins the waiting queue and its
+match finds the longer prefix. No step waits on the tier: a load that finds no room in the pool,
+or a block that fails its checks, only shortens what is loaded (the rest is computed again).
+
+Under ``--hicache-storage-backend file`` the blocks are files under
+``--hicache-storage-dir/<model identity>``: a restarted server finds them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.config import ServerArgs
+from radixserve.mem.allocator import OutOfKVSlots, TokenToKVPoolAllocator
+from radixserve.mem.base_cache import RadixKey
+from radixserve.mem.kv_pool import KVPool
+from radixserve.mem.kv_tier import Fetched, KVTier, chain_keys, chain_root
+from radixserve.mem.radix_cache import RadixCache
+from radixserve.mem.tier_store import FileStore, MemoryStore, TierStore
+from radixserve.mem.tree_node import TreeNode
+from radixserve.sched.req import Req
+
+logger = logging.getLogger(__name__)
+
+BLOCK_TOKENS = 64  # tokens per tier block (rounded up to whole pages)
+WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+SELECTIVE_HITS = 2  # write_through_selective: a node is written when a match passes it this often
+
+
+@dataclass
+class Load:
+    req: Req
+    key: RadixKey
+    node: TreeNode  # end of the cached prefix, locked while the load runs
+    prefix: list[int]  # the cached prefix's slots
+    first_block: int
+    future: Future[Fetched]
+    started: float
+    cancelled: bool = False
+
+
+@dataclass
+class LoadStats:
+    loads: int = 0
+    hit_tokens: int = 0  # tokens put back into the pool from the tier
+    load_seconds: float = 0.0
+    no_room: int = 0  # loads dropped: the pool had no room
+    failed: int = 0
+    seconds: list[float] = field(default_factory=list)  # recent load latencies
+
+
+class HiCache:
+    def __init__(self, tree: RadixCache, allocator: TokenToKVPoolAllocator, pool: KVPool, tier: KVTier,
+                 write_policy: str = "write_through",
+                 on_written: Callable[[list[int], list[int]], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write policy must be one of {', '.join(WRITE_POLICIES)}; got {write_policy!r}")
+        if tier.block_tokens % allocator.page_size:
+            raise ValueError("tier blocks must be whole pages")
+        self.tree, self.allocator, self.pool, self.tier = tree, allocator, pool, tier
+        self.write_policy = write_policy
+        self.on_written = on_written
+        self.clock = clock
+        self.B = tier.block_tokens
+        self.loads: dict[Req, Load] = {}
+        self.stats = LoadStats()
+        self._writing = True
+        tree.tier_hooks = self
+
+    # --- the tree's hooks: copy out -------------------------------------------------------------
+    def inserted(self, node: TreeNode) -> None:
+        if self.write_policy == "write_through":
+            self._copy_out(node)
+
+    def hit(self, node: TreeNode) -> None:
+        if self.write_policy == "write_through_selective" and node.hit_count == SELECTIVE_HITS:
+            self._copy_out(node)
+
+    def evicting(self, node: TreeNode) -> None:
+        if self.write_policy == "write_back":
+            self._copy_out(node)
+
+    def _copy_out(self, node: TreeNode) -> None:
+        if not self._writing:
+            return
+        chain: list[TreeNode] = []
+        n: TreeNode | None = node
+        while n is not None and n.parent is not None:
+            chain.append(n)
+            n = n.parent
+        e = sum(len(c.key) for c in chain)
+        lo, hi = (e - len(node.key)) // self.B, e // self.B
+        if hi <= lo:
+            return
+        toks: list[int] = []
+        slots: list[int] = []
+        for c in reversed(chain):
+            toks += c.key
+            slots += c.value
+        root = chain_root(self.tier.model_id, node.extra_key)
+        keys = chain_keys(root, toks, self.B, hi)
+        B = self.B
+        for b in range(lo, hi):
+            if keys[b] not in self.tier:
+                parts = self.pool.gather(slots[b * B : (b + 1) * B])
+                self.tier.put(keys[b], keys[b - 1] if b else root, toks[b * B : (b + 1) * B], parts)
+
+    # --- loads ----------------------------------------------------------------------------------
+    def prefetch(self, req: Req) -> bool:
+        """Start loading ``req``'s prefix from the tier if the tier holds blocks past its cached
+        prefix; True: ``req`` waits here until ``poll`` hands it back."""
+        if req.kv_indices or req in self.loads:
+            return False
+        key = req.match_key()
+        ids = key.token_ids
+        n_blocks = len(ids) // self.B
+        cached = self.tree.peek_prefix_len(key)
+        b0 = cached // self.B
+        if b0 >= n_blocks:
+            return False
+        root = chain_root(self.tier.model_id, key.extra_key)
+        keys = chain_keys(root, ids, self.B, n_blocks)
+        k = self.tier.present_run(keys[b0:])
+        if k == 0:
+            return False
+        m = self.tree.match_prefix(key)
+        if len(m.device_indices) != cached or m.last_node is None:
+            return False
+        self.tree.inc_lock_ref(m.last_node)
+        B = self.B
+        fut = self.tier.fetch(keys[b0 : b0 + k], [keys[b - 1] if b else root for b in range(b0, b0 + k)],
+                              [ids[b * B : (b + 1) * B] for b in range(b0, b0 + k)])
+        self.loads[req] = Load(req, key, m.last_node, list(m.device_indices), b0, fut, self.clock())
+        return True
+
+    def cancel(self, req: Req) -> bool:
+        """``req`` is aborted while loading: its load completes (the KV is cached) but it is not handed back."""
+        ld = self.loads.get(req)
+        if ld is None:
+            return False
+        ld.cancelled = True
+        return True
+
+    def wait(self, timeout: float) -> None:
+        """Block until a load completes or ``timeout`` seconds pass (the loop has nothing else to do)."""
+        if self.loads:
+            wait_futures([ld.future for ld in self.loads.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def poll(self) -> list[Req]:
+        """Take in the tier's finished writes, and finish the loads that are read: their KV into the
+        pool and the tree. Returns the requests that may now be scheduled, in arrival order."""
+        self.tier.poll()
+        ready: list[Req] = []
+        for req, ld in list(self.loads.items()):
+            if not ld.future.done():
+                continue
+            del self.loads[req]
+            try:
+                self._land(ld)
+            except Exception:  # the request goes on without the tier's KV
+                self.stats.failed += 1
+                logger.exception("KV tier: loading request %s's prefix failed; it is computed instead", req.rid)
+            finally:
+                self.tree.dec_lock_ref(ld.node)
+            if not ld.cancelled:
+                ready.append(req)
+        return ready
+
+    def _land(self, ld: Load) -> None:
+        got = ld.future.result()
+        for key, why in got.bad:
+            self.tier.forget(key)
+            self.tier.stats.corrupt_blocks += 1
+            logger.warning("KV tier: skipped a stored block of request %s (%s); its KV is computed again",
+                           ld.req.rid, why)
+        if not got.payloads:
+            return
+        B, p = self.B, len(ld.prefix)
+        end = (ld.first_block + len(got.payloads)) * B
+        parts = self._cut(got.payloads, p - ld.first_block * B)
+        avail = self.allocator.available_size()
+        if end - p > avail:
+            self.tree.evict(end - p - avail)
+        try:
+            slots = self.allocator.alloc(end - p)
+        except OutOfKVSlots:
+            self.stats.no_room += 1
+            return
+        try:
+            nbytes = self.pool.scatter(slots, parts)
+        except Exception:
+            self.allocator.free(slots)
+            raise
+        ids = ld.key.token_ids
+        dup = self.tree.insert(RadixKey(ids[:end], ld.key.extra_key), ld.prefix + slots) - p
+        if dup > 0:
+            self.allocator.free(slots[:dup])
+        kept = max(dup, 0)
+        if self.on_written is not None and kept < len(slots):
+            self.on_written(slots[kept:], list(ids[p + kept : end]))
+        s = self.stats
+        s.loads += 1
+        s.hit_tokens += len(slots) - kept
+        took = self.clock() - ld.started
+        s.load_seconds += took
+        s.seconds = (s.seconds + [took])[-256:]
+        self.tier.stats.blocks_loaded += len(got.payloads)
+        self.tier.stats.bytes_loaded += nbytes
+
+    def _cut(self, payloads: list[memoryview], skip: int) -> list[bytearray]:
+        """The blocks' payloads as ``KVPool.scatter``'s parts, without the first ``skip`` rows."""
+        B, n_parts = self.B, 2 * self.pool.num_layers
+        row = self.pool.bytes_per_token_here() // n_parts
+        for mv in payloads:
+            if len(mv) != n_parts * B * row:
+                raise ValueError(f"a tier block has {len(mv)} payload bytes, the pool's blocks {n_parts * B * row}")
+        rows = len(payloads) * B - skip
+        out: list[bytearray] = []
+        for j in range(n_parts):
+            part = bytearray(rows * row)
+            at = 0
+            for i, mv in enumerate(payloads):
+                piece = mv[j * B * row + (skip if i == 0 else 0) * row : (j + 1) * B * row]
+                part[at : at + len(piece)] = piece
+                at += len(piece)
+            out.append(part)
+        return out
+
+    # --- admin ----------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Drop every cached prefix, the tier's too (only when idle)."""
+        self._writing = False
+        try:
+            self.tree.evict(self.tree.evictable_size())
+        finally:
+            self._writing = True
+        self.tier.clear()
+
+    def check(self) -> None:
+        if self.loads:
+            raise AssertionError(f"{len(self.loads)} KV tier loads still in flight at idle")
+        self.tier.poll()
+        self.tier.check_integrity()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Figures for ``/get_server_info``, ``/metrics`` and the dashboard."""
+        t, s = self.tier, self.stats
+        lat = sorted(s.seconds)
+        return {
+            "backend": t.store.name, "write_policy": self.write_policy, "block_tokens": self.B,
+            "blocks": len(t), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
+            "blocks_written": t.stats.blocks_written, "bytes_written": t.stats.bytes_written,
+            "write_errors": t.stats.write_errors, "evicted_blocks": t.stats.evicted_blocks,
+            "corrupt_blocks": t.stats.corrupt_blocks, "loads": s.loads, "loading": len(self.loads),
+            "hit_tokens": s.hit_tokens, "bytes_loaded": t.stats.bytes_loaded,
+            "load_seconds_total": round(s.load_seconds, 6),
+            "load_seconds_p50": lat[len(lat) // 2] if lat else None, "loads_no_room": s.no_room,
+        }
+
+    def close(self) -> None:
+        self.tree.tier_hooks = None
+        self.tier.close()
+
+
+def tier_capacity(args: ServerArgs, pool_bytes: int) -> int:
+    """``--hicache-size`` GB, else ``--hicache-ratio`` times the pool."""
+    if args.hicache_size:
+        return int(args.hicache_size * 2**30)
+    return int(args.hicache_ratio * pool_bytes)
+
+
+def open_store(args: ServerArgs, model_id: bytes, dp_rank: int | None = None) -> TierStore | None:
+    """The ``--hicache-storage-backend`` store, or None (logged) if it cannot be opened: the server
+    then runs without a tier."""
+    if args.hicache_storage_backend == "memory":
+        return MemoryStore()
+    root = args.hicache_storage_dir or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "radixserve", "hicache")
+    path = os.path.join(root, model_id.hex()[:16] + (f"-dp{dp_rank}" if dp_rank else ""))
+    try:
+        return FileStore(path)
+    except OSError as e:
+        logger.error("KV tier: cannot use %s (%s); running without the tier (evicted prefixes are "
+                     "computed again)", path, e)
+        return None
+
+
+def build_hicache(args: ServerArgs, tree: RadixCache, allocator: TokenToKVPoolAllocator, pool: KVPool,
+                  model_id: bytes, on_written: Callable[[list[int], list[int]], None] | None = None,
+                  dp_rank: int | None = None) -> HiCache | None:
+    """The tier ``--enable-hierarchical-cache`` asks for, over ``pool`` (None if its store cannot be opened)."""
+    store = open_store(args, model_id, dp_rank)
+    if store is None:
+        return None
+    ps = allocator.page_size
+    block = -(-BLOCK_TOKENS // ps) * ps
+    cap = tier_capacity(args, pool.size * pool.bytes_per_token_here())
+    tier = KVTier(store, model_id=model_id, block_tokens=block, capacity_bytes=cap)
+    logger.info("KV tier: %s store, %.2f GiB cap, %d-token blocks, %s", store.name, cap / 2**30, block,
+                args.hicache_write_policy)
+    return HiCache(tree, allocator, pool, tier, args.hicache_write_policy, on_written)

@@ -1,0 +1,184 @@
+"""The KV tier behind the scheduler's radix cache, with a runner whose outputs read the KV itself:
+each token's KV holds its token id and position, and the next token is a function of the request's
+whole KV. So a run whose prefixes come back from the tier gives the tier-less run's outputs only if
+every loaded slot holds the right KV (and a wrong slot, a shifted row or another prefix's block
+changes them). Every drain checks the memory invariant, the tier's accounting included."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
+from radixserve.mem.kv_tier import KVTier
+from radixserve.mem.tier_store import FileStore, MemoryStore, TierStore
+from radixserve.sched.kv_tiering import HiCache
+from radixserve.sched.req import Req
+from radixserve.sched.sampling_params import SamplingParams
+from tests.fakes import VOCAB, drain, make_scheduler
+
+LAYERS = 2
+
+
+class KVReadingRunner:
+    def __init__(self, r2t: ReqToTokenPool, pool: KVPool) -> None:
+        self.r2t = r2t
+        self.pool = pool
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        loc = batch.out_cache_loc
+        for layer in range(LAYERS):
+            k, v = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
+            k[loc, 0, 0] = batch.input_ids.float()
+            k[loc, 0, 1] = batch.positions.float()
+            v[loc, 0, 0] = batch.input_ids.float() * (layer + 2)
+            v[loc, 0, 1] = -batch.positions.float()
+        out = []
+        for i in range(batch.batch_size):
+            n = int(batch.seq_lens[i])
+            row = self.r2t.req_to_token[int(batch.req_pool_indices[i]), :n]
+            pos = torch.arange(n, dtype=torch.float32)
+            for layer in range(LAYERS):  # every layer's K and V must agree with each other
+                k, v = self.pool.k_buffers[layer][row, 0], self.pool.v_buffers[layer][row, 0]
+                if not (torch.equal(v[:, 0], k[:, 0] * (layer + 2)) and torch.equal(v[:, 1], -k[:, 1])):
+                    raise AssertionError("a slot's K and V disagree (a half-written load)")
+            k = self.pool.k_buffers[LAYERS - 1][row, 0]
+            h = int(((k[:, 0] * 7 + k[:, 1] * 3 + 1) * (pos + 1)).sum().item()) + int((k[:, 1] != pos).sum())
+            out.append(h % (VOCAB - 1) + 1)
+        return ForwardOutput(next_token_ids=out)
+
+
+def build(pool_tokens: int, store: TierStore | None, page_size: int = 1, policy: str = "write_back",
+          cap: int = 1 << 24, **kw: Any) -> tuple[Any, HiCache | None]:
+    holder: dict[str, Any] = {}
+
+    def runner(r2t: ReqToTokenPool) -> KVReadingRunner:
+        holder["pool"] = KVPool(pool_tokens, page_size, LAYERS, 1, 2, torch.float32)
+        return KVReadingRunner(r2t, holder["pool"])
+
+    sched, _, kv = make_scheduler(pool_tokens=pool_tokens, page_size=page_size, runner=runner,  # type: ignore[arg-type]
+                                  context_len=1024, max_reqs=8, **kw)
+    hc = None
+    if store is not None:
+        tier = KVTier(store, model_id=b"t" * 16, block_tokens=8, capacity_bytes=cap)
+        hc = HiCache(kv.prefix_tree, kv.allocator, holder["pool"], tier, policy)
+        kv.attach_tier(hc)
+    return sched, hc
+
+
+def prompts() -> list[list[int]]:
+    """Four 'conversations' of 90 tokens: A and B share their first 40 tokens."""
+    a = [(7 * j) % 900 + 1 for j in range(90)]
+    b = a[:40] + [(11 * j) % 900 + 2 for j in range(50)]
+    c = [(13 * j) % 900 + 3 for j in range(90)]
+    d = [(17 * j) % 900 + 4 for j in range(90)]
+    return [a, b, c, d]
+
+
+def run(sched: Any, order: Sequence[int], new_tokens: int = 4) -> list[list[int]]:
+    """The requests one after another (each drains: a later one finds what earlier ones cached)."""
+    ps = prompts()
+    outs = []
+    for n, i in enumerate(order):
+        sched.add_request(Req(f"r{n}", ps[i], SamplingParams(max_new_tokens=new_tokens)))
+        got = [o for o in drain(sched) if o.rid == f"r{n}"]
+        outs.append([t for o in got for t in o.new_token_ids])
+    return outs
+
+
+ORDER = [0, 1, 2, 3, 0, 1, 2, 0]
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through", "write_through_selective"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prefixes_come_back_from_the_tier_exactly(policy: str, page_size: int) -> None:
+    want = run(build(2048, None, page_size)[0], ORDER)  # everything stays in a big pool
+    sched, hc = build(160, MemoryStore(), page_size, policy)  # room for one conversation and a bit
+    got = run(sched, ORDER)
+    assert got == want
+    assert hc is not None
+    snap = hc.snapshot()
+    assert snap["loads"] >= (1 if policy == "write_through_selective" else 3) and snap["hit_tokens"] > 0
+    assert snap["corrupt_blocks"] == 0 and snap["loading"] == 0
+
+
+def test_without_the_tier_the_small_pool_recomputes() -> None:
+    """The figure the tier changes: the same run over the small pool hits far less."""
+    sched, _ = build(160, None)
+    run(sched, ORDER)
+    cold_hits = sched.stats.cached_tokens
+    sched2, _ = build(160, MemoryStore())
+    run(sched2, ORDER)
+    assert sched2.stats.cached_tokens > cold_hits + 200
+
+
+def test_the_file_tier_survives_a_restart(tmp_path: Any) -> None:
+    want = run(build(2048, None)[0], [0])
+    sched, hc = build(160, FileStore(str(tmp_path)), policy="write_through")
+    run(sched, [0])
+    assert hc is not None
+    hc.close()
+    sched2, hc2 = build(160, FileStore(str(tmp_path)))  # a new server over the same directory
+    assert run(sched2, [0]) == want
+    assert hc2 is not None and hc2.snapshot()["hit_tokens"] >= 80
+
+
+def test_a_corrupt_block_is_computed_again(tmp_path: Any) -> None:
+    want = run(build(2048, None)[0], [0])
+    sched, hc = build(160, FileStore(str(tmp_path)), policy="write_through")
+    run(sched, [0])
+    assert hc is not None
+    hc.close()
+    files = sorted(tmp_path.rglob("*.kv"))
+    assert len(files) >= 10
+    for f in files[::3]:  # damage a third of the blocks, one way or another
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2] if len(data) % 2 else data[:-1] + bytes([data[-1] ^ 0xFF]))
+    sched2, hc2 = build(160, FileStore(str(tmp_path)))
+    assert run(sched2, [0]) == want
+    assert hc2 is not None and hc2.snapshot()["corrupt_blocks"] >= 1
+
+
+class FullDisk(MemoryStore):
+    def put(self, key: str, parts: Sequence[Any]) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_only_costs_recomputation() -> None:
+    want = run(build(2048, None)[0], ORDER)
+    sched, hc = build(160, FullDisk(), policy="write_through")
+    assert run(sched, ORDER) == want
+    assert hc is not None and hc.snapshot()["write_errors"] > 0 and hc.snapshot()["blocks"] == 0
+
+
+def test_an_abort_while_loading_ends_the_request_and_keeps_the_kv() -> None:
+    sched, hc = build(160, MemoryStore(), policy="write_through")
+    run(sched, [0, 2])  # 0's prefix is in the tier, and partly evicted from the pool
+    assert hc is not None
+    sched.add_request(Req("x", prompts()[0], SamplingParams(max_new_tokens=4)))
+    assert sched.kv.loads_pending() == 1 and not sched.queues.waiting
+    assert sched.abort_request("x")
+    outs = drain(sched)
+    assert [type(o.finished_reason).__name__ for o in outs if o.rid == "x" and o.finished_reason] == ["FINISH_ABORT"]
+    assert hc.snapshot()["loads"] == 1  # the load landed: the next request finds the prefix in the pool
+    assert sched.kv.tree_cache.peek_prefix_len(Req("y", prompts()[0], SamplingParams()).match_key()) >= 80
+
+
+def test_a_load_with_no_room_in_the_pool_is_dropped() -> None:
+    sched, hc = build(160, MemoryStore(), policy="write_through")
+    run(sched, [0, 2])
+    assert hc is not None
+    # a request that holds most of the pool while the load lands
+    hog = Req("hog", [5] * 100, SamplingParams(max_new_tokens=50))
+    sched.add_request(hog)
+    while not hog.kv_indices:
+        sched.step()
+    sched.add_request(Req("x", prompts()[0], SamplingParams(max_new_tokens=2)))
+    outs = drain(sched)
+    assert {o.rid for o in outs if o.finished_reason} == {"hog", "x"}
+    assert hc.snapshot()["loads_no_room"] == 1 and hc.snapshot()["loads"] == 0  # x computed its prompt instead
