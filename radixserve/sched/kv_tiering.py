@@ -271,8 +271,10 @@ class HiCache:
         self.tier.check_integrity()
 
     def snapshot(self) -> dict[str, Any]:
-        """Figures for ``/get_server_info``, ``/metrics`` and the dashboard."""
+        """Figures for ``/get_server_info``, ``/metrics`` and the dashboard (the writes that landed
+        since the last step counted in)."""
         t, s = self.tier, self.stats
+        t.poll()
         lat = sorted(s.seconds)
         return {
             "backend": t.store.name, "write_policy": self.write_policy, "block_tokens": self.B,
@@ -284,6 +286,14 @@ class HiCache:
             "load_seconds_total": round(s.load_seconds, 6),
             "load_seconds_p50": lat[len(lat) // 2] if lat else None, "loads_no_room": s.no_room,
         }
+
+    def counts(self) -> dict[str, Any]:
+        """``SchedulerStats``' tier fields (cumulative, but the bytes held)."""
+        t = self.tier.stats
+        return {"hicache_used_bytes": self.tier.used_bytes, "hicache_hit_tokens": self.stats.hit_tokens,
+                "hicache_loads": self.stats.loads, "hicache_load_seconds": self.stats.load_seconds,
+                "hicache_bytes_written": t.bytes_written, "hicache_bytes_loaded": t.bytes_loaded,
+                "hicache_write_errors": t.write_errors}
 
     def close(self) -> None:
         self.tree.tier_hooks = None

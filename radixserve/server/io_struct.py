@@ -91,6 +91,15 @@ class SchedulerStats(msgspec.Struct, tag=True):
     spec_verify_rows: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # the KV tier (--enable-hierarchical-cache): bytes it holds, and cumulative tokens it gave back,
+    # loads, their seconds, bytes written and loaded, failed writes
+    hicache_used_bytes: int = 0
+    hicache_hit_tokens: int = 0
+    hicache_loads: int = 0
+    hicache_load_seconds: float = 0.0
+    hicache_bytes_written: int = 0
+    hicache_bytes_loaded: int = 0
+    hicache_write_errors: int = 0
     # cumulative (priority, tenant, preemptions, retractions, starved) per class (sched/stats.py)
     by_class: list[tuple[str, str, int, int, int]] = []
     dp_rank: int = 0

@@ -20,7 +20,7 @@ from tests.sched.policy_helpers import submit
 from tests.server.helpers import ServerProcess, fake_dashboard_tm
 
 RANK_KEYS = {"dp_rank", "load", "policy", "scheduler", "policies", "waiting", "running", "kv", "cache", "counters",
-             "steps", "spec"}
+             "steps", "spec", "tier"}
 
 
 def test_step_compositions_prefill_decode_and_mixed() -> None:

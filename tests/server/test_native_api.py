@@ -94,7 +94,7 @@ def test_info_endpoints(c: httpx.Client, shared_server: ServerProcess) -> None:
         assert info["is_generation"] is True and info["model_path"]
     load = c.get("/get_load").json()
     assert isinstance(load, list) and len(load) == 1
-    assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_grammar_queue_reqs", "num_tokens",
+    assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_grammar_queue_reqs", "num_kv_loading_reqs", "num_tokens",
                             "num_used_tokens", "num_waiting_tokens", "prefill_tokens_per_s", "forward_steps"}
     assert load[0]["dp_rank"] == 0
     assert c.get("/health").status_code == 200

@@ -161,7 +161,22 @@
       fig("deadline rejected", int(c.deadline_rejected), "deadline-rejected") +
       fig("finished", int(c.finished), "finished") + fig("aborted", int(c.aborted), "aborted") + `</div>`);
 
-    return `<div class="grid">${running}${queue}${stepsCard}${kvCard}${cacheCard}${countersCard}${specCard(r.spec, p, dt)}</div>`;
+    return `<div class="grid">${running}${queue}${stepsCard}${kvCard}${cacheCard}${countersCard}${specCard(r.spec, p, dt)}${tierCard(r.tier)}</div>`;
+  }
+
+  // the KV tier behind the radix cache, where it is on (--enable-hierarchical-cache)
+  function tierCard(t) {
+    if (!t) return "";
+    const mib = (b) => (b / 1048576).toFixed(1) + " MiB";
+    return card(`KV tier (${t.backend}, ${t.write_policy})`,
+      `<div class="figs">${fig("held", `${mib(t.used_bytes)} / ${mib(t.capacity_bytes)}`, "tier-used")}` +
+      fig("blocks", int(t.blocks), "tier-blocks", `${t.block_tokens} tokens each`) +
+      fig("tokens loaded back", int(t.hit_tokens), "tier-hit-tokens", "prompt tokens not computed again") +
+      fig("loads", `${int(t.loads)} (${int(t.loading)} now)`, "tier-loads") +
+      fig("load p50", t.load_seconds_p50 === null ? "–" : `${(1000 * t.load_seconds_p50).toFixed(1)} ms`, "tier-load-p50") +
+      fig("written / loaded", `${mib(t.bytes_written)} / ${mib(t.bytes_loaded)}`, "tier-bytes") +
+      fig("failed writes", int(t.write_errors), "tier-write-errors") +
+      fig("bad blocks skipped", int(t.corrupt_blocks), "tier-corrupt") + `</div>`);
   }
 
   // speculative decoding, where it is on: acceptance since start and since the last poll

@@ -57,6 +57,8 @@ def _info_routes(app: FastAPI, tm: TokenizerManager, model_path: str, pids: dict
         }
         info["internal_states"] = await tm.control("get_load")
         info["memory"] = merge_memory(await tm.control("memory"))
+        tiers = await tm.control("kv_tier")  # per rank: the KV tier's figures (enabled False: none)
+        info["kv_tier"] = tiers if any(t.get("enabled") for t in tiers) else None
         return info
 
     @app.get("/get_server_info")

@@ -77,6 +77,13 @@ class ServerMetrics:
         self.spec_accept_rate = gauge("spec_accept_rate", "Speculative decoding: accepted / drafted tokens, since start.")
         self.spec_accept_length = gauge(
             "spec_accept_length", "Speculative decoding: tokens a request gains per verify step (accepted + 1), since start.")
+        self.hicache_used_bytes = gauge("hicache_used_bytes", "KV tier: bytes of KV it holds.")
+        self.hicache_hit_tokens = counter("hicache_hit_tokens", "KV tier: prompt tokens whose KV it gave back to the pool.")
+        self.hicache_loads = counter("hicache_loads", "KV tier: loads of a waiting request's prefix.")
+        self.hicache_load_seconds = counter("hicache_load_seconds", "KV tier: seconds from a load's start to its KV in the pool, summed.")
+        self.hicache_bytes_written = counter("hicache_bytes_written", "KV tier: bytes written to its store.")
+        self.hicache_bytes_loaded = counter("hicache_bytes_loaded", "KV tier: bytes loaded back into the pool.")
+        self.hicache_write_errors = counter("hicache_write_errors", "KV tier: writes that failed (the KV is computed again when needed).")
         self.num_requests = Counter(PREFIX + "num_requests", "Requests received.", names, registry=r)
         self.num_aborted = counter("num_aborted_requests", "Requests finished with an abort.")
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
@@ -126,6 +133,7 @@ class ServerMetrics:
         self.token_usage.labels(**lb).set(s.token_usage)
         self.cache_hit_rate.labels(**lb).set(s.cache_hit_rate)
         self.gen_throughput.labels(**lb).set(s.gen_throughput)
+        self.hicache_used_bytes.labels(**lb).set(s.hicache_used_bytes)
         if s.spec_verify_rows:
             self.spec_accept_rate.labels(**lb).set(s.spec_accepted_tokens / max(s.spec_draft_tokens, 1))
             self.spec_accept_length.labels(**lb).set((s.spec_verify_rows + s.spec_accepted_tokens) / s.spec_verify_rows)
@@ -138,7 +146,12 @@ class ServerMetrics:
                               (self.num_preemptions, "num_preemptions"), (self.num_starved, "num_starved"),
                               (self.num_deadline_rejected, "num_deadline_rejected"),
                               (self.spec_draft_tokens, "spec_draft_tokens"),
-                              (self.spec_accepted_tokens, "spec_accepted_tokens")):
+                              (self.spec_accepted_tokens, "spec_accepted_tokens"),
+                              (self.hicache_hit_tokens, "hicache_hit_tokens"), (self.hicache_loads, "hicache_loads"),
+                              (self.hicache_load_seconds, "hicache_load_seconds"),
+                              (self.hicache_bytes_written, "hicache_bytes_written"),
+                              (self.hicache_bytes_loaded, "hicache_bytes_loaded"),
+                              (self.hicache_write_errors, "hicache_write_errors")):
             delta = getattr(s, attr) - (getattr(prev, attr) if prev is not None else 0)
             if delta > 0:
                 for c in (counter, *self.foreign_counters.get(attr, ())):

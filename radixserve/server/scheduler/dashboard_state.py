@@ -99,4 +99,5 @@ def rank_snapshot(sched: SchedulerCore, dp_rank: int = 0) -> dict[str, Any]:
         # oldest first: [mode, requests, prefill tokens, decode tokens, seconds]
         "steps": [list(s) for s in st.recent_steps],
         "spec": _speculation(sched),
+        "tier": kv.tier.snapshot() if kv.tier is not None else None,
     }

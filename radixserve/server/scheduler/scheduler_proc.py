@@ -253,6 +253,9 @@ class SchedulerServer:
             return self.load()
         if op == "dashboard":
             return rank_snapshot(self.sched, self.dp_rank)
+        if op == "kv_tier":
+            tier = self.sched.kv.tier
+            return {"dp_rank": self.dp_rank, "enabled": tier is not None, **(tier.snapshot() if tier else {})}
         if op == "memory":
             return self.memory()
         return {"error": f"unknown control op {op!r}"}
@@ -277,6 +280,8 @@ class SchedulerServer:
         }
         if self.pd is not None:
             out["disagg"] = self.pd.stats()
+        if kv.tier is not None:
+            out["tier"] = kv.tier.snapshot()
         if idle:
             try:
                 kv.check_invariant()
@@ -370,6 +375,7 @@ class SchedulerServer:
             num_starved=st.num_starved,
             num_deadline_rejected=st.num_deadline_rejected,
             **spec_counts(s.parts.spec),
+            **(s.kv.tier.counts() if s.kv.tier is not None else {}),
             by_class=st.by_class.rows(),
             dp_rank=self.dp_rank,
         )

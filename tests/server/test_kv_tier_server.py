@@ -1,0 +1,79 @@
+"""The KV tier through a real server: a prompt evicted from a small pool is loaded back (the
+figures in /get_server_info, /metrics, /debug/memory and the dashboard's snapshot say so), and a
+server killed with SIGKILL and started again over the same directory finds its prefixes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.helpers import ServerProcess, assert_memory_ok, started, wait_idle
+
+pytestmark = pytest.mark.slow  # real servers: the full tier only
+
+GREEDY = {"max_new_tokens": 4, "temperature": 0}
+
+
+def text(i: int) -> str:
+    return " ".join(f"Entry {j} of ledger {i}: {j * 13 + i} units of item {(j * 7 + i) % 50} were moved." for j in range(25))
+
+
+def tiered(tier_dir: Path) -> ServerProcess:
+    return ServerProcess("--max-total-tokens", "1024", "--enable-metrics", "--enable-hierarchical-cache", "--hicache-ratio", "16",
+                         "--hicache-storage-dir", str(tier_dir))
+
+
+def gen(c: httpx.Client, i: int) -> dict[str, Any]:
+    r = c.post("/generate", json={"text": text(i), "sampling_params": GREEDY})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tier_info(c: httpx.Client) -> dict[str, Any]:
+    info = c.get("/get_server_info").json()["kv_tier"]
+    assert info is not None and len(info) == 1
+    return info[0]
+
+
+def test_the_tier_through_the_server_and_a_restart(tmp_path: Path) -> None:
+    it = started(tiered(tmp_path))
+    srv = next(it)
+    try:
+        with srv.client() as c:
+            gen(c, 0)
+            hit = gen(c, 0)
+            for i in range(1, 5):
+                gen(c, i)
+            back = gen(c, 0)
+            n = back["meta_info"]["prompt_tokens"]
+            assert back["meta_info"]["cached_tokens"] >= n - 64 and back["output_ids"] == hit["output_ids"]
+            t = tier_info(c)
+            assert t["enabled"] and t["backend"] == "file" and t["hit_tokens"] >= n // 2 and t["loads"] >= 1
+            metrics = c.get("/metrics").text
+            assert "radixserve:hicache_hit_tokens_total" in metrics and "radixserve:hicache_bytes_written_total" in metrics
+            mem = wait_idle(c)
+            assert_memory_ok(mem)
+            assert mem["tier"]["used_bytes"] > 0
+            dash = c.get("/dashboard/state").json()
+            assert dash["ranks"][0]["tier"]["hit_tokens"] >= n // 2
+            for _ in range(100):  # every write landed (then a SIGKILL loses nothing)
+                t = tier_info(c)
+                if t["blocks_written"] + t["write_errors"] >= t["blocks"]:
+                    break
+                time.sleep(0.05)
+    finally:
+        it.close()  # (kills the server: SIGKILL)
+    again = started(tiered(tmp_path))
+    srv2 = next(again)
+    try:
+        with srv2.client() as c:
+            first = gen(c, 0)
+            assert first["meta_info"]["cached_tokens"] >= n - 64 and first["output_ids"] == hit["output_ids"]
+            assert tier_info(c)["hit_tokens"] >= n // 2
+            assert_memory_ok(wait_idle(c))
+    finally:
+        again.close()
