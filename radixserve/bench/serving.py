@@ -11,7 +11,10 @@ streamed, so that every request's TTFT and inter-token latencies can be measured
   ``return_token_ids``) + the turn's new user tokens: every turn extends the previous one exactly,
   as a chat does, and the server's prefix cache can hit on the whole history (``cached_tokens``,
   from ``usage.prompt_tokens_details``, is reported per request). A server that returns no token
-  ids gets the workload's random stand-in for the reply instead (counted in the report);
+  ids gets the workload's random stand-in for the reply instead (counted in the report). With
+  ``--think-time`` a turn waits that long on average (exponentially distributed) after the previous
+  one finished, as a user reads or an agent's tool runs: other conversations' turns push its
+  history out of a small KV pool meanwhile;
 - reported: request / token throughput and P50 / P95 / P99 of TTFT, TPOT (per request, time per
   output token after the first), ITL (every gap between streamed chunks) and end-to-end latency.
 """
@@ -49,6 +52,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question-len", type=int, default=64, help="shared-prefix: question tokens.")
     p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation.")
     p.add_argument("--turn-len", type=int, default=64, help="multi-turn: new user tokens per turn.")
+    p.add_argument("--think-time", type=float, default=0.0,
+                   help="multi-turn: mean seconds between a turn's end and the next turn (exponential; 0: none).")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="Token ids are drawn below this (default: /get_model_info's vocab_size, else 32000).")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrival rate (req/s); inf = burst.")
@@ -203,6 +208,7 @@ class ServingBenchmark:
             history: dict[int, list[int]] = {}  # multi-turn: a conversation's last prompt + its real reply
             # the workload's stand-in for the reply to turn t travels with turn t + 1
             stand_in = {(r.group, r.turn - 1): r.stand_in_reply for r in reqs if r.turn > 0}
+            think = {(r.group, r.turn): rng.expovariate(1 / ns.think_time) if ns.think_time > 0 else 0.0 for r in reqs}
             bar = tqdm(total=len(reqs), desc=f"bench {ns.workload}", disable=ns.disable_tqdm, file=sys.stderr)
             results: list[RequestResult] = []
 
@@ -211,6 +217,7 @@ class ServingBenchmark:
                 prompt = req.input_ids
                 if multi_turn and req.turn > 0:
                     await turn_done[(req.group, req.turn - 1)].wait()
+                    await asyncio.sleep(think[(req.group, req.turn)])
                     if req.group in history:  # else turn t-1 broke down: the workload's own prompt
                         prompt = history[req.group] + req.user_ids
                 reply: list[int] | None = [] if multi_turn else None

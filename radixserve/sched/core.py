@@ -91,6 +91,30 @@ class SchedulerCore:
         return True
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        batch = self.builder.next_batch(self.last_batch)
+        q = self.queues
+        if batch is None and (q.waiting or self.kv.loads_pending()) and not q.running.reqs and not q.chunked:
+            batch = self._unblock_tier_holds()
+        return batch
+
+    def _unblock_tier_holds(self) -> ScheduleBatch | None:
+        """Nothing runs and nothing was admitted: prefixes the KV tier loaded for waiting requests may
+        be what fills the pool. Those requests go first (each needs little more); if even they cannot
+        run, the prefixes are unlocked (and may be evicted) and the queue tries again."""
+        q = self.queues
+        held = self.kv.tier_held()
+        if held:
+            rest = [r for r in q.waiting if r not in held]
+            q.waiting = [r for r in q.waiting if r in held]
+            try:
+                batch = self.builder.next_batch(self.last_batch)
+            finally:
+                q.waiting += rest
+            if batch is not None:
+                return batch
+        if not self.kv.drop_tier_holds():
+            return None
+        self.intake.poll()
         return self.builder.next_batch(self.last_batch)
 
     def step(self) -> BatchOut:

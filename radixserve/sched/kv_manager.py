@@ -65,11 +65,19 @@ class KVManager:
 
     def loads_pending(self) -> int:
         """Requests waiting for their prefix to load."""
-        return len(self.tier.loads) if self.tier is not None else 0
+        return self.tier.parked() if self.tier is not None else 0
 
     def wait_loads(self, timeout: float) -> None:
         if self.tier is not None:
             self.tier.wait(timeout)
+
+    def tier_held(self) -> set[Req]:
+        """Waiting requests whose prefix the tier loaded, locked for them until they are admitted."""
+        return set(self.tier.holds) if self.tier is not None else set()
+
+    def drop_tier_holds(self) -> bool:
+        """Unlock the loaded prefixes that wait for their requests' admission; whether there were any."""
+        return self.tier is not None and self.tier.drop_holds()
 
     def close(self) -> None:
         """Let the tier finish its writes (a restart finds them) and stop its threads."""
@@ -206,6 +214,8 @@ class KVManager:
         req.kv_indices = list(req.prefix_indices)
         req.cache_protected_len = len(req.prefix_indices)
         self.req_to_token_pool.write(req.req_pool_idx, 0, req.kv_indices)
+        if req.tier_hold is not None and self.tier is not None:
+            self.tier.unhold(req)
 
     def grow(self, req: Req, n: int) -> list[int]:
         """KV slots for the next ``n`` tokens of ``req``, evicting cache leaves if needed."""
@@ -284,6 +294,8 @@ class KVManager:
         if req.req_pool_idx is None:  # matched while waiting but never admitted: holds no lock
             req.last_node = None
             req.prefix_indices = ()
+            if req.tier_hold is not None and self.tier is not None:
+                self.tier.unhold(req)
             return
         self.tree_cache.cache_finished_req(req)
 

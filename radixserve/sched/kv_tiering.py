@@ -61,6 +61,7 @@ class Load:
     node: TreeNode  # end of the cached prefix, locked while the load runs
     prefix: list[int]  # the cached prefix's slots
     first_block: int
+    end: int  # where the prefix ends if every block loads
     future: Future[Fetched]
     started: float
     cancelled: bool = False
@@ -91,6 +92,9 @@ class HiCache:
         self.clock = clock
         self.B = tier.block_tokens
         self.loads: dict[Req, Load] = {}
+        self.holds: dict[Req, int] = {}  # requests whose loaded prefix waits locked for admission: tokens
+        self.staged: dict[Req, Load] = {}  # read, waiting for room in the pool (their request waits too)
+        self._freed: list[Req] = []  # requests whose staged load was given up: handed back at the next poll
         self.stats = LoadStats()
         self._writing = True
         tree.tier_hooks = self
@@ -144,7 +148,7 @@ class HiCache:
         n_blocks = len(ids) // self.B
         cached = self.tree.peek_prefix_len(key)
         b0 = cached // self.B
-        if b0 >= n_blocks:
+        if b0 >= n_blocks or self.held_tokens() + (n_blocks * self.B - cached) > self.allocator.size:
             return False
         root = chain_root(self.tier.model_id, key.extra_key)
         keys = chain_keys(root, ids, self.B, n_blocks)
@@ -158,53 +162,116 @@ class HiCache:
         B = self.B
         fut = self.tier.fetch(keys[b0 : b0 + k], [keys[b - 1] if b else root for b in range(b0, b0 + k)],
                               [ids[b * B : (b + 1) * B] for b in range(b0, b0 + k)])
-        self.loads[req] = Load(req, key, m.last_node, list(m.device_indices), b0, fut, self.clock())
+        self.loads[req] = Load(req, key, m.last_node, list(m.device_indices), b0, (b0 + k) * B, fut, self.clock())
         return True
+
+    def held_tokens(self) -> int:
+        """Pool tokens locked for requests not admitted yet (landed loads), or on their way (read or
+        waiting for room)."""
+        return sum(self.holds.values()) + sum(ld.end - len(ld.prefix)
+                                              for ld in (*self.loads.values(), *self.staged.values()))
+
+    def drop_holds(self) -> bool:
+        """Unlock every loaded prefix still waiting for its request's admission (they stay cached,
+        evictable), and give up the loads still waiting for room (their requests compute): when
+        nothing runs and nothing can be admitted, these locks may be what stands in the way.
+        Whether there were any."""
+        reqs = list(self.holds)
+        for req in reqs:
+            self.unhold(req)
+        staged = list(self.staged.values())
+        for ld in staged:
+            self._give_up(ld)
+        self.staged.clear()
+        self._freed.extend(ld.req for ld in staged if not ld.cancelled)
+        return bool(reqs or staged)
+
+    def unhold(self, req: Req) -> None:
+        """``req`` is admitted (its own lock pins its prefix now) or leaves: drop the tier's lock."""
+        if req.tier_hold is not None:
+            self.tree.dec_lock_ref(req.tier_hold)
+            req.tier_hold = None
+            self.holds.pop(req, None)
+
+    def _give_up(self, ld: Load) -> None:
+        """A load that found no room: its KV is dropped, its request computes the prompt."""
+        self.stats.no_room += 1
+        self.tree.dec_lock_ref(ld.node)
 
     def cancel(self, req: Req) -> bool:
         """``req`` is aborted while loading: its load completes (the KV is cached) but it is not handed back."""
-        ld = self.loads.get(req)
+        ld = self.loads.get(req) or self.staged.get(req)
         if ld is None:
             return False
         ld.cancelled = True
         return True
 
+    def parked(self) -> int:
+        """Requests waiting here: their blocks being read, or read and waiting for room."""
+        return len(self.loads) + len(self.staged) + len(self._freed)
+
     def wait(self, timeout: float) -> None:
         """Block until a load completes or ``timeout`` seconds pass (the loop has nothing else to do)."""
         if self.loads:
             wait_futures([ld.future for ld in self.loads.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+        elif self.staged:
+            time.sleep(timeout)  # waiting for room: something else has to end first
 
     def poll(self) -> list[Req]:
         """Take in the tier's finished writes, and finish the loads that are read: their KV into the
-        pool and the tree. Returns the requests that may now be scheduled, in arrival order."""
+        pool and the tree. A load that finds no room in the pool waits (its blocks in memory) and
+        tries again at each poll, before the step that could take the room is built. Returns the
+        requests that may now be scheduled, in arrival order."""
         self.tier.poll()
-        ready: list[Req] = []
+        ready, self._freed = self._freed, []
+        for req, ld in list(self.staged.items()):
+            if self._try_land(ld):
+                del self.staged[req]
+                if not ld.cancelled:
+                    ready.append(req)
         for req, ld in list(self.loads.items()):
             if not ld.future.done():
                 continue
             del self.loads[req]
-            try:
-                self._land(ld)
-            except Exception:  # the request goes on without the tier's KV
-                self.stats.failed += 1
-                logger.exception("KV tier: loading request %s's prefix failed; it is computed instead", req.rid)
-            finally:
-                self.tree.dec_lock_ref(ld.node)
-            if not ld.cancelled:
+            self._drop_bad(ld)
+            if not self._try_land(ld):
+                self.staged[req] = ld
+            elif not ld.cancelled:
                 ready.append(req)
         return ready
 
-    def _land(self, ld: Load) -> None:
-        got = ld.future.result()
-        for key, why in got.bad:
-            self.tier.forget(key)
+    def _drop_bad(self, ld: Load) -> None:
+        for name, why in ld.future.result().bad:
+            self.tier.forget(name)
             self.tier.stats.corrupt_blocks += 1
             logger.warning("KV tier: skipped a stored block of request %s (%s); its KV is computed again",
                            ld.req.rid, why)
+
+    def _try_land(self, ld: Load) -> bool:
+        """Land ``ld``; False if the pool has no room now (it keeps its lock and may try again).
+        A cancelled load is not kept waiting for room."""
+        try:
+            landed = self._land(ld)
+        except Exception:  # the request goes on without the tier's KV
+            self.stats.failed += 1
+            logger.exception("KV tier: loading request %s's prefix failed; it is computed instead", ld.req.rid)
+            landed = True
+        if landed:
+            self.tree.dec_lock_ref(ld.node)
+        elif ld.cancelled:
+            self._give_up(ld)
+            return True
+        return landed
+
+    def _land(self, ld: Load) -> bool:
+        """Put ``ld``'s KV into the pool and the tree; False if there is no room for it now."""
+        got = ld.future.result()
         if not got.payloads:
-            return
+            return True
         B, p = self.B, len(ld.prefix)
         end = (ld.first_block + len(got.payloads)) * B
+        if end - p > self.allocator.available_size() + self.tree.evictable_size():
+            return False
         parts = self._cut(got.payloads, p - ld.first_block * B)
         avail = self.allocator.available_size()
         if end - p > avail:
@@ -212,17 +279,22 @@ class HiCache:
         try:
             slots = self.allocator.alloc(end - p)
         except OutOfKVSlots:
-            self.stats.no_room += 1
-            return
+            return False
         try:
             nbytes = self.pool.scatter(slots, parts)
         except Exception:
             self.allocator.free(slots)
             raise
         ids = ld.key.token_ids
-        dup = self.tree.insert(RadixKey(ids[:end], ld.key.extra_key), ld.prefix + slots) - p
+        key = RadixKey(ids[:end], ld.key.extra_key)
+        dup = self.tree.insert(key, ld.prefix + slots) - p
         if dup > 0:
             self.allocator.free(slots[:dup])
+        if not ld.cancelled:  # locked until the request is admitted: what runs meanwhile cannot evict it
+            hold = self.tree.match_prefix(key).last_node
+            self.tree.inc_lock_ref(hold)
+            ld.req.tier_hold = hold
+            self.holds[ld.req] = end - p
         kept = max(dup, 0)
         if self.on_written is not None and kept < len(slots):
             self.on_written(slots[kept:], list(ids[p + kept : end]))
@@ -234,6 +306,7 @@ class HiCache:
         s.seconds = (s.seconds + [took])[-256:]
         self.tier.stats.blocks_loaded += len(got.payloads)
         self.tier.stats.bytes_loaded += nbytes
+        return True
 
     def _cut(self, payloads: list[memoryview], skip: int) -> list[bytearray]:
         """The blocks' payloads as ``KVPool.scatter``'s parts, without the first ``skip`` rows."""
@@ -265,8 +338,9 @@ class HiCache:
         self.tier.clear()
 
     def check(self) -> None:
-        if self.loads:
-            raise AssertionError(f"{len(self.loads)} KV tier loads still in flight at idle")
+        if self.loads or self.holds or self.staged:
+            raise AssertionError(f"at idle: {len(self.loads)} KV tier loads in flight, {len(self.staged)} waiting "
+                                 f"for room, {len(self.holds)} held")
         self.tier.poll()
         self.tier.check_integrity()
 
@@ -281,7 +355,7 @@ class HiCache:
             "blocks": len(t), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
             "blocks_written": t.stats.blocks_written, "bytes_written": t.stats.bytes_written,
             "write_errors": t.stats.write_errors, "evicted_blocks": t.stats.evicted_blocks,
-            "corrupt_blocks": t.stats.corrupt_blocks, "loads": s.loads, "loading": len(self.loads),
+            "corrupt_blocks": t.stats.corrupt_blocks, "loads": s.loads, "loading": self.parked(),
             "hit_tokens": s.hit_tokens, "bytes_loaded": t.stats.bytes_loaded,
             "load_seconds_total": round(s.load_seconds, 6),
             "load_seconds_p50": lat[len(lat) // 2] if lat else None, "loads_no_room": s.no_room,

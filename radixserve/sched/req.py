@@ -56,6 +56,8 @@ class Req:
         self.kv_indices: list[int] = []
         self.cache_protected_len = 0
         self.last_node: TreeNode | None = None  # where its cached prefix ends in the radix tree
+        # the prefix the KV tier loaded for it, locked until it is admitted (KVManager.admit) or leaves
+        self.tier_hold: TreeNode | None = None
 
         # this round's plan (set by KVManager.match / the adder)
         self.prefix_indices: Sequence[int] = ()  # the matched prefix's slots (an int64 array once matched)

@@ -169,16 +169,50 @@ def test_an_abort_while_loading_ends_the_request_and_keeps_the_kv() -> None:
     assert sched.kv.tree_cache.peek_prefix_len(Req("y", prompts()[0], SamplingParams()).match_key()) >= 80
 
 
-def test_a_load_with_no_room_in_the_pool_is_dropped() -> None:
+def test_a_load_waits_for_room_in_the_pool() -> None:
+    """Blocks read while the pool is full wait (in memory, the request with them) until a running
+    request ends, then land: the request is still served from the tier."""
+    want = run(build(2048, None)[0], [0])
     sched, hc = build(160, MemoryStore(), policy="write_through")
     run(sched, [0, 2])
     assert hc is not None
-    # a request that holds most of the pool while the load lands
-    hog = Req("hog", [5] * 100, SamplingParams(max_new_tokens=50))
+    hog = Req("hog", [5] * 100, SamplingParams(max_new_tokens=50))  # most of the pool while the load lands
     sched.add_request(hog)
     while not hog.kv_indices:
         sched.step()
-    sched.add_request(Req("x", prompts()[0], SamplingParams(max_new_tokens=2)))
-    outs = drain(sched)
-    assert {o.rid for o in outs if o.finished_reason} == {"hog", "x"}
-    assert hc.snapshot()["loads_no_room"] == 1 and hc.snapshot()["loads"] == 0  # x computed its prompt instead
+    sched.add_request(Req("x", prompts()[0], SamplingParams(max_new_tokens=4)))
+    waited = False
+    outs = []
+    while sched.has_work():
+        outs += sched.step()
+        waited |= bool(hc.staged)
+    outs += drain(sched)
+    assert waited and {o.rid for o in outs if o.finished_reason} == {"hog", "x"}
+    x = [o for o in outs if o.rid == "x"]
+    assert [t for o in x for t in o.new_token_ids] == want[0]
+    assert hc.snapshot()["loads"] == 1 and hc.snapshot()["loads_no_room"] == 0
+    assert max(o.cached_tokens for o in x) >= 80
+
+
+def test_loaded_requests_run_before_their_kv_is_evicted_again() -> None:
+    """Four requests at once over a pool that holds two: the two whose prefixes came back from the
+    tier keep them (locked until admitted) and run on them, instead of being pushed out by the
+    requests queued before them; every output equals the big pool's."""
+    turn2 = [p + [5, 6, 7, 8, 9, 10] for p in prompts()]
+
+    def burst(sched: Any) -> dict[str, tuple[list[int], int]]:
+        run(sched, [0, 1, 2, 3])
+        for i, p in enumerate(turn2):
+            sched.add_request(Req(f"t{i}", p, SamplingParams(max_new_tokens=4)))
+        got: dict[str, tuple[list[int], int]] = {}
+        for o in drain(sched):
+            toks, cached = got.get(o.rid, ([], 0))
+            got[o.rid] = (toks + list(o.new_token_ids), max(cached, o.cached_tokens))
+        return got
+
+    want = burst(build(2048, None)[0])
+    sched, hc = build(200, MemoryStore(), policy="write_through")
+    got = burst(sched)
+    assert {r: t for r, (t, _) in got.items()} == {r: t for r, (t, _) in want.items()}
+    assert hc is not None and hc.snapshot()["loads"] == 2
+    assert got["t0"][1] >= 80 and got["t1"][1] >= 80  # served from what the tier loaded
