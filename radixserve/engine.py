@@ -38,10 +38,10 @@ from radixserve.sched.build import build_scheduler as build_sched
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.finish import FINISH_ABORT
 from radixserve.sched.io import InputLogprobsOut, OutRow, spec_meta
-from radixserve.sched.kv_tiering import build_hicache
 from radixserve.sched.req import Req
 from radixserve.sched.request_checks import check_request, logprob_start
 from radixserve.sched.sampling_params import InvalidRequest, SamplingParams
+from radixserve.sched.tier_setup import build_hicache
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,12 @@ event names a path *from the root* because the router's tree is keyed from the r
   changes no cached prefix and says nothing).
 - ``BlockRemoved(tokens, keep)``: the tokens of the path past ``keep`` are no longer cached (an
   evicted leaf: ``tokens`` is its whole path, ``keep`` the length of its parent's path).
-- ``AllCleared()``: the tree was emptied (``/flush_cache``).
+- ``AllCleared()``: the tree was emptied (``/flush_cache``), and the KV tier with it.
+
+``medium`` says where: None for the KV pool (the radix tree), else the KV tier behind it
+(``--enable-hierarchical-cache``), by vLLM's names: ``"DISK"`` for the file store, ``"CPU"`` for
+memory. The tier reports its blocks (whole 64-token blocks from the root) as they are stored and
+dropped; a router may give a prefix in the tier partial credit (it loads instead of computing).
 
 With ``page_size > 1`` every length is a whole number of pages (the tree only holds pages).
 
@@ -34,11 +39,13 @@ import msgspec
 class BlockStored(msgspec.Struct, tag="stored", tag_field="type", omit_defaults=True):
     tokens: list[int]  # the full cached path from the root
     start: int = 0  # tokens[:start] were cached before (the new node's first token)
+    medium: str | None = None  # None: the pool; else the KV tier ("DISK", "CPU")
 
 
-class BlockRemoved(msgspec.Struct, tag="removed", tag_field="type"):
+class BlockRemoved(msgspec.Struct, tag="removed", tag_field="type", omit_defaults=True):
     tokens: list[int]  # the full path from the root of the evicted node
     keep: int  # tokens[:keep] stay cached; tokens[keep:] are gone
+    medium: str | None = None
 
 
 class AllCleared(msgspec.Struct, tag="cleared", tag_field="type"):

@@ -7,7 +7,9 @@ the chain starting from the model's identity and the cache namespace. Equal name
 from the start, computed by the same model, so a name is all a lookup needs, across restarts too.
 
 The index (name -> bytes stored) is in LRU order: a store or a load moves a block to the end, and
-the cap (``capacity_bytes``) drops blocks from the front. Only the scheduler's thread touches it.
+the cap (``capacity_bytes``) drops blocks from the front. A chain is touched from its last block to
+its first (``touch``), so within a chain the later blocks go first: a chain whose first block went
+could not be loaded at all. Only the scheduler's thread touches it.
 Writes go to one writer thread, in order (a delete queued after a write runs after it); until a
 write lands, the block's bytes stay in memory and a load takes them from there. Loads run on a
 reader thread (``fetch``), which checks each stored block (``tier_store.decode_block``) and stops
@@ -25,7 +27,7 @@ import threading
 import zlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +78,7 @@ class Fetched:
 
 class KVTier:
     def __init__(self, store: TierStore, *, model_id: bytes, block_tokens: int, capacity_bytes: int) -> None:
+        self.on_drop: Callable[[bytes], None] | None = None  # told of each block that leaves the index
         self.store = store
         self.model_id = model_id
         self.block_tokens = block_tokens
@@ -127,6 +130,13 @@ class KVTier:
             n += 1
         return n
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark the blocks of a chain used now, the first one last (the most recent)."""
+        index = self._index
+        for k in reversed(keys):
+            if k in index:
+                index.move_to_end(k)
+
     # --- writes -------------------------------------------------------------------------------
     def put(self, key: bytes, parent: bytes, tokens: Sequence[int], parts: Sequence[torch.Tensor]) -> bool:
         """Store a block (its KV as ``KVPool.gather``'s parts); False if it does not fit the cap."""
@@ -156,6 +166,8 @@ class KVTier:
         self.used_bytes -= size
         self._pending.pop(key, None)
         self._jobs.put(("delete", key, 0, []))
+        if self.on_drop is not None:
+            self.on_drop(key)
 
     def forget(self, key: bytes) -> None:
         """Drop a block (it failed its checks)."""
@@ -205,6 +217,8 @@ class KVTier:
             size = self._index.pop(key, None)
             if size is not None:
                 self.used_bytes -= size
+                if self.on_drop is not None:
+                    self.on_drop(key)
             if self._errors_logged < 5 or self.stats.write_errors % 1000 == 0:
                 self._errors_logged += 1
                 logger.warning("KV tier: a block write failed (%s); its KV will be recomputed when needed "
@@ -221,9 +235,7 @@ class KVTier:
     def fetch(self, keys: Sequence[bytes], parents: Sequence[bytes], tokens: Sequence[Sequence[int]]) -> Future[Fetched]:
         """Read and check the blocks ``keys`` (the continuation of ``parents[i]`` with ``tokens[i]``)
         on the reader thread; the future's payloads stop at the first missing or bad block."""
-        for k in keys:
-            if k in self._index:
-                self._index.move_to_end(k)
+        self.touch(keys)
         mem = [self._pending.get(k) for k in keys]
         return self._reader.submit(self._read, list(keys), list(parents), [list(t) for t in tokens],
                                    [m[1] if m is not None else None for m in mem])

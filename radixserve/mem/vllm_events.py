@@ -94,12 +94,12 @@ def to_vllm(events: Sequence[CacheEvent], block_size: int) -> list[VLLMEvent]:
                 out.append(VLLMBlockStored(
                     block_hashes=hashes[first:], parent_block_hash=hashes[first - 1] if first else None,
                     token_ids=list(ev.tokens[first * block_size : len(hashes) * block_size]),
-                    block_size=block_size, lora_id=None, medium=None, lora_name=None))
+                    block_size=block_size, lora_id=None, medium=ev.medium, lora_name=None))
         elif isinstance(ev, BlockRemoved):
             hashes = chain_hashes(ev.tokens, block_size)
             gone = hashes[ev.keep // block_size:]
             if gone:
-                out.append(VLLMBlockRemoved(block_hashes=gone, medium=None))
+                out.append(VLLMBlockRemoved(block_hashes=gone, medium=ev.medium))
         elif isinstance(ev, AllCleared):
             out.append(VLLMAllBlocksCleared())
     return out

@@ -10,6 +10,9 @@ policy's prefix tree for that worker's target (``apply_batch``):
   dropped the path past ``keep``, so the tree drops the target from it (and from below it);
 - ``AllCleared()`` -> ``policy.remove_target(target)``: the worker's cache is empty.
 
+An event with a ``medium`` is about the worker's KV tier; the policy keeps it apart from the pool
+(``CacheAware`` gives it partial credit).
+
 The gap rule: batches are numbered 0, 1, 2, ... by the publisher. A batch whose ``seq`` is not
 the last one plus 1 means batches were lost (PUB drops them past a high-water mark when this side
 falls behind) or the worker restarted (a new publisher starts at 0 again, its cache empty). Either
@@ -51,9 +54,9 @@ RCVHWM = 10_000
 class CacheEventTarget(Protocol):
     """What a policy must offer to follow cache events (``CacheAware`` does)."""
 
-    def on_cache_stored(self, target_key: str, key: Sequence[Any]) -> None: ...
+    def on_cache_stored(self, target_key: str, key: Sequence[Any], medium: str | None = None) -> None: ...
 
-    def on_cache_removed(self, target_key: str, key: Sequence[Any], keep: int) -> None: ...
+    def on_cache_removed(self, target_key: str, key: Sequence[Any], keep: int, medium: str | None = None) -> None: ...
 
     def remove_target(self, key: str) -> None: ...
 
@@ -69,9 +72,9 @@ def apply_batch(policy: CacheEventTarget, target_key: str, batch: EventBatch, la
         policy.remove_target(target_key)
     for ev in batch.events:
         if isinstance(ev, BlockStored):
-            policy.on_cache_stored(target_key, ev.tokens)
+            policy.on_cache_stored(target_key, ev.tokens, ev.medium)
         elif isinstance(ev, BlockRemoved):
-            policy.on_cache_removed(target_key, ev.tokens, ev.keep)
+            policy.on_cache_removed(target_key, ev.tokens, ev.keep, ev.medium)
         elif isinstance(ev, AllCleared):
             policy.remove_target(target_key)
     return batch.seq

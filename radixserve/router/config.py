@@ -100,6 +100,10 @@ class RouterArgs:
     enable_cache_events: bool = option(
         False, "cache_aware: subscribe to the workers' cache events (workers started with "
         "--cache-events-port) so the tree forgets prefixes the workers evicted.", group="policy")
+    cache_tier_weight: float = option(
+        0.5, "cache_aware with --enable-cache-events: credit for a prefix a worker holds in its KV tier "
+        "(--enable-hierarchical-cache: loaded, not computed) relative to one in its KV pool: the match "
+        "past the pool counts this much (0: the tier is ignored, 1: as good as the pool).", group="policy")
     cache_events_format: str = option(
         "radixserve", "--enable-cache-events: the events to follow: radixserve's own (workers started with "
         "--cache-events-port) or vLLM's published KV-event schema (workers started with --kv-events-config; "
@@ -209,6 +213,8 @@ class RouterArgs:
                 errors.append(f"worker URL {url!r} must start with http:// or https://")
         if not 0.0 <= self.cache_threshold <= 1.0:
             errors.append("cache_threshold must be in [0, 1]")
+        if not 0.0 <= self.cache_tier_weight <= 1.0:
+            errors.append("cache_tier_weight must be in [0, 1]")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             errors.append("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
         for name in ("max_tree_size", "health_failure_threshold", "health_success_threshold",

@@ -31,6 +31,11 @@ Policies (``--policy``):
   With a session's preferred target (``RouteRequest.home``, affinity.py), that target wins among
   the holders of the longest match and takes a miss (branch ``affinity``).
 
+  With cache events from workers that keep a KV tier (``--enable-hierarchical-cache``), a second
+  tree follows what each worker holds in its tier: a target's match is its pool match plus
+  ``tier_weight`` (0.5) times what its tier holds past that (loaded, not computed: cheaper than a
+  miss, dearer than a pool hit), as Dynamo's KV router weighs lower tiers.
+
   ``balance_affinity`` (ours): under imbalance, instead of dropping locality altogether, the
   candidates are the targets *within the balance window* of the least loaded one (those that
   would not count as imbalanced against it), and among them the one with the longest match wins
@@ -124,6 +129,7 @@ class PolicyConfig:
     # cache_miss by a hash of the prompt among the targets within the balance window: decisions that
     # do not hang on one router's own in-flight counts, so replicas of the router agree
     consistent_misses: bool = False
+    tier_weight: float = 0.5  # credit for a prefix in a worker's KV tier, relative to its pool
     seed: int | None = None
 
 
@@ -223,6 +229,8 @@ class CacheAware(RouterPolicy):
     def __init__(self, config: PolicyConfig | None = None) -> None:
         super().__init__(config)
         self.tree = PrefixTree()
+        self.lower = PrefixTree()  # what the workers' KV tiers hold (cache events only)
+        self._tiers_seen = False
 
     def imbalanced(self, max_load: int, min_load: int) -> bool:
         c = self.config
@@ -241,6 +249,8 @@ class CacheAware(RouterPolicy):
         loads = [t.load for t in targets]
         lo, hi = min(loads), max(loads)
         matched, per = self.tree.match(key) if key else (0, {})
+        if key and self._tiers_seen and self.config.tier_weight > 0:
+            matched, per = self._with_tiers(key, per)
         rate = matched / len(key) if key else 0.0
         if self.imbalanced(hi, lo):
             chosen, branch = self._rebalance(targets, lo, per)
@@ -266,7 +276,21 @@ class CacheAware(RouterPolicy):
         else:
             chosen = min(targets, key=lambda t: (self.tree.tenant_size(t.key), t.load))
             branch = "cache_miss"
-        return Decision(chosen, branch, rate, per.get(chosen.key, 0))
+        return Decision(chosen, branch, rate, int(per.get(chosen.key, 0)))
+
+    def _with_tiers(self, key: Sequence[Any], per: dict[str, int]) -> tuple[int, dict[str, int]]:
+        """Each target's match with its KV tier's part weighed in (``tier_weight`` per element past
+        its pool match)."""
+        _, lower = self.lower.match(key)
+        if not lower:
+            return max(per.values(), default=0), per
+        w = self.config.tier_weight
+        out = dict(per)
+        for t, n in lower.items():
+            pool = per.get(t, 0)
+            if n > pool:
+                out[t] = pool + round(w * (n - pool))
+        return max(out.values(), default=0), out
 
     def _rebalance(self, targets: Sequence[Target], lo: int, per: dict[str, int]) -> tuple[Target, str]:
         if not self.config.balance_affinity:
@@ -279,16 +303,22 @@ class CacheAware(RouterPolicy):
 
     def remove_target(self, key: str) -> None:
         self.tree.remove_tenant(key)
+        self.lower.remove_tenant(key)
 
     def evict(self) -> int:
-        return self.tree.evict(self.config.max_tree_size)
+        return self.tree.evict(self.config.max_tree_size) + self.lower.evict(self.config.max_tree_size)
 
     # --- the worker's real cache state (cache events) ---------------------------------------------
-    def on_cache_stored(self, target_key: str, key: Sequence[Any]) -> None:
-        self.tree.insert(key, target_key)
+    def on_cache_stored(self, target_key: str, key: Sequence[Any], medium: str | None = None) -> None:
+        """The worker holds ``key``: in its pool (``medium`` None) or its KV tier."""
+        if medium is None:
+            self.tree.insert(key, target_key)
+        else:
+            self._tiers_seen = True
+            self.lower.insert(key, target_key)
 
-    def on_cache_removed(self, target_key: str, key: Sequence[Any], keep: int) -> None:
-        self.tree.remove(key, target_key, keep)
+    def on_cache_removed(self, target_key: str, key: Sequence[Any], keep: int, medium: str | None = None) -> None:
+        (self.tree if medium is None else self.lower).remove(key, target_key, keep)
 
 
 class NoTargetMeetsDeadline(Exception):

@@ -65,7 +65,7 @@ class Router:
             cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
             balance_rel_threshold=args.balance_rel_threshold, max_tree_size=args.max_tree_size,
             balance_affinity=args.balance_affinity, miss_by_load=args.enable_cache_events,
-            consistent_misses=args.consistent_misses, seed=args.seed)
+            consistent_misses=args.consistent_misses, tier_weight=args.cache_tier_weight, seed=args.seed)
         # one policy per pool of workers: the plain fleet (role None), or PD's prefill and decode pools
         self.policies: dict[str | None, RouterPolicy]
         if args.pd_disaggregation:

@@ -34,6 +34,11 @@ logger = logging.getLogger("radixserve.router")
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
+def _tier(medium: str | None) -> str | None:
+    """vLLM's medium as ours: the device pool ("GPU", or unset) is None, any other a lower tier."""
+    return None if medium is None or medium.upper() == "GPU" else medium
+
+
 class BlockPaths:
     def __init__(self) -> None:
         self.blocks: dict[int, tuple[int | None, Sequence[int]]] = {}  # hash -> (parent hash, its tokens)
@@ -61,12 +66,12 @@ class BlockPaths:
                 for i, h in enumerate(ev.block_hashes):
                     self.blocks[h] = (parent, ev.token_ids[i * size : (i + 1) * size])
                     parent = h
-                out.append(BlockStored(prefix + list(ev.token_ids), start=len(prefix)))
+                out.append(BlockStored(prefix + list(ev.token_ids), start=len(prefix), medium=_tier(ev.medium)))
             elif isinstance(ev, VLLMBlockRemoved):
                 paths = [(h, self.path(h)) for h in ev.block_hashes]  # all before any is forgotten
                 for h, path in paths:
                     if path is not None:
-                        out.append(BlockRemoved(path, keep=len(path) - len(self.blocks[h][1])))
+                        out.append(BlockRemoved(path, keep=len(path) - len(self.blocks[h][1]), medium=_tier(ev.medium)))
                 for h, _ in paths:
                     self.blocks.pop(h, None)
             elif isinstance(ev, VLLMAllBlocksCleared):

@@ -51,7 +51,7 @@ class KVManager:
         self.tier: HiCache | None = None
 
     def attach_tier(self, tier: HiCache | None) -> None:
-        """The KV tier behind the prefix cache (``kv_tiering.build_hicache``), once the pool exists."""
+        """The KV tier behind the prefix cache (``tier_setup.build_hicache``), once the pool exists."""
         self.tier = tier
 
     # --- the KV tier: a request waits for its prefix to load before it is queued ------------------

@@ -29,7 +29,6 @@ Under ``--hicache-storage-backend file`` the blocks are files under
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future
@@ -37,19 +36,17 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.config import ServerArgs
 from radixserve.mem.allocator import OutOfKVSlots, TokenToKVPoolAllocator
 from radixserve.mem.base_cache import RadixKey
 from radixserve.mem.kv_pool import KVPool
 from radixserve.mem.kv_tier import Fetched, KVTier, chain_keys, chain_root
 from radixserve.mem.radix_cache import RadixCache
-from radixserve.mem.tier_store import FileStore, MemoryStore, TierStore
 from radixserve.mem.tree_node import TreeNode
 from radixserve.sched.req import Req
+from radixserve.sched.tier_events import TierEvents
 
 logger = logging.getLogger(__name__)
 
-BLOCK_TOKENS = 64  # tokens per tier block (rounded up to whole pages)
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 SELECTIVE_HITS = 2  # write_through_selective: a node is written when a match passes it this often
 
@@ -81,7 +78,7 @@ class HiCache:
     def __init__(self, tree: RadixCache, allocator: TokenToKVPoolAllocator, pool: KVPool, tier: KVTier,
                  write_policy: str = "write_through",
                  on_written: Callable[[list[int], list[int]], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, events: TierEvents | None = None) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy must be one of {', '.join(WRITE_POLICIES)}; got {write_policy!r}")
         if tier.block_tokens % allocator.page_size:
@@ -97,6 +94,9 @@ class HiCache:
         self._freed: list[Req] = []  # requests whose staged load was given up: handed back at the next poll
         self.stats = LoadStats()
         self._writing = True
+        self.events = events  # the tier's blocks as cache events (--cache-events-port), or None
+        if events is not None:
+            tier.on_drop = events.dropped
         tree.tier_hooks = self
 
     # --- the tree's hooks: copy out -------------------------------------------------------------
@@ -132,10 +132,15 @@ class HiCache:
         root = chain_root(self.tier.model_id, node.extra_key)
         keys = chain_keys(root, toks, self.B, hi)
         B = self.B
+        first = None
         for b in range(lo, hi):
             if keys[b] not in self.tier:
                 parts = self.pool.gather(slots[b * B : (b + 1) * B])
-                self.tier.put(keys[b], keys[b - 1] if b else root, toks[b * B : (b + 1) * B], parts)
+                if self.tier.put(keys[b], keys[b - 1] if b else root, toks[b * B : (b + 1) * B], parts) and first is None:
+                    first = b
+        self.tier.touch(keys)
+        if first is not None and self.events is not None and node.extra_key is None:
+            self.events.stored(toks[: hi * B], keys, root, self.tier.__contains__)
 
     # --- loads ----------------------------------------------------------------------------------
     def prefetch(self, req: Req) -> bool:
@@ -331,11 +336,16 @@ class HiCache:
     def flush(self) -> None:
         """Drop every cached prefix, the tier's too (only when idle)."""
         self._writing = False
+        if self.events is not None:
+            self.events.muted = True  # the tree's AllCleared covers the tier's blocks
         try:
             self.tree.evict(self.tree.evictable_size())
+            self.tier.clear()
         finally:
             self._writing = True
-        self.tier.clear()
+            if self.events is not None:
+                self.events.muted = False
+                self.events.clear()
 
     def check(self) -> None:
         if self.loads or self.holds or self.staged:
@@ -372,42 +382,3 @@ class HiCache:
     def close(self) -> None:
         self.tree.tier_hooks = None
         self.tier.close()
-
-
-def tier_capacity(args: ServerArgs, pool_bytes: int) -> int:
-    """``--hicache-size`` GB, else ``--hicache-ratio`` times the pool."""
-    if args.hicache_size:
-        return int(args.hicache_size * 2**30)
-    return int(args.hicache_ratio * pool_bytes)
-
-
-def open_store(args: ServerArgs, model_id: bytes, dp_rank: int | None = None) -> TierStore | None:
-    """The ``--hicache-storage-backend`` store, or None (logged) if it cannot be opened: the server
-    then runs without a tier."""
-    if args.hicache_storage_backend == "memory":
-        return MemoryStore()
-    root = args.hicache_storage_dir or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "radixserve", "hicache")
-    path = os.path.join(root, model_id.hex()[:16] + (f"-dp{dp_rank}" if dp_rank else ""))
-    try:
-        return FileStore(path)
-    except OSError as e:
-        logger.error("KV tier: cannot use %s (%s); running without the tier (evicted prefixes are "
-                     "computed again)", path, e)
-        return None
-
-
-def build_hicache(args: ServerArgs, tree: RadixCache, allocator: TokenToKVPoolAllocator, pool: KVPool,
-                  model_id: bytes, on_written: Callable[[list[int], list[int]], None] | None = None,
-                  dp_rank: int | None = None) -> HiCache | None:
-    """The tier ``--enable-hierarchical-cache`` asks for, over ``pool`` (None if its store cannot be opened)."""
-    store = open_store(args, model_id, dp_rank)
-    if store is None:
-        return None
-    ps = allocator.page_size
-    block = -(-BLOCK_TOKENS // ps) * ps
-    cap = tier_capacity(args, pool.size * pool.bytes_per_token_here())
-    tier = KVTier(store, model_id=model_id, block_tokens=block, capacity_bytes=cap)
-    logger.info("KV tier: %s store, %.2f GiB cap, %d-token blocks, %s", store.name, cap / 2**30, block,
-                args.hicache_write_policy)
-    return HiCache(tree, allocator, pool, tier, args.hicache_write_policy, on_written)

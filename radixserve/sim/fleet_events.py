@@ -30,11 +30,11 @@ def event_sink(target_key: str, policy: RouterPolicy, to_key: Callable[[Sequence
     def sink(ev: CacheEvent) -> None:
         count()
         if isinstance(ev, BlockStored):
-            policy.on_cache_stored(target_key, to_key(ev.tokens))
+            policy.on_cache_stored(target_key, to_key(ev.tokens), ev.medium)
         elif isinstance(ev, BlockRemoved):
             # the key's length in the router's units: the kept part of a text key is its own text
             keep = len(to_key(ev.tokens[: ev.keep])) if ev.keep else 0
-            policy.on_cache_removed(target_key, to_key(ev.tokens), keep)
+            policy.on_cache_removed(target_key, to_key(ev.tokens), keep, ev.medium)
         elif isinstance(ev, AllCleared):
             policy.remove_target(target_key)
 

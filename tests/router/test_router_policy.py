@@ -241,3 +241,28 @@ def test_consistent_misses_agree_across_replicas_and_spread_evenly() -> None:
     assert all(a.choose(heavy, r).target is not heavy[2] for r in prompts)
     plain = make_router_policy("cache_aware", PolicyConfig(miss_by_load=True))
     assert [plain.choose(ta, r).target for r in prompts[:5]] == [ta[0]] * 5  # the least loaded, always
+
+
+def test_a_prefix_in_a_workers_kv_tier_gets_partial_credit() -> None:
+    """w0 holds 100 tokens of the prompt in its pool, w1 400 in its KV tier (cache events with a
+    medium): at weight 0.5 w1's 200 beat w0's 100; at weight 0 the tier counts for nothing; a tier
+    block the worker drops loses its credit."""
+    key = list(range(500))
+    for weight, winner in ((0.5, 1), (0.0, 0)):
+        p = make_router_policy("cache_aware", PolicyConfig(miss_by_load=True, tier_weight=weight, cache_threshold=0.1))
+        assert isinstance(p, CacheAware)
+        ts = targets(0, 0)
+        p.on_cache_stored(ts[0].key, key[:100])
+        p.on_cache_stored(ts[1].key, key[:400], "DISK")
+        d = p.choose(ts, RouteRequest(tokens=key))
+        assert d.target is ts[winner] and d.branch == "cache_hit", (weight, d)
+        assert d.matched == (200 if winner == 1 else 100)
+    p.on_cache_removed(ts[1].key, key[:400], 0, "DISK")  # (weight 0.5 again below)
+    p2 = make_router_policy("cache_aware", PolicyConfig(miss_by_load=True, tier_weight=0.5, cache_threshold=0.1))
+    assert isinstance(p2, CacheAware)
+    p2.on_cache_stored(ts[0].key, key[:100])
+    p2.on_cache_stored(ts[1].key, key[:400], "DISK")
+    p2.on_cache_removed(ts[1].key, key[:400], 64, "DISK")  # all but its first block
+    assert p2.choose(ts, RouteRequest(tokens=key)).target is ts[0]  # w1: 32 < w0: 100
+    p2.remove_target(ts[1].key)
+    assert p2.lower.tenant_size(ts[1].key) == 0

@@ -15,11 +15,14 @@ import torch
 
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
-from radixserve.mem.kv_tier import KVTier
+from radixserve.mem.kv_tier import KVTier, chain_keys, chain_root
 from radixserve.mem.tier_store import FileStore, MemoryStore, TierStore
+from radixserve.router.policy import CacheAware, PolicyConfig
 from radixserve.sched.kv_tiering import HiCache
 from radixserve.sched.req import Req
 from radixserve.sched.sampling_params import SamplingParams
+from radixserve.sched.tier_events import TierEvents
+from radixserve.sim.fleet_events import event_sink
 from tests.fakes import VOCAB, drain, make_scheduler
 
 LAYERS = 2
@@ -54,7 +57,7 @@ class KVReadingRunner:
 
 
 def build(pool_tokens: int, store: TierStore | None, page_size: int = 1, policy: str = "write_back",
-          cap: int = 1 << 24, **kw: Any) -> tuple[Any, HiCache | None]:
+          cap: int = 1 << 24, events: TierEvents | None = None, **kw: Any) -> tuple[Any, HiCache | None]:
     holder: dict[str, Any] = {}
 
     def runner(r2t: ReqToTokenPool) -> KVReadingRunner:
@@ -66,7 +69,7 @@ def build(pool_tokens: int, store: TierStore | None, page_size: int = 1, policy:
     hc = None
     if store is not None:
         tier = KVTier(store, model_id=b"t" * 16, block_tokens=8, capacity_bytes=cap)
-        hc = HiCache(kv.prefix_tree, kv.allocator, holder["pool"], tier, policy)
+        hc = HiCache(kv.prefix_tree, kv.allocator, holder["pool"], tier, policy, events=events)
         kv.attach_tier(hc)
     return sched, hc
 
@@ -216,3 +219,35 @@ def test_loaded_requests_run_before_their_kv_is_evicted_again() -> None:
     assert {r: t for r, (t, _) in got.items()} == {r: t for r, (t, _) in want.items()}
     assert hc is not None and hc.snapshot()["loads"] == 2
     assert got["t0"][1] >= 80 and got["t1"][1] >= 80  # served from what the tier loaded
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_tier_events_keep_a_router_in_step_with_the_tier(policy: str) -> None:
+    """The tier's cache events (medium "CPU"), applied to a router's cache_aware policy, credit a
+    worker with no more of a prompt than its tier can load (consecutive blocks from the start),
+    through stores and drops under a small cap; and with all of it when nothing was dropped."""
+    router = CacheAware(PolicyConfig())
+    sink = event_sink("w0", router, lambda toks: list(toks), lambda: None)
+    assert sink is not None
+    probe_sched, probe = build(160, MemoryStore(), policy="write_through")  # (write_back writes nothing yet)
+    run(probe_sched, [0])
+    assert probe is not None
+    block_bytes = probe.tier.used_bytes // len(probe.tier)
+    for cap in (1 << 24, 12 * block_bytes):
+        sched, hc = build(160, MemoryStore(), policy=policy, cap=cap, events=TierEvents(sink, "CPU"))
+        assert hc is not None
+        router.remove_target("w0")
+        run(sched, ORDER)
+        root = chain_root(hc.tier.model_id, None)
+        credited = []
+        for p in prompts():
+            keys = chain_keys(root, p, hc.B, len(p) // hc.B)
+            held = hc.tier.present_run(keys) * hc.B
+            _, per = router.lower.match(p)
+            credited.append(per.get("w0", 0))
+            assert credited[-1] <= held, (credited[-1], held)
+            if cap == 1 << 24:
+                assert credited[-1] == held
+        assert max(credited) >= (80 if cap == 1 << 24 else 8) and router.tree.tenant_size("w0") == 0  # (no pool events)
+        if cap != 1 << 24:
+            assert hc.tier.stats.evicted_blocks > 0
