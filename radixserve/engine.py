@@ -119,7 +119,7 @@ class Engine:
         """Spawn ranks 1..N-1, join the group as rank 0 and load rank 0's shard."""
         from radixserve.model.loader import load_config
         from radixserve.model.parallel import check_tp_size
-        from radixserve.model.tp_worker import load_tp_rank, spawn_tp_ranks, with_tp_defaults
+        from radixserve.model.tp_worker import load_tp_rank, spawn_tp_ranks, stop_tp_ranks, with_tp_defaults
 
         args = self.server_args
         if runner is not None:
@@ -134,7 +134,7 @@ class Engine:
         # NOTE: a finalizer, not only shutdown(): it also runs at interpreter exit (before
         # multiprocessing kills its daemon children), so a script that never calls shutdown()
         # still stops the ranks with the stop message and leaves the group cleanly.
-        self._stop_tp = weakref.finalize(self, _stop_tp_ranks, holder, procs, torch.get_num_threads())
+        self._stop_tp = weakref.finalize(self, stop_tp_ranks, holder, procs, torch.get_num_threads())
         try:
             runner = load_tp_rank(args, 0, alive=lambda: all(p.is_alive() for p in procs))
         except BaseException:
@@ -352,17 +352,6 @@ class Engine:
             out["meta_info"]["input_token_logprobs"] = t.input_logprobs.logprobs
             out["meta_info"]["input_top_logprobs"] = t.input_logprobs.top_logprobs
         return out
-
-
-def _stop_tp_ranks(runners: list[ModelRunner], procs: list[Any], threads: int, timeout: float = 10.0) -> None:
-    for runner in runners:
-        runner.shutdown()  # the stop message, then leave the group
-    for p in procs:
-        p.join(timeout)
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
-    torch.set_num_threads(threads)  # rank 0 took its share of this process's threads
 
 
 def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,

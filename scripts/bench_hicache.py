@@ -152,7 +152,8 @@ def main() -> None:
     on = [r for r in rows if r["tier"]]
     off = [r for r in rows if not r["tier"]]
     med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
-    ratios = {"hit_rate": med(on, "hit_rate") / max(med(off, "hit_rate"), 1e-9),
+    off_hit = med(off, "hit_rate")
+    ratios = {"hit_rate": med(on, "hit_rate") / off_hit if off_hit else None,  # (None: off hit nothing)
               "ttft_p50": med(on, "ttft_p50_ms") / med(off, "ttft_p50_ms"),
               "ttft_p99": med(on, "ttft_p99_ms") / med(off, "ttft_p99_ms")}
     restart = warm_restart(a)
@@ -160,7 +161,7 @@ def main() -> None:
     working_set = a.conversations * (a.input_len + (a.turns - 1) * (a.turn_len + a.output_len))
     print(f"\nworking set ~{working_set} tokens = {working_set / a.pool:.1f}x the pool ({a.pool})")
     print(f"tier on / off (medians of {a.rounds} rounds): hit rate {med(on, 'hit_rate'):.1%} / {med(off, 'hit_rate'):.1%}"
-          f" = {ratios['hit_rate']:.2f}x; TTFT p50 {ratios['ttft_p50']:.2f}x, p99 {ratios['ttft_p99']:.2f}x")
+          f" = {'inf' if ratios['hit_rate'] is None else format(ratios['hit_rate'], '.2f')}x; TTFT p50 {ratios['ttft_p50']:.2f}x, p99 {ratios['ttft_p99']:.2f}x")
     print(f"warm restart: first-turn TTFT p50 {restart['warm_restart']['ttft_p50_ms']:.0f} ms vs cold "
           f"{restart['cold']['ttft_p50_ms']:.0f} ms = {restart_ratio:.2f}x")
     if a.output:

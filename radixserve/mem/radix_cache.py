@@ -35,24 +35,16 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from radixserve.mem.allocator import TokenToKVPoolAllocator
-from radixserve.mem.base_cache import BasePrefixCache, CacheableReq, MatchResult, RadixKey
+from radixserve.mem.base_cache import BasePrefixCache, CacheableReq, MatchResult, RadixKey, TierHooks
 from radixserve.mem.cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
 from radixserve.mem.evict_policy import EvictionStrategy, QueueAwareStrategy, get_eviction_strategy
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.leaf_heap import LeafHeap
 from radixserve.mem.radix_walks import all_values, exclusive_locked_tokens, peek, pretty, tally
 from radixserve.mem.tree_node import TreeNode, fire, fire_all, match_len, path_of
-
-
-class TierHooks(Protocol):
-    def inserted(self, node: TreeNode) -> None: ...
-
-    def hit(self, node: TreeNode) -> None: ...
-
-    def evicting(self, node: TreeNode) -> None: ...
 
 
 class RadixCache(BasePrefixCache):

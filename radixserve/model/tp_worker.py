@@ -126,3 +126,15 @@ def spawn_tp_ranks(args: ServerArgs, ranks: Iterable[int]) -> list[BaseProcess]:
         p.start()
         procs.append(p)
     return procs
+
+
+def stop_tp_ranks(runners: list[ModelRunner], procs: list[BaseProcess], threads: int, timeout: float = 10.0) -> None:
+    """Stop ranks 1..N-1 (``procs``) of the engine whose rank 0 is ``runners[0]`` (if it was loaded)."""
+    for runner in runners:
+        runner.shutdown()  # the stop message, then leave the group
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+    torch.set_num_threads(threads)  # rank 0 took its share of this process's threads

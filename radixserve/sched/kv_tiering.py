@@ -215,6 +215,9 @@ class HiCache:
         """Requests waiting here: their blocks being read, or read and waiting for room."""
         return len(self.loads) + len(self.staged) + len(self._freed)
 
+    def parked_reqs(self) -> list[Req]:
+        return [*self.loads, *self.staged, *self._freed]
+
     def wait(self, timeout: float) -> None:
         """Block until a load completes or ``timeout`` seconds pass (the loop has nothing else to do)."""
         if self.loads:

@@ -67,7 +67,8 @@ def rank_snapshot(sched: SchedulerCore, dp_rank: int = 0) -> dict[str, Any]:
     from radixserve.sched.policies import policy_names  # scheduler side only: the HTTP process has no torch
 
     q, kv, st = sched.queues, sched.kv, sched.stats
-    waiting_ids = {id(r) for r in q.waiting}
+    # not running: the waiting queue, and requests parked before it (a grammar compiling, a prefix loading)
+    waiting_ids = {id(r) for r in (*q.waiting, *sched.grammars.pending, *(kv.tier.parked_reqs() if kv.tier else ()))}
     running = [r for r in q.by_rid.values() if id(r) not in waiting_ids]
     free = kv.available_size()
     evictable = kv.evictable_size()
