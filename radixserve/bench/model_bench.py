@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from radixserve.bench.serving import ServingBenchmark
+from radixserve.bench.serving import add_args as add_serving_args
 from radixserve.bench.subprocs import BenchError, free_ports
 from radixserve.results import write_result
 
@@ -125,11 +126,11 @@ def _commands(ns: argparse.Namespace, model: str, port: int) -> dict[str, list[s
 
 
 def _workload(ns: argparse.Namespace, url: str, prompts: int, concurrency: int) -> dict[str, Any]:
-    args = argparse.Namespace(
-        base_url=url, model=None, api_key=None, workload="random", num_prompts=prompts, input_len=ns.input_len,
-        output_len=ns.output_len, vocab_size=None, request_rate=float("inf"), max_concurrency=concurrency,
-        temperature=0.0, seed=0, timeout=600.0, disable_tqdm=True, num_groups=1, system_len=0, question_len=0,
-        num_turns=1, turn_len=0)
+    p = argparse.ArgumentParser()
+    add_serving_args(p)  # bench serve's own defaults for every option not given here
+    args = p.parse_args(["--base-url", url, "--workload", "random", "--num-prompts", str(prompts),
+                         "--input-len", str(ns.input_len), "--output-len", str(ns.output_len),
+                         "--max-concurrency", str(concurrency), "--disable-tqdm"])
     rep = asyncio.run(ServingBenchmark(args).run())
     if rep["failed"]:
         raise BenchError(f"{rep['failed']} requests failed against {url}: {rep['errors']}")

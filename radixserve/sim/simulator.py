@@ -152,6 +152,8 @@ def build_sim_scheduler(
                          "(the cost model's draft: --draft-acceptance and --draft-cost)")
     if args.max_total_tokens is None:
         raise ValueError("the simulator needs --max-total-tokens (KV pool size in tokens)")
+    if args.enable_hierarchical_cache:
+        raise ValueError("the simulator does not model the KV tier (--enable-hierarchical-cache) yet")
     kv = build_kv(args, args.max_total_tokens, context_len,
                   pool_cls=NoWriteReqToTokenPool if skip_req_to_token_writes else ReqToTokenPool,
                   event_sink=event_sink)
