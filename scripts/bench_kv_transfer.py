@@ -13,7 +13,7 @@ import time
 import torch
 import zmq
 
-from radixserve.disagg.transfer import KVHeader, KVReceiver, KVSender, gather_layers, scatter_layers
+from radixserve.disagg.transfer import KVHeader, KVReceiver, KVSender
 from radixserve.mem.kv_pool import KVPool
 
 
@@ -30,13 +30,13 @@ def main() -> None:
     nbytes = n * KVPool.bytes_per_token(30, 3, 64, torch.float32)
     best_send = best_copy = float("inf")
     for i in range(reps):
-        layers = gather_layers(src, slots)
+        layers = src.gather(slots)
         done = threading.Event()
 
         def recv(done: threading.Event = done) -> None:
             while (m := rx.recv()) is None:
                 time.sleep(0.0002)
-            scatter_layers(dst, slots, m[1])
+            dst.scatter(slots, [f.buffer for f in m[1]])
             done.set()
 
         t = threading.Thread(target=recv)

@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from radixserve.disagg.kv_memory import KVMemory
-from radixserve.disagg.transfer import TRANSFER_BACKENDS, scatter_layers
+from radixserve.disagg.transfer import TRANSFER_BACKENDS
 from radixserve.mem.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class DecodeRooms:
                 n = hdr.num_tokens
                 if n > len(r.slots) or n > len(r.prompt):
                     raise ValueError(f"{n} tokens of KV for a prompt of {len(r.prompt)}")
-                nbytes = scatter_layers(self.pool, r.slots[:n], frames) if n else 0
+                nbytes = self.pool.scatter(r.slots[:n], [f.buffer for f in frames]) if n else 0
             except ValueError as e:
                 self._drop(hdr.room)
                 self.stats.rooms_failed += 1

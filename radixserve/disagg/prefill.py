@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from radixserve.disagg.kv_memory import KVMemory
-from radixserve.disagg.transfer import CONTROL_DEC, TRANSFER_BACKENDS, Ack, KVHeader, Register, gather_layers
+from radixserve.disagg.transfer import CONTROL_DEC, TRANSFER_BACKENDS, Ack, KVHeader, Register
 from radixserve.mem.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class PrefillRooms:
             self.ready[room] = _Ready(hdr, [], now)
         else:
             slots = self.kv.cached_slots(prompt)
-            layers = gather_layers(self.pool, slots) if slots else []
+            layers = self.pool.gather(slots) if slots else []
             self.ready[room] = _Ready(KVHeader(room, len(slots), first_token, logprob), layers, now)
         self._try_send(room)
 

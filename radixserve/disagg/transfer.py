@@ -5,8 +5,8 @@
     decode DEALER ──Ack(room, ok)──> prefill ROUTER
 
 Each K/V frame is one layer's rows for the transferred tokens, ``[n, kv_heads, head_dim]`` in the
-pool's dtype, sent zero-copy from the gathered tensor and written straight into the reserved slots
-on arrival. ``KVSender`` / ``KVReceiver`` are the seam where an RDMA backend would go: a pair of
+pool's dtype (``KVPool.gather``), sent zero-copy from the gathered tensor and written straight into
+the reserved slots on arrival (``KVPool.scatter``). ``KVSender`` / ``KVReceiver`` are the seam where an RDMA backend would go: a pair of
 classes with the same methods, named in ``TRANSFER_BACKENDS``.
 """
 
@@ -15,8 +15,6 @@ from __future__ import annotations
 import msgspec
 import torch
 import zmq
-
-from radixserve.mem.kv_pool import KVPool
 
 
 class Register(msgspec.Struct, tag=True):
@@ -42,16 +40,6 @@ ControlMsg = Register | Ack
 ENC = msgspec.msgpack.Encoder()
 CONTROL_DEC = msgspec.msgpack.Decoder(ControlMsg)
 HEADER_DEC = msgspec.msgpack.Decoder(KVHeader)
-
-
-def gather_layers(pool: KVPool, slots: list[int]) -> list[torch.Tensor]:
-    """K and V rows of ``slots`` for every layer, each a fresh contiguous tensor (one frame)."""
-    return pool.gather(slots)
-
-
-def scatter_layers(pool: KVPool, slots: list[int], frames: list[zmq.Frame]) -> int:
-    """Write received frames into ``slots``; returns the bytes written. Raises on a size mismatch."""
-    return pool.scatter(slots, [f.buffer for f in frames])
 
 
 class KVSender:

@@ -65,16 +65,6 @@ class CacheableReq(Protocol):
     def kv_token_ids(self) -> list[int]: ...  # token ids whose KV is in kv_indices
 
 
-class TierHooks(Protocol):
-    """What a KV tier behind the radix tree hears of it (``RadixCache.tier_hooks``)."""
-
-    def inserted(self, node: TreeNode) -> None: ...  # a new leaf
-
-    def hit(self, node: TreeNode) -> None: ...  # a match passed through ``node``
-
-    def evicting(self, node: TreeNode) -> None: ...  # about to go; its slots still hold its KV
-
-
 class BasePrefixCache(ABC):
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator) -> None:
         self.req_to_token_pool = req_to_token_pool

@@ -25,10 +25,10 @@ Cache events (``event_sink``, off by default): when set, the tree reports what i
 what it evicted as ``cache_events`` records (a new path on ``insert``, each evicted leaf, a
 ``reset``), for a worker to publish to the router. Unset, each hook is one attribute test.
 
-Tier hooks (``tier_hooks``, off by default): the KV tier behind the tree (``sched.kv_tiering``)
-hears of each new leaf (``inserted``), each node a match passes through (``hit``) and each node
-about to be evicted while its slots still hold its KV and its path is still in the tree
-(``evicting``), and copies out what its write policy asks for.
+Tier hooks (each None by default): the KV tier behind the tree (``sched.kv_tiering``) sets the one
+its write policy needs, to hear of each new leaf (``on_new_leaf``), each node a match passes
+through (``on_hit``), or each node about to be evicted while its slots still hold its KV and its
+path is still in the tree (``on_evicting``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from radixserve.mem.allocator import TokenToKVPoolAllocator
-from radixserve.mem.base_cache import BasePrefixCache, CacheableReq, MatchResult, RadixKey, TierHooks
+from radixserve.mem.base_cache import BasePrefixCache, CacheableReq, MatchResult, RadixKey
 from radixserve.mem.cache_events import AllCleared, BlockRemoved, BlockStored, CacheEvent
 from radixserve.mem.evict_policy import EvictionStrategy, QueueAwareStrategy, get_eviction_strategy
 from radixserve.mem.kv_pool import ReqToTokenPool
@@ -57,7 +57,9 @@ class RadixCache(BasePrefixCache):
     ) -> None:
         super().__init__(req_to_token_pool, allocator)
         self.event_sink: Callable[[CacheEvent], None] | None = None
-        self.tier_hooks: TierHooks | None = None
+        self.on_new_leaf: Callable[[TreeNode], None] | None = None
+        self.on_hit: Callable[[TreeNode], None] | None = None
+        self.on_evicting: Callable[[TreeNode], None] | None = None
         self._leaves: set[TreeNode] = set()
         self._strategy = (
             get_eviction_strategy(eviction_policy) if isinstance(eviction_policy, str) else eviction_policy
@@ -173,11 +175,11 @@ class RadixCache(BasePrefixCache):
                     break
                 node = self._split(child, n)
                 indices.extend(node.value)
-                if self.tier_hooks is not None:
-                    self.tier_hooks.hit(node)
+                if self.on_hit is not None:
+                    self.on_hit(node)
                 break
-            if self.tier_hooks is not None:
-                self.tier_hooks.hit(child)
+            if self.on_hit is not None:
+                self.on_hit(child)
             indices.extend(child.value)
             node = child
             pos += n
@@ -226,8 +228,8 @@ class RadixCache(BasePrefixCache):
                 self._refresh_leaf(leaf)
                 if self.event_sink is not None and key.extra_key is None:
                     self.event_sink(BlockStored(list(ids), pos))
-                if self.tier_hooks is not None:
-                    self.tier_hooks.inserted(leaf)
+                if self.on_new_leaf is not None:
+                    self.on_new_leaf(leaf)
                 return pos
             n = self._page_floor(match_len(child.key, ids[pos : pos + len(child.key)]))
             child.last_access_time = now
@@ -305,10 +307,10 @@ class RadixCache(BasePrefixCache):
         if num_tokens <= 0 or not self._leaves:
             return 0
         slots = array("q")  # every evicted node's slots, freed in one call
-        hooks = self.tier_hooks
+        evicting = self.on_evicting
         for node in self._heap.pop_order():  # a parent left childless is pushed by _delete_leaf
-            if hooks is not None:
-                hooks.evicting(node)
+            if evicting is not None:
+                evicting(node)
             slots.extend(node.value)
             self._delete_leaf(node)
             self.evicted_nodes += 1

@@ -15,7 +15,7 @@ the block that runs past ``e`` waits for the node's child or its next extension)
 The copy out of the pool happens at once (the slots are about to be reused); the write to the
 store on the writer thread.
 
-Loads, as prefetch (seed 000's ``_prefetch_kvcache``): a request that arrives while the tier holds
+Loads, as prefetch (SGLang's ``_prefetch_kvcache``): a request that arrives while the tier holds
 blocks after its cached prefix does not join the waiting queue yet. Its cached prefix is locked,
 the reader thread reads and checks the blocks, and at the start of a later step (``poll``) their KV
 goes into fresh pool slots and into the tree; then the request joins the waiting queue and its
@@ -93,28 +93,23 @@ class HiCache:
         self.staged: dict[Req, Load] = {}  # read, waiting for room in the pool (their request waits too)
         self._freed: list[Req] = []  # requests whose staged load was given up: handed back at the next poll
         self.stats = LoadStats()
-        self._writing = True
         self.events = events  # the tier's blocks as cache events (--cache-events-port), or None
         if events is not None:
             tier.on_drop = events.dropped
-        tree.tier_hooks = self
+        # the one tree hook the write policy needs
+        if write_policy == "write_through":
+            tree.on_new_leaf = self._copy_out
+        elif write_policy == "write_back":
+            tree.on_evicting = self._copy_out
+        else:
+            tree.on_hit = self._copy_out_on_reuse
 
-    # --- the tree's hooks: copy out -------------------------------------------------------------
-    def inserted(self, node: TreeNode) -> None:
-        if self.write_policy == "write_through":
-            self._copy_out(node)
-
-    def hit(self, node: TreeNode) -> None:
-        if self.write_policy == "write_through_selective" and node.hit_count == SELECTIVE_HITS:
-            self._copy_out(node)
-
-    def evicting(self, node: TreeNode) -> None:
-        if self.write_policy == "write_back":
+    # --- copy out of the pool -------------------------------------------------------------------
+    def _copy_out_on_reuse(self, node: TreeNode) -> None:
+        if node.hit_count == SELECTIVE_HITS:
             self._copy_out(node)
 
     def _copy_out(self, node: TreeNode) -> None:
-        if not self._writing:
-            return
         chain: list[TreeNode] = []
         n: TreeNode | None = node
         while n is not None and n.parent is not None:
@@ -338,14 +333,14 @@ class HiCache:
     # --- admin ----------------------------------------------------------------------------------
     def flush(self) -> None:
         """Drop every cached prefix, the tier's too (only when idle)."""
-        self._writing = False
+        evicting, self.tree.on_evicting = self.tree.on_evicting, None  # nothing is copied out on the way
         if self.events is not None:
             self.events.muted = True  # the tree's AllCleared covers the tier's blocks
         try:
             self.tree.evict(self.tree.evictable_size())
             self.tier.clear()
         finally:
-            self._writing = True
+            self.tree.on_evicting = evicting
             if self.events is not None:
                 self.events.muted = False
                 self.events.clear()
@@ -383,5 +378,5 @@ class HiCache:
                 "hicache_write_errors": t.write_errors}
 
     def close(self) -> None:
-        self.tree.tier_hooks = None
+        self.tree.on_new_leaf = self.tree.on_hit = self.tree.on_evicting = None
         self.tier.close()
