@@ -364,6 +364,7 @@ def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,
     cores with the model's own threads (the option's help has the figures)."""
     if args.overlap_schedule == "auto":
         args = args.replace(overlap_schedule="off")
+    runner.use_kv_cache_dtype(args.kv_cache_dtype)
     runner.use_draft(args)
     bpt = runner.kv_bytes_per_token()  # (with a draft model's KV, which has the same slots)  # under tensor parallelism: this rank's KV heads only
     # NOTE: the tensor-parallel ranks of one machine share its memory, as data-parallel ranks do: the
@@ -371,7 +372,8 @@ def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,
     total = kv_pool_tokens(args, bpt * args.tp_ranks_per_node, context_len)
     max_reqs = request_slots(args)
     print(
-        f"[radixserve] KV cache: {total} tokens x {bpt} B/token = {total * bpt / 2**30:.2f} GiB "
+        f"[radixserve] KV cache: {total} tokens x {bpt} B/token ({runner.kv_format.name}) = "
+        f"{total * bpt / 2**30:.2f} GiB "
         f"({'--max-total-tokens' if args.max_total_tokens else f'--mem-fraction-static {args.mem_fraction_static}'}), "
         f"page size {args.page_size}, {max_reqs} request slots, context {context_len}"
         + (f" (per tensor-parallel rank: 1/{args.tp_size} of the KV heads)" if args.tp_size > 1 else ""),

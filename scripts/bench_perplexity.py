@@ -20,10 +20,9 @@ import math
 import re
 import subprocess
 import tempfile
-from importlib.resources import files
 from pathlib import Path
 
-from radixserve.bench.quant_quality import PASSAGES
+from radixserve.bench.quant_quality import shipped_text
 from radixserve.engine import Engine
 from radixserve.model.loader import default_model_path
 from radixserve.model.model_runner import ModelRunner
@@ -32,12 +31,6 @@ from radixserve.results import write_result
 # llama-quantize's names; the K types in their _S mixes (mostly the type itself)
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q4_K_S", "Q5_K_S", "Q6_K", "IQ4_NL", "IQ4_XS",
          "Q4_K_M", "Q5_K_M"]
-
-
-def shipped_text() -> str:
-    """The grounded-workload text and quant_quality's passages: prose, instructions and code written
-    for these benchmarks (~780 tokens)."""
-    return files("radixserve.bench").joinpath("data/grounded.txt").read_text() + "\n\n" + "\n\n".join(PASSAGES)
 
 
 def llama_ppl(bin_dir: Path, model: Path, text_file: Path, ctx: int, threads: int) -> float:

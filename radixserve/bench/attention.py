@@ -32,6 +32,7 @@ import torch
 
 from radixserve.bench.attention_args import add_args  # noqa: F401  (the CLI's, re-exported)
 from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo
+from radixserve.mem.kv_format import kv_format
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.model.attention_backend import AttentionBackend, create_attention_backend
 from radixserve.results import write_result
@@ -55,7 +56,7 @@ class Layers:
     tokens; ``run`` attends the next layer each call."""
 
     def __init__(self, batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch.dtype, page: int,
-                 layers: int, seed: int = 0, pool_tokens: int = 0) -> None:
+                 layers: int, seed: int = 0, pool_tokens: int = 0, kv_dtype: str = "auto") -> None:
         H, KVH, D = heads
         g = torch.Generator().manual_seed(seed)
         pages_per_req = -(-ctx // page)
@@ -63,9 +64,17 @@ class Layers:
         pool_pages = Layers.pool_pages(batch, ctx, page, pool_tokens)
         self.layers = layers
         self.next = 0
-        self.kv = KVPool(pool_pages * page, page, layers, KVH, D, dtype)
-        for buf in self.kv.k_buffers + self.kv.v_buffers:
-            buf.normal_(generator=g)
+        self.kv = KVPool(pool_pages * page, page, layers, KVH, D, kv_format(kv_dtype, dtype))
+        if self.kv.format.quantized:  # through the format: values and their scales
+            rows = self.kv.k_buffers[0].shape[0]
+            for i in range(layers):
+                for s in range(0, rows, 1 << 16):
+                    loc = torch.arange(s, min(rows, s + (1 << 16)))
+                    self.kv.write(i, loc, torch.randn(len(loc), KVH, D, generator=g),
+                                  torch.randn(len(loc), KVH, D, generator=g))
+        else:
+            for buf in self.kv.k_buffers + self.kv.v_buffers:
+                buf.normal_(generator=g)
         self.r2t = ReqToTokenPool(batch, pages_per_req * page)
         # the batch's pages, anywhere in the pool (page 0 is the reserved padding page)
         pages = torch.randperm(pool_pages, generator=g)[:n_pages] + 1
@@ -84,9 +93,9 @@ class Layers:
         self.q = torch.randn(batch, H, D, generator=g).to(dtype)
         self.k = torch.randn(batch, KVH, D, generator=g).to(dtype)
         self.v = torch.randn(batch, KVH, D, generator=g).to(dtype)
-        elem = self.kv.k_buffers[0].element_size()
-        # what any decode kernel must read per layer: K and V of every token, and the token's slot id
-        self.bytes = batch * ctx * (2 * KVH * D * elem + 8)
+        # what any decode kernel must read per layer: K and V of every token (scales included), and the
+        # token's slot id
+        self.bytes = batch * ctx * (self.kv.bytes_per_token_here() // layers + 8)
 
     @staticmethod
     def pool_pages(batch: int, ctx: int, page: int, pool_tokens: int) -> int:
@@ -94,11 +103,11 @@ class Layers:
 
     @staticmethod
     def layer_bytes(batch: int, ctx: int, heads: tuple[int, int, int], dtype: torch.dtype, page: int,
-                    pool_tokens: int = 0) -> int:
+                    pool_tokens: int = 0, kv_dtype: str = "auto") -> int:
         """Bytes of one layer's K and V buffers."""
         _, KVH, D = heads
         pages = Layers.pool_pages(batch, ctx, page, pool_tokens)
-        return pages * page * 2 * KVH * D * torch.tensor([], dtype=dtype).element_size()
+        return pages * page * KVPool.bytes_per_token(1, KVH, D, kv_format(kv_dtype, dtype))
 
     def run(self, backend: AttentionBackend) -> torch.Tensor:
         layer, self.next = self.next, (self.next + 1) % self.layers
@@ -137,7 +146,8 @@ def main(ns: argparse.Namespace) -> int:
     dtype = torch.bfloat16 if ns.dtype == "bfloat16" else torch.float32
     names = [n for n in ns.backends.split(",") if n]
     stat: Callable[[list[float]], float] = statistics.median if ns.stat == "median" else min
-    backends = {n: create_attention_backend(n, H, KVH, D) for n in names}
+    kv_of = {n: n.partition("@")[2] or "auto" for n in names}  # each backend's pool format
+    backends = {n: create_attention_backend(n.partition("@")[0], H, KVH, D) for n in names}
     from radixserve.model.paged_attention import extension, extension_error
 
     reader = extension() if extension_error() is None else None  # read_kv_rows: the memory floor
@@ -154,15 +164,19 @@ def main(ns: argparse.Namespace) -> int:
     with torch.inference_mode():
         for ctx in (int(c) for c in ns.contexts.split(",")):
             for batch in (int(b) for b in ns.batch_sizes.split(",")):
-                per_layer = Layers.layer_bytes(batch, ctx, heads, dtype, ns.page_size, ns.pool_tokens)
+                kinds = list(dict.fromkeys(kv_of.values()))
+                per_layer = sum(Layers.layer_bytes(batch, ctx, heads, dtype, ns.page_size, ns.pool_tokens, k)
+                                for k in kinds)
                 n_layers = max(1, min(num_layers, (ns.max_pool_mib << 20) // per_layer))
-                layer = Layers(batch, ctx, heads, dtype, ns.page_size, n_layers, pool_tokens=ns.pool_tokens)
+                pools = {k: Layers(batch, ctx, heads, dtype, ns.page_size, n_layers, pool_tokens=ns.pool_tokens,
+                                   kv_dtype=k) for k in kinds}
+                layer = pools[kv_of[names[-1]]]  # the pool of the backend the bandwidth columns are about
                 got: dict[str, list[float]] = {n: [] for n in names}
                 floor: list[float] = []
                 for _ in range(ns.rounds):
                     for n, be in backends.items():
-                        be.init_forward_metadata(layer.fb, layer.r2t)
-                        got[n] += time_ms(functools.partial(layer.run, be), ns.iters)
+                        be.init_forward_metadata(pools[kv_of[n]].fb, pools[kv_of[n]].r2t)
+                        got[n] += time_ms(functools.partial(pools[kv_of[n]].run, be), ns.iters)
                     if reader is not None:
                         floor += time_ms(functools.partial(layer.read, reader), ns.iters)
                 med = {n: stat(v) for n, v in got.items()}
@@ -177,7 +191,7 @@ def main(ns: argparse.Namespace) -> int:
                 rows.append({"batch": batch, "ctx": ctx, "layers": n_layers, "bytes": layer.bytes, "ms": med,
                              "speedup": speed, "effective_gbs": gbs, "read_only_ms": floor_ms,
                              "read_only_gbs": layer.bytes / (floor_ms * 1e-3) / 1e9 if floor_ms else None})
-                del layer
+                del layer, pools
     print(f"speed-up: {names[0]} / {names[-1]}; MB read: K, V and slot ids of one layer; GB/s and 'of copy': "
           f"{names[-1]}'s bytes read over its time, against the copy's bandwidth; layers: how many the calls cycle "
           "through" + ("; read-only: the same rows read with nothing computed (the memory floor), 'of floor': its "

@@ -12,7 +12,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="256,1024",
                    help="Comma-separated context lengths: tokens each request attends to (its new one included).")
     p.add_argument("--backends", default="torch_native,cpu_paged",
-                   help="Comma-separated attention backends; the first is the baseline of the speed-up column.")
+                   help="Comma-separated attention backends; the first is the baseline of the speed-up column. "
+                        "NAME@KV reads a pool stored as --kv-cache-dtype KV (e.g. cpu_paged,cpu_paged@int8: the "
+                        "kernel over a bfloat16 pool and over an int8 one, alternated in the same run).")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="dtype of q and of the KV pool (bfloat16 is what --dtype auto picks on this CPU).")
     p.add_argument("--page-size", type=int, default=16,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from importlib.resources import files
 
 import torch
 
@@ -46,6 +47,12 @@ PASSAGES = (
     "A good password is long, hard to guess and different for every account. Use a password manager to "
     "remember them, and turn on two-factor authentication wherever a service offers it.",
 )
+
+
+def shipped_text() -> str:
+    """The grounded-workload text and the passages above: prose, instructions and code written for
+    these benchmarks (~780 tokens)."""
+    return files("radixserve.bench").joinpath("data/grounded.txt").read_text() + "\n\n" + "\n\n".join(PASSAGES)
 
 
 @dataclass

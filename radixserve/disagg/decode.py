@@ -130,6 +130,9 @@ class DecodeRooms:
                 n = hdr.num_tokens
                 if n > len(r.slots) or n > len(r.prompt):
                     raise ValueError(f"{n} tokens of KV for a prompt of {len(r.prompt)}")
+                if n and hdr.kv_format != self.pool.format.name:
+                    raise ValueError(f"the prefill worker's KV is {hdr.kv_format or 'of an unnamed format'}, this "
+                                     f"worker's {self.pool.format.name} (--kv-cache-dtype must match)")
                 nbytes = self.pool.scatter(r.slots[:n], [f.buffer for f in frames]) if n else 0
             except ValueError as e:
                 self._drop(hdr.room)

@@ -77,7 +77,8 @@ class PrefillRooms:
         else:
             slots = self.kv.cached_slots(prompt)
             layers = self.pool.gather(slots) if slots else []
-            self.ready[room] = _Ready(KVHeader(room, len(slots), first_token, logprob), layers, now)
+            hdr = KVHeader(room, len(slots), first_token, logprob, kv_format=self.pool.format.name)
+            self.ready[room] = _Ready(hdr, layers, now)
         self._try_send(room)
 
     def poll(self) -> None:

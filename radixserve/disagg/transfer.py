@@ -4,8 +4,8 @@
     prefill PUSH  ──[KVHeader, K_0, V_0, ..., K_{L-1}, V_{L-1}]──> decode PULL (its endpoint)
     decode DEALER ──Ack(room, ok)──> prefill ROUTER
 
-Each K/V frame is one layer's rows for the transferred tokens, ``[n, kv_heads, head_dim]`` in the
-pool's dtype (``KVPool.gather``), sent zero-copy from the gathered tensor and written straight into
+Each K/V frame is one layer's rows for the transferred tokens, ``[n, kv_heads, head_dim]`` as the
+pool stores them (``KVPool.gather``: an int8 pool's scales follow each layer's V), sent zero-copy from the gathered tensor and written straight into
 the reserved slots on arrival (``KVPool.scatter``). ``KVSender`` / ``KVReceiver`` are the seam where an RDMA backend would go: a pair of
 classes with the same methods, named in ``TRANSFER_BACKENDS``.
 """
@@ -34,6 +34,7 @@ class KVHeader(msgspec.Struct, tag=True):
     first_token: int  # the token the prefill worker sampled
     logprob: float | None = None
     error: str = ""  # the prefill side failed this room: no frames follow
+    kv_format: str = ""  # the sender's KV format (--kv-cache-dtype as resolved); the receiver's must match
 
 
 ControlMsg = Register | Ack

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from radixserve.mem.forward_batch import int64_tensor
+from radixserve.mem.kv_format import KVFormat, raw
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
@@ -69,6 +70,12 @@ def _zeros(rows: int, heads: int, dim: int, dtype: torch.dtype, device: str | to
 
 
 class KVPool:
+    """Per layer, K and V buffers of ``[rows, num_kv_heads, head_dim]`` in the format's storage type
+    (``kv_format.py``), and for a scaled format (int8) their ``[rows, num_kv_heads]`` float32 scales.
+    Everything that writes or reads KV goes through ``write`` / ``read`` (attention), ``gather`` /
+    ``scatter`` (what leaves the pool and comes back: a transfer, the KV tier) or, for the paged
+    kernel, the buffers and scales themselves."""
+
     def __init__(
         self,
         size: int,
@@ -76,57 +83,91 @@ class KVPool:
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype | KVFormat,
         device: str | torch.device = "cpu",
     ) -> None:
         self.size = size
         self.page_size = page_size
         self.num_layers = num_layers
-        self.dtype = dtype
+        self.format = dtype if isinstance(dtype, KVFormat) else KVFormat.plain(dtype)
+        self.dtype = self.format.storage
         rows = size + page_size  # + the reserved padding page
-        self.k_buffers = [_zeros(rows, num_kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
-        self.v_buffers = [_zeros(rows, num_kv_heads, head_dim, dtype, device) for _ in range(num_layers)]
+        st = self.dtype
+        self.k_buffers = [_zeros(rows, num_kv_heads, head_dim, st, device) for _ in range(num_layers)]
+        self.v_buffers = [_zeros(rows, num_kv_heads, head_dim, st, device) for _ in range(num_layers)]
+        self.k_scales: list[torch.Tensor] = []
+        self.v_scales: list[torch.Tensor] = []
+        if self.format.scaled:
+            self.k_scales = [_zeros(rows, num_kv_heads, 1, torch.float32, device).view(rows, num_kv_heads)
+                             for _ in range(num_layers)]
+            self.v_scales = [_zeros(rows, num_kv_heads, 1, torch.float32, device).view(rows, num_kv_heads)
+                             for _ in range(num_layers)]
+
+    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k, v: [T, kv_heads, head_dim]`` of layer ``layer`` at slots ``loc``."""
+        for src, bufs, scales in ((k, self.k_buffers, self.k_scales), (v, self.v_buffers, self.v_scales)):
+            data, sc = self.format.encode(src)
+            raw(bufs[layer]).index_copy_(0, loc, raw(data))
+            if sc is not None:
+                scales[layer].index_copy_(0, loc, sc)
+
+    def read(self, layer: int, idx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer ``layer`` at slots ``idx`` (any shape of indices, flattened), as ``dtype``."""
+        out = []
+        for bufs, scales in ((self.k_buffers, self.k_scales), (self.v_buffers, self.v_scales)):
+            buf = bufs[layer]
+            data = raw(buf).index_select(0, idx).view(buf.dtype)
+            out.append(self.format.decode(data, scales[layer].index_select(0, idx) if scales else None, dtype))
+        return out[0], out[1]
+
+    def _parts(self) -> list[torch.Tensor]:
+        """The per-layer buffers in ``gather``'s order: ``K_l, V_l`` (and ``K scales_l, V scales_l``)."""
+        out: list[torch.Tensor] = []
+        for i in range(self.num_layers):
+            out += (self.k_buffers[i], self.v_buffers[i])
+            if self.format.scaled:
+                out += (self.k_scales[i], self.v_scales[i])
+        return out
+
+    def part_row_bytes(self) -> list[int]:
+        """Bytes one token takes in each of ``gather``'s parts."""
+        return [p[0].numel() * p.element_size() for p in self._parts()]
 
     def gather(self, slots: Sequence[int]) -> list[torch.Tensor]:
-        """K and V rows of ``slots`` for every layer (``K_0, V_0, .., K_{L-1}, V_{L-1}``), each a fresh
-        contiguous ``[n, kv_heads, head_dim]`` tensor: what leaves the pool (a transfer, the KV tier)."""
+        """The rows of ``slots`` for every layer (``K_0, V_0, .., K_{L-1}, V_{L-1}``, each layer's
+        scales after its V in a scaled format), each a fresh contiguous ``[n, ...]`` tensor as
+        stored: what leaves the pool (a transfer, the KV tier)."""
         idx = torch.tensor(list(slots), dtype=torch.int64)
-        out: list[torch.Tensor] = []
-        for k, v in zip(self.k_buffers, self.v_buffers, strict=True):
-            out.append(k.index_select(0, idx))
-            out.append(v.index_select(0, idx))
-        return out
+        return [raw(p).index_select(0, idx) for p in self._parts()]
 
     def scatter(self, slots: Sequence[int], parts: Sequence[Any]) -> int:
         """Write ``parts`` (buffers in ``gather``'s order and layout, e.g. received frames or a tier
-        block's payload cut per layer) into ``slots``; returns the bytes written. Raises ``ValueError``
+        block's payload cut per part) into ``slots``; returns the bytes written. Raises ``ValueError``
         on a count or size mismatch, before writing anything."""
-        if len(parts) != 2 * self.num_layers:
-            raise ValueError(f"{len(parts)} KV parts, expected {2 * self.num_layers}")
-        k0 = self.k_buffers[0]
-        shape = (len(slots), *k0.shape[1:])
-        want = len(slots) * k0[0].numel() * k0.element_size()
+        dsts = self._parts()
+        if len(parts) != len(dsts):
+            raise ValueError(f"{len(parts)} KV parts, expected {len(dsts)}")
         views = [memoryview(p).cast("B") for p in parts]
-        for i, mv in enumerate(views):
+        for i, (mv, dst) in enumerate(zip(views, dsts, strict=True)):
+            want = len(slots) * dst[0].numel() * dst.element_size()
             if len(mv) != want:
                 raise ValueError(f"KV part {i} has {len(mv)} bytes for {len(slots)} tokens (expected {want})")
         if not slots:
             return 0
         idx = torch.tensor(list(slots), dtype=torch.int64)
-        for i, mv in enumerate(views):
-            dst = (self.k_buffers if i % 2 == 0 else self.v_buffers)[i // 2]
-            dst.index_copy_(0, idx, torch.frombuffer(mv, dtype=torch.uint8).view(dst.dtype).view(shape))
-        return want * len(views)
+        for mv, dst in zip(views, dsts, strict=True):
+            d = raw(dst)
+            d.index_copy_(0, idx, torch.frombuffer(mv, dtype=torch.uint8).view(d.dtype).view(len(slots), *d.shape[1:]))
+        return sum(len(mv) for mv in views)
 
     def bytes_per_token_here(self) -> int:
-        """KV bytes one token takes in this pool (every layer's K and V row)."""
-        k0 = self.k_buffers[0]
-        return 2 * self.num_layers * k0[0].numel() * k0.element_size()
+        """KV bytes one token takes in this pool (every layer's K and V row, and their scales)."""
+        return sum(self.part_row_bytes())
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * elem
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | KVFormat) -> int:
+        fmt = dtype if isinstance(dtype, KVFormat) else KVFormat.plain(dtype)
+        return 2 * num_layers * fmt.row_bytes(num_kv_heads, head_dim)
 
 
 class ReqToTokenPool:

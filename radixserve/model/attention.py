@@ -8,6 +8,7 @@ that share a cached prefix are grouped (``cascade.py``) so the prefix is read on
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -280,26 +281,25 @@ class TorchNativeAttention(AttentionBackend):
         meta = self._meta
         if meta is None or meta.batch_id != id(forward_batch):
             meta = self._meta = self._build_metadata(forward_batch, req_to_token_pool)
-        k_buf = kv_pool.k_buffers[layer_id]
-        v_buf = kv_pool.v_buffers[layer_id]
-        if k.dtype != k_buf.dtype:
-            k, v = k.to(k_buf.dtype), v.to(v_buf.dtype)
         loc = forward_batch.out_cache_loc
-        k_buf.index_copy_(0, loc, k)
-        v_buf.index_copy_(0, loc, v)
+        self._store(kv_pool, layer_id, loc, k, v)
+        if kv_pool.format.quantized and any(ext.kv_idx is None for ext in meta.extends):
+            # the new tokens as stored: a prompt attends to the same K/V with or without a cached prefix
+            k, v = kv_pool.read(layer_id, loc, q.dtype)
 
         T, H, D = q.shape
         G = self.group
         dec = meta.decode
         if dec is not None and dec.token_idx is None:  # decode-only batch: no scatter needed
-            return self._decode(q, dec, k_buf, v_buf)
+            return self._decode(q, dec, kv_pool, layer_id)
         out = q.new_empty(T, H * D)
         for tok, grp in meta.shared:
             qs = q.index_select(0, tok).view(len(grp.members), self.num_kv_heads, G, D)
-            out.index_copy_(0, tok, attend_shared(qs, grp, k_buf, v_buf, self.scaling))
+            out.index_copy_(0, tok, attend_shared(qs, grp, functools.partial(kv_pool.read, layer_id, dtype=q.dtype),
+                                                  self.scaling))
         if dec is not None:
             assert dec.token_idx is not None
-            o = self._decode(q.index_select(0, dec.token_idx), dec, k_buf, v_buf)
+            o = self._decode(q.index_select(0, dec.token_idx), dec, kv_pool, layer_id)
             out.index_copy_(0, dec.token_idx, o)
         for ext in meta.extends:
             n = ext.end - ext.start
@@ -308,13 +308,16 @@ class TorchNativeAttention(AttentionBackend):
                 ke = k[ext.start : ext.end]
                 ve = v[ext.start : ext.end]
             else:
-                ke = k_buf.index_select(0, ext.kv_idx)
-                ve = v_buf.index_select(0, ext.kv_idx)
+                ke, ve = kv_pool.read(layer_id, ext.kv_idx, q.dtype)
             ke = ke.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
             ve = ve.to(q.dtype).transpose(0, 1).unsqueeze(0)
             o = self._attend(qe, ke, ve, ext.mask, causal=ext.mask is None)
             out[ext.start : ext.end] = o.squeeze(0).transpose(0, 1).reshape(n, H * D)
         return out
+
+    def _store(self, kv_pool: KVPool, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the new tokens' K/V into the pool (a backend with a faster way overrides it)."""
+        kv_pool.write(layer_id, loc, k, v)
 
     def _scratch(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather destinations kept across layers and forwards: a fresh multi-MB tensor per call
@@ -326,19 +329,23 @@ class TorchNativeAttention(AttentionBackend):
             self._gather_bufs[like.dtype] = (k, v)
         return k, v
 
-    def _decode(
-        self, q: torch.Tensor, dec: _DecodeGroup, k_buf: torch.Tensor, v_buf: torch.Tensor
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, dec: _DecodeGroup, kv_pool: KVPool, layer_id: int) -> torch.Tensor:
         B = dec.batch
         KVH, G, D = self.num_kv_heads, self.group, self.head_dim
         qg = q.reshape(B, KVH, G, D)  # the G query heads sharing a KV head act as G query rows
-        k_scratch, v_scratch = self._scratch(dec.max_rows, k_buf)
+        k_buf, v_buf = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
+        quantized = kv_pool.format.quantized
+        if not quantized:
+            k_scratch, v_scratch = self._scratch(dec.max_rows, k_buf)
         out = q.new_empty(B, KVH * G * D)
         for c in dec.chunks:
             n, L = c.end - c.start, c.max_len
-            kg, vg = k_scratch[: n * L], v_scratch[: n * L]
-            torch.index_select(k_buf, 0, c.gather, out=kg)
-            torch.index_select(v_buf, 0, c.gather, out=vg)
+            if quantized:
+                kg, vg = kv_pool.read(layer_id, c.gather, q.dtype)
+            else:
+                kg, vg = k_scratch[: n * L], v_scratch[: n * L]
+                torch.index_select(k_buf, 0, c.gather, out=kg)
+                torch.index_select(v_buf, 0, c.gather, out=vg)
             kt = kg.view(n, L, KVH, D).transpose(1, 2)  # [n, KVH, L, D]
             vt = vg.view(n, L, KVH, D).transpose(1, 2)
             if kt.dtype != q.dtype:

@@ -14,6 +14,7 @@ caller that shares slots (radix cache hits, forks) benefits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,15 +98,16 @@ def build_group(
 
 
 def attend_shared(
-    q: torch.Tensor, grp: SharedPrefixGroup, k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float
+    q: torch.Tensor, grp: SharedPrefixGroup, read: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
 ) -> torch.Tensor:
-    """``q: [n, KVH, G, D]`` (the G query heads of a KV head as rows) -> ``[n, KVH * G * D]``."""
+    """``q: [n, KVH, G, D]`` (the G query heads of a KV head as rows) -> ``[n, KVH * G * D]``.
+    ``read(slots)``: the K and V rows of ``slots`` in ``q``'s dtype (``KVPool.read`` of the layer)."""
     n, KVH, G, D = q.shape
     Ls = grp.suffix_len
     dt = q.dtype
     # shared prefix: one gather, one GEMM for all n*G query rows of each KV head
-    kp = k_buf.index_select(0, grp.prefix_slots).to(dt)  # [P, KVH, D]
-    vp = v_buf.index_select(0, grp.prefix_slots).to(dt)
+    kp, vp = read(grp.prefix_slots)  # [P, KVH, D]
     qh = q.permute(1, 0, 2, 3).reshape(KVH, n * G, D)
     s1 = torch.bmm(qh, kp.permute(1, 2, 0)).mul_(scale)  # [KVH, nG, P]
     m1 = s1.amax(-1, keepdim=True)
@@ -116,8 +118,8 @@ def attend_shared(
     m1 = m1.view(KVH, n, G, 1).transpose(0, 1)
     l1 = l1.view(KVH, n, G, 1).transpose(0, 1)
     # each request's own tokens after the prefix (its new token included)
-    ks = k_buf.index_select(0, grp.suffix_gather).to(dt).view(n, Ls, KVH, D)
-    vs = v_buf.index_select(0, grp.suffix_gather).to(dt).view(n, Ls, KVH, D)
+    ks, vs = read(grp.suffix_gather)
+    ks, vs = ks.view(n, Ls, KVH, D), vs.view(n, Ls, KVH, D)
     s2 = torch.matmul(q, ks.permute(0, 2, 3, 1)).mul_(scale)  # [n, KVH, G, Ls]
     if grp.suffix_mask is not None:
         s2.add_(grp.suffix_mask.to(dt))

@@ -25,6 +25,7 @@ import torch
 
 from radixserve.config.speculative import DRAFT_MODEL_ALGORITHMS
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput, PromptLogprobs
+from radixserve.mem.kv_format import kv_format
 from radixserve.mem.kv_pool import JournaledReqToTokenPool, KVPool, ReqToTokenPool
 from radixserve.model.config import ModelConfig
 from radixserve.model.draft import DraftModel
@@ -100,6 +101,7 @@ def runner_from_args(args: ModelOptions, progress: bool = True, tp_group: TPGrou
         args.model_path, dtype=args.dtype, attention_backend=args.attention_backend, seed=args.random_seed,
         num_threads=args.num_threads, quantization=args.quantization, quant_max_rows=args.quantization_max_batch,
         progress=progress, tp_group=tp_group, context_length=args.context_length,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -120,6 +122,7 @@ class ModelRunner:
         progress: bool = True,
         tp_group: TPGroup | None = None,
         context_length: int | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """Load the model at ``model_path`` (None: bundled SmolLM2-135M-Instruct GGUF).
 
@@ -137,12 +140,14 @@ class ModelRunner:
         ``tp_group``: load this rank's shard of a tensor-parallel model (a group of size 1 is none).
         ``context_length``: the longest sequence it will run (default: the model's span; a
         sliding-window model attends over its window past it, see ``windowed``); ``max_context_len``.
+        ``kv_cache_dtype``: how its KV pools store K and V (``mem/kv_format.py``; auto: ``dtype``).
         """
         if tune_malloc_arena:
             tune_malloc()
         self.num_threads = configure_threads(num_threads)
         self.model_path = model_path
         self.dtype = resolve_dtype(dtype)
+        self.kv_format = kv_format(kv_cache_dtype, self.dtype)
         t0 = time.perf_counter()
         self.tp = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.quantization = resolve_quantization(check_quantization(quantization), model_path, self.tp is not None)
@@ -225,10 +230,10 @@ class ModelRunner:
         """KV heads this rank's pool holds: all of them, or its share under tensor parallelism."""
         return self.model_config.num_kv_heads // self.tp_size
 
-    def kv_bytes_per_token(self, kv_dtype: torch.dtype | None = None) -> int:
+    def kv_bytes_per_token(self) -> int:
         """KV bytes a token takes: the target's, plus a draft model's (its pool has the same slots)."""
         c = self.model_config
-        own = KVPool.bytes_per_token(c.num_layers, self.local_kv_heads, c.head_dim, kv_dtype or self.dtype)
+        own = KVPool.bytes_per_token(c.num_layers, self.local_kv_heads, c.head_dim, self.kv_format)
         return own + (self.draft.kv_bytes_per_token() if self.draft is not None else 0)
 
     def use_draft(self, args: ModelOptions) -> None:
@@ -247,11 +252,16 @@ class ModelRunner:
         logger.info("loading the draft model %s", path or "(the bundled model)")
         draft = ModelRunner(path, dtype=self.dtype, attention_backend=args.attention_backend,
                             num_threads=args.num_threads, quantization="auto", progress=False,
-                            context_length=self.max_context_len)
+                            context_length=self.max_context_len, kv_cache_dtype=args.kv_cache_dtype)
         if draft.model_config.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.model_config.vocab_size} tokens) is not the "
                              f"target's ({self.model_config.vocab_size})")
         self.draft = DraftModel(draft)
+
+    def use_kv_cache_dtype(self, name: str) -> None:
+        """Store K and V as ``--kv-cache-dtype name`` says in the pools made from now on (before
+        ``attach_pools``; a runner shared by engines takes each engine's)."""
+        self.kv_format = kv_format(name, self.dtype)
 
     def kv_written(self, slots: list[int], tokens: list[int]) -> None:
         """KV of ``tokens`` was written into ``slots`` of the pool from outside a forward (a prefill
@@ -263,12 +273,12 @@ class ModelRunner:
         """Names the KV this runner computes (the model, its dtype and weight format, the KV layout):
         KV stored under one identity is only ever read back under the same (the KV tier)."""
         c = self.model_config
-        return model_identity(self.model_path, "kv-v1", str(self.dtype), self.quantization, c.num_layers,
-                              self.local_kv_heads, c.head_dim, self.tp.rank if self.tp is not None else 0)
+        return model_identity(self.model_path, "kv-v1", str(self.dtype), self.kv_format.name, self.quantization,
+                              c.num_layers, self.local_kv_heads, c.head_dim, self.tp.rank if self.tp is not None else 0)
 
     def make_kv_pool(self, size: int, page_size: int = 1, device: str | torch.device = "cpu") -> KVPool:
         c = self.model_config
-        return KVPool(size, page_size, c.num_layers, self.local_kv_heads, c.head_dim, self.dtype, device)
+        return KVPool(size, page_size, c.num_layers, self.local_kv_heads, c.head_dim, self.kv_format, device)
 
     def make_req_to_token_pool(self, size: int, max_context_len: int | None = None) -> ReqToTokenPool:
         return ReqToTokenPool(size, max_context_len or self.max_context_len)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from radixserve.mem.kv_pool import KVPool
 from radixserve.model.attention import TorchNativeAttention, _DecodeGroup
 from radixserve.model.attention_backend import register_attention_backend
 from radixserve.model.cpp_build import build_dir, load_extension
@@ -66,12 +67,15 @@ def paged_decode_attention(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q: [B, H, D]`` (one new token per row) attends over ``seq_lens[b]`` tokens whose KV slots
-    are ``req_to_token[req_pool_indices[b], :seq_lens[b]]`` in ``k_buf, v_buf: [S, KVH, D]``.
-    Returns ``[B, H * D]`` in ``q``'s dtype."""
+    are ``req_to_token[req_pool_indices[b], :seq_lens[b]]`` in ``k_buf, v_buf: [S, KVH, D]``
+    (float32, bfloat16, float8 e4m3 / e5m2 or int8; a one-byte pool may come with ``k_scale,
+    v_scale: [S, KVH]`` float32, and int8 and e4m3 pools do: the formats of ``mem/kv_format.py``). Returns ``[B, H * D]`` in ``q``'s dtype."""
     out: torch.Tensor = extension().paged_decode_attention(
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, float(scale)
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, float(scale), k_scale, v_scale
     )
     return out
 
@@ -117,13 +121,23 @@ class CpuPagedAttention(TorchNativeAttention):
         lens_t = torch.tensor(lens, dtype=torch.int64)
         return _PagedDecode(token_idx, len(lens), [], 0, r2t, rows_rpi.to(torch.int64), lens_t)
 
-    def _decode(
-        self, q: torch.Tensor, dec: _DecodeGroup, k_buf: torch.Tensor, v_buf: torch.Tensor
-    ) -> torch.Tensor:
+    def _store(self, kv_pool: KVPool, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A one-byte pool is written by the extension in one call (the same bytes as ``KVPool.write``,
+        which takes a dozen tensor ops)."""
+        fmt = kv_pool.format
+        if not fmt.quantized:
+            return super()._store(kv_pool, layer_id, loc, k, v)
+        scales = (kv_pool.k_scales[layer_id], kv_pool.v_scales[layer_id]) if fmt.scaled else (None, None)
+        extension().store_kv(kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id], *scales, loc, k, v, fmt.top)
+
+    def _decode(self, q: torch.Tensor, dec: _DecodeGroup, kv_pool: KVPool, layer_id: int) -> torch.Tensor:
         assert isinstance(dec, _PagedDecode)
         assert dec.req_to_token is not None and dec.req_pool_indices is not None and dec.seq_lens is not None
+        scaled = kv_pool.format.scaled
         return paged_decode_attention(
-            q, k_buf, v_buf, dec.req_to_token, dec.req_pool_indices, dec.seq_lens, self.scaling
+            q, kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id], dec.req_to_token, dec.req_pool_indices,
+            dec.seq_lens, self.scaling, kv_pool.k_scales[layer_id] if scaled else None,
+            kv_pool.v_scales[layer_id] if scaled else None,
         )
 
 

@@ -24,6 +24,10 @@ or a block that fails its checks, only shortens what is loaded (the rest is comp
 
 Under ``--hicache-storage-backend file`` the blocks are files under
 ``--hicache-storage-dir/<model identity>``: a restarted server finds them again.
+
+``transfer_s(tokens)``, when given, is how long moving ``tokens`` tokens of KV into the pool takes
+on a link that carries one load at a time (the simulator's PCIe model, on its virtual clock): a
+load lands no earlier than that after the link is free. Here the reader thread's own time is the cost.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class Load:
     future: Future[Fetched]
     started: float
     cancelled: bool = False
+    ready_at: float = 0.0  # not landed before this time (transfer_s), whatever the future says
 
 
 @dataclass
@@ -78,7 +83,8 @@ class HiCache:
     def __init__(self, tree: RadixCache, allocator: TokenToKVPoolAllocator, pool: KVPool, tier: KVTier,
                  write_policy: str = "write_through",
                  on_written: Callable[[list[int], list[int]], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, events: TierEvents | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, events: TierEvents | None = None,
+                 transfer_s: Callable[[int], float] | None = None) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy must be one of {', '.join(WRITE_POLICIES)}; got {write_policy!r}")
         if tier.block_tokens % allocator.page_size:
@@ -87,6 +93,8 @@ class HiCache:
         self.write_policy = write_policy
         self.on_written = on_written
         self.clock = clock
+        self.transfer_s = transfer_s
+        self._link_free = 0.0  # when the link (transfer_s) has moved every load started so far
         self.B = tier.block_tokens
         self.loads: dict[Req, Load] = {}
         self.holds: dict[Req, int] = {}  # requests whose loaded prefix waits locked for admission: tokens
@@ -162,8 +170,18 @@ class HiCache:
         B = self.B
         fut = self.tier.fetch(keys[b0 : b0 + k], [keys[b - 1] if b else root for b in range(b0, b0 + k)],
                               [ids[b * B : (b + 1) * B] for b in range(b0, b0 + k)])
-        self.loads[req] = Load(req, key, m.last_node, list(m.device_indices), b0, (b0 + k) * B, fut, self.clock())
+        now = self.clock()
+        ld = Load(req, key, m.last_node, list(m.device_indices), b0, (b0 + k) * B, fut, now)
+        if self.transfer_s is not None:
+            ld.ready_at = self._link_free = max(now, self._link_free) + self.transfer_s(ld.end - cached)
+        self.loads[req] = ld
         return True
+
+    def next_ready(self) -> float | None:
+        """When the next load in transfer lands (``transfer_s``), if one waits on the link now."""
+        now = self.clock()
+        times = [ld.ready_at for ld in self.loads.values() if ld.ready_at > now]
+        return min(times) if times else None
 
     def held_tokens(self) -> int:
         """Pool tokens locked for requests not admitted yet (landed loads), or on their way (read or
@@ -232,8 +250,9 @@ class HiCache:
                 del self.staged[req]
                 if not ld.cancelled:
                     ready.append(req)
+        now = self.clock()
         for req, ld in list(self.loads.items()):
-            if not ld.future.done():
+            if not ld.future.done() or ld.ready_at > now:
                 continue
             del self.loads[req]
             self._drop_bad(ld)
@@ -312,22 +331,25 @@ class HiCache:
         return True
 
     def _cut(self, payloads: list[memoryview], skip: int) -> list[bytearray]:
-        """The blocks' payloads as ``KVPool.scatter``'s parts, without the first ``skip`` rows."""
-        B, n_parts = self.B, 2 * self.pool.num_layers
-        row = self.pool.bytes_per_token_here() // n_parts
+        """The blocks' payloads as ``KVPool.scatter``'s parts, without the first ``skip`` rows. A
+        block's payload is its parts one after the other (``KVPool.gather``'s order), ``B`` rows each."""
+        B, row_bytes = self.B, self.pool.part_row_bytes()
+        block = B * sum(row_bytes)
         for mv in payloads:
-            if len(mv) != n_parts * B * row:
-                raise ValueError(f"a tier block has {len(mv)} payload bytes, the pool's blocks {n_parts * B * row}")
+            if len(mv) != block:
+                raise ValueError(f"a tier block has {len(mv)} payload bytes, the pool's blocks {block}")
         rows = len(payloads) * B - skip
         out: list[bytearray] = []
-        for j in range(n_parts):
+        start = 0  # where part j starts in a block's payload
+        for row in row_bytes:
             part = bytearray(rows * row)
             at = 0
             for i, mv in enumerate(payloads):
-                piece = mv[j * B * row + (skip if i == 0 else 0) * row : (j + 1) * B * row]
+                piece = mv[start + (skip if i == 0 else 0) * row : start + B * row]
                 part[at : at + len(piece)] = piece
                 at += len(piece)
             out.append(part)
+            start += B * row
         return out
 
     # --- admin ----------------------------------------------------------------------------------

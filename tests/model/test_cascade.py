@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from radixserve.mem.forward_batch import ForwardBatch, SamplingBatchInfo
+from radixserve.mem.kv_format import kv_format
+from radixserve.mem.kv_pool import KVPool
 from radixserve.model.attention import TorchNativeAttention
 from radixserve.model.cascade import find_shared_prefixes
 
@@ -48,12 +51,15 @@ def _fb(rpi: list[int], lens: list[int], new_slots: list[int]) -> ForwardBatch:
     )
 
 
-def test_shared_prefix_attention_equals_plain() -> None:
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "fp8_e4m3"])
+def test_shared_prefix_attention_equals_plain(kv_dtype: str) -> None:
+    """Also over a quantized pool: both paths read the same stored values, dequantized."""
     torch.manual_seed(0)
     H, KVH, D, P = 6, 2, 16, 100  # 3 x 100 tokens saved: over MIN_SAVED_TOKENS
     slots = 2000
-    k_buf = torch.randn(slots, KVH, D)
-    v_buf = torch.randn(slots, KVH, D)
+    kv = KVPool(slots - 1, 1, 1, KVH, D, kv_format(kv_dtype, torch.float32))
+    kv.write(0, torch.arange(slots), torch.randn(slots, KVH, D), torch.randn(slots, KVH, D))
+    k_buf, v_buf = kv.read(0, torch.arange(slots), torch.float32)
     prefix = torch.randperm(slots - 1)[:P] + 1
     free = [s for s in range(1, slots) if s not in set(prefix.tolist())]
     r2t = torch.zeros(8, 256, dtype=torch.int64)
@@ -71,10 +77,6 @@ def test_shared_prefix_attention_equals_plain() -> None:
     class Pool:
         req_to_token = r2t
 
-    class KV:
-        k_buffers = [k_buf]
-        v_buffers = [v_buf]
-
     q = torch.randn(len(lens), H, D)
     k_new = k_buf[torch.tensor(new_slots)].clone()
     v_new = v_buf[torch.tensor(new_slots)].clone()
@@ -85,5 +87,5 @@ def test_shared_prefix_attention_equals_plain() -> None:
         fb = _fb(list(range(len(lens))), lens, new_slots)
         be.init_forward_metadata(fb, Pool())  # type: ignore[arg-type]
         assert be._meta is not None and len(be._meta.shared) == (1 if share else 0)
-        outs[share] = be.forward(q, k_new, v_new, 0, fb, KV(), Pool())  # type: ignore[arg-type]
+        outs[share] = be.forward(q, k_new, v_new, 0, fb, kv, Pool())  # type: ignore[arg-type]
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)

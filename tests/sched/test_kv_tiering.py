@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.mem.kv_format import kv_format
 from radixserve.mem.kv_pool import KVPool, ReqToTokenPool
 from radixserve.mem.kv_tier import KVTier, chain_keys, chain_root
 from radixserve.mem.tier_store import FileStore, MemoryStore, TierStore
@@ -34,6 +35,8 @@ class KVReadingRunner:
         self.pool = pool
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        if self.pool.format.quantized:
+            return self._forward_through_the_format(batch)
         loc = batch.out_cache_loc
         for layer in range(LAYERS):
             k, v = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
@@ -55,13 +58,31 @@ class KVReadingRunner:
             out.append(h % (VOCAB - 1) + 1)
         return ForwardOutput(next_token_ids=out)
 
+    def _forward_through_the_format(self, batch: ForwardBatch) -> ForwardOutput:
+        """The same through ``KVPool.write`` / ``read``: a quantized pool's rows (and scales) are what
+        the outputs hash, so KV that comes back from the tier changed in any bit shows."""
+        ids, pos = batch.input_ids.float(), batch.positions.float()
+        for layer in range(LAYERS):
+            self.pool.write(layer, batch.out_cache_loc, torch.stack([ids, pos], -1).view(-1, 1, 2) * 0.01,
+                            torch.stack([ids * (layer + 2), -pos], -1).view(-1, 1, 2) * 0.01)
+        out = []
+        for i in range(batch.batch_size):
+            row = self.r2t.req_to_token[int(batch.req_pool_indices[i]), : int(batch.seq_lens[i])]
+            h = 0.0
+            for layer in range(LAYERS):
+                k, v = self.pool.read(layer, row, torch.float64)
+                h += float((k * 7 + v * 3).sum()) * (layer + 1)
+            out.append(int(abs(h) * 1e4) % (VOCAB - 1) + 1)
+        return ForwardOutput(next_token_ids=out)
+
 
 def build(pool_tokens: int, store: TierStore | None, page_size: int = 1, policy: str = "write_back",
-          cap: int = 1 << 24, events: TierEvents | None = None, **kw: Any) -> tuple[Any, HiCache | None]:
+          cap: int = 1 << 24, events: TierEvents | None = None, kv_dtype: str = "float32",
+          **kw: Any) -> tuple[Any, HiCache | None]:
     holder: dict[str, Any] = {}
 
     def runner(r2t: ReqToTokenPool) -> KVReadingRunner:
-        holder["pool"] = KVPool(pool_tokens, page_size, LAYERS, 1, 2, torch.float32)
+        holder["pool"] = KVPool(pool_tokens, page_size, LAYERS, 1, 2, kv_format(kv_dtype, torch.float32))
         return KVReadingRunner(r2t, holder["pool"])
 
     sched, _, kv = make_scheduler(pool_tokens=pool_tokens, page_size=page_size, runner=runner,  # type: ignore[arg-type]
@@ -108,6 +129,15 @@ def test_prefixes_come_back_from_the_tier_exactly(policy: str, page_size: int) -
     snap = hc.snapshot()
     assert snap["loads"] >= (1 if policy == "write_through_selective" else 3) and snap["hit_tokens"] > 0
     assert snap["corrupt_blocks"] == 0 and snap["loading"] == 0
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_quantized_kv_comes_back_from_the_tier_exactly(kv_dtype: str) -> None:
+    """A one-byte pool's blocks carry its values and scales: loaded KV reads back bit for bit."""
+    want = run(build(2048, None, 4, kv_dtype=kv_dtype)[0], ORDER)
+    sched, hc = build(160, MemoryStore(), 4, "write_through", kv_dtype=kv_dtype)
+    assert run(sched, ORDER) == want
+    assert hc is not None and hc.snapshot()["loads"] >= 3
 
 
 def test_without_the_tier_the_small_pool_recomputes() -> None:

@@ -7,9 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from radixserve.config import ServerArgs
 from radixserve.mem.evict_policy import LFUStrategy, LRUStrategy, QueueAwareStrategy
+from radixserve.mem.kv_format import kv_format
 from radixserve.mem.radix_cache import RadixCache
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.req import Req
@@ -34,6 +36,9 @@ class StubModelRunner(EchoRunner):
 
     tokenizer = _Tok()
     model_config = _Cfg()
+
+    def use_kv_cache_dtype(self, name: str) -> None:
+        self.kv_format = kv_format(name, torch.float32)
 
     def use_draft(self, args: object) -> None:  # no draft model here
         return None

@@ -2,7 +2,10 @@
 // from the pool through req_to_token (no gather copy).
 //
 //   q            [B, H, D]        float32 or bfloat16, one new token per request
-//   k_buf, v_buf [S, KVH, D]      the pool of one layer, float32 or bfloat16 (row = one KV slot)
+//   k_buf, v_buf [S, KVH, D]      the pool of one layer (row = one KV slot): float32, bfloat16,
+//                                 float8 e4m3 / e5m2 or int8, a one-byte pool with
+//   k_scale, v_scale [S, KVH]     float32, one per (slot, KV head): value = scale * stored (optional;
+//                                 int8 and e4m3 pools always have them)
 //   req_to_token [R, C] int64     req_to_token[req_pool_indices[b], t] = slot of token t of row b
 //   seq_lens     [B] int64        tokens row b attends to (its new token included)
 //   returns      [B, H * D]       in q's dtype
@@ -30,6 +33,13 @@
 // -DRADIXSERVE_NO_AVX512 / -DRADIXSERVE_NO_AVX2) runs the plain C++ loops below, which compute
 // the same thing.
 //
+// One-byte pools (mem/kv_format.py) are widened to float32 as they are loaded: float8 through the
+// half-precision converter (e5m2 is the top byte of a float16; e4m3's exponent and mantissa bits
+// moved into a float16's and the result times 2^8, subnormals included), int8 by an integer
+// conversion. A scaled pool's scales multiply each token's scores (K) and probabilities (V, after
+// the row sum is taken), so the dequantized rows are never formed. Half the bytes of bfloat16 to
+// read, which is what bounds a decode step over long contexts.
+//
 // A bfloat16 pool on a CPU with AVX512-BF16 is read with bfloat16 dot products (vdpbf16ps, 32
 // products per instruction). The scores take K as stored against q rounded to bfloat16 (exact for a
 // bfloat16 model's q; the softmax scale is applied to the scores), two tokens per vector, which
@@ -45,6 +55,8 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
 #include <atomic>
@@ -62,7 +74,7 @@
 #if defined(__AVX512BF16__) && !defined(RADIXSERVE_NO_BF16_DOT)
 #define RADIXSERVE_BF16_DOT 1
 #endif
-#elif defined(__AVX2__) && defined(__FMA__) && !defined(RADIXSERVE_NO_AVX2)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(RADIXSERVE_NO_AVX2)
 #include <immintrin.h>
 #define RADIXSERVE_AVX2 1
 #endif
@@ -106,10 +118,32 @@ struct Problem {
   float* part_l;          // [P, H]
   const float* q_raw;     // [B, H, D], float32, not scaled (the bfloat16 dot products' input)
   float scale;
+  const float* ks;        // [S, KVH] per-token K scales, or nullptr (then so is vs)
+  const float* vs;
 };
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e5m2 x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+// Where the block's tokens' scales start (slot * KVH) from their element offsets (slot * KVH * D):
+// once per block, for every head.
+inline void scale_rows(const int64_t* rows, int64_t n, int64_t D, int64_t* srow) {
+  for (int64_t j = 0; j < n; ++j) srow[j] = rows[j] / D;
+}
+
+// The scales of KV head h for the block's tokens, 0 past its n tokens, times unit (what the loads
+// leave out of the values).
+inline void block_scales(const float* s, const int64_t* srow, int64_t n, int64_t h, float* out, float unit = 1.f) {
+  for (int64_t j = 0; j < kBlock; ++j) out[j] = j < n ? s[srow[j] + h] * unit : 0.f;
+}
+
+// The vector loads of e4m3 return the values 2^-8 times too small (a float16 read of its bits); its
+// scales, which it always has, take the 2^8 back once per token instead of once per value.
+template <typename kv_t>
+constexpr float kLoadUnit = std::is_same_v<kv_t, c10::Float8_e4m3fn> ? 256.f : 1.f;
 
 // Where an item's result goes: straight into the output, normalised, or into its partial slot.
 // acc: [H, D] unnormalised, m and l: [H].
@@ -167,6 +201,10 @@ struct AheadRows {
       const int64_t off = t < end ? slots[t] * row_bytes : 0;
       k[j] = t < end ? static_cast<const char*>(p.k) + off : nullptr;
       v[j] = t < end ? static_cast<const char*>(p.v) + off : nullptr;
+      if (p.ks != nullptr && t < end) {  // the token's scales, all heads: one line each
+        __builtin_prefetch(p.ks + slots[t] * p.KVH, 0, 2);
+        __builtin_prefetch(p.vs + slots[t] * p.KVH, 0, 2);
+      }
     }
   }
   void fetch(const char* row, int64_t h) const {
@@ -205,19 +243,28 @@ bool attend_item_generic(const Problem& p, const Item& it) {
   const float* q = p.q + it.row * H * D;
   std::vector<float> acc(H * D, 0.f), m(H, -std::numeric_limits<float>::infinity()), l(H, 0.f);
   std::vector<float> s(G * kBlock);
+  float ksc[kBlock], vsc[kBlock];
+  std::fill(ksc, ksc + kBlock, 1.f);
+  std::fill(vsc, vsc + kBlock, 1.f);
   bool ok = true;
   for (int64_t t0 = it.begin; t0 < it.end; t0 += kBlock) {
     const int64_t n = std::min(kBlock, it.end - t0);
     int64_t rows[kBlock];
     ok = slot_rows(p, slots, t0, n, rows) && ok;
     const AheadRows<kv_t> ahead(p, slots, t0, it.end);
+    int64_t srow[kBlock];
+    if (p.ks != nullptr) scale_rows(rows, n, D, srow);
     for (int64_t h = 0; h < KVH; ++h) {
       const float* qh = q + h * G * D;
       float* acc_h = &acc[h * G * D];
+      if (p.ks != nullptr) {
+        block_scales(p.ks, srow, n, h, ksc);
+        block_scales(p.vs, srow, n, h, vsc);
+      }
       for (int64_t j = 0; j < kBlock; ++j) ahead.k_of(j, h);
       for (int64_t j = 0; j < n; ++j) {
         const kv_t* kp = K + rows[j] + h * D;
-        for (int64_t g = 0; g < G; ++g) s[g * kBlock + j] = dot_lanes(qh + g * D, kp, D);
+        for (int64_t g = 0; g < G; ++g) s[g * kBlock + j] = dot_lanes(qh + g * D, kp, D) * ksc[j];
       }
       for (int64_t g = 0; g < G; ++g) {
         float* sg = &s[g * kBlock];
@@ -239,7 +286,7 @@ bool attend_item_generic(const Problem& p, const Item& it) {
       for (int64_t j = 0; j < n; ++j) {
         const kv_t* vp = V + rows[j] + h * D;
         for (int64_t g = 0; g < G; ++g) {
-          const float w = s[g * kBlock + j];
+          const float w = s[g * kBlock + j] * vsc[j];
           for (int64_t d = 0; d < D; ++d) acc_h[g * D + d] += w * to_float(vp[d]);
         }
       }
@@ -258,6 +305,20 @@ inline __m512 load16(const c10::BFloat16* x) {
   // bfloat16 is the top half of a float32: widen to 32 bits and shift into place
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Float8_e5m2* x) {  // e5m2 bits are a float16's top byte
+  const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(h, 8));
+}
+inline __m512 load16(const c10::Float8_e4m3fn* x) {
+  // sign-extended to 16 bits and shifted by 7: exponent and mantissa in bits 7-13, the sign in 14
+  // and 15; clearing bit 14 leaves a float16 2^8 times too small (exponent bias 15 against e4m3's
+  // 7), subnormals included: kLoadUnit
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
+}
+inline __m512 load16(const int8_t* x) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))));
 }
 
 // exp for x <= 0 (scores minus their running max), about 1 ulp: exp(x) = 2^n exp(r) with
@@ -368,13 +429,20 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
   alignas(64) uint16_t prob_bh[G][kBlock];  // the same, rounded to bfloat16 (bits)
 #endif
   int64_t rows[kBlock];  // element offset of each token's row (all heads), the same in K and V
+  alignas(64) float ksc[kBlock], vsc[kBlock];  // an int8 pool's scales of the block, one head
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t0 = it.begin; t0 < it.end; t0 += kBlock) {
     const int64_t n = std::min(kBlock, it.end - t0);
     const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
     ok = slot_rows(p, slots, t0, n, rows) && ok;
     const AheadRows<kv_t> ahead(p, slots, t0, it.end);
+    int64_t srow[kBlock];
+    if (p.ks != nullptr) scale_rows(rows, n, D, srow);
     for (int64_t h = 0; h < KVH; ++h) {
+      if (p.ks != nullptr) {
+        block_scales(p.ks, srow, n, h, ksc, kLoadUnit<kv_t>);
+        block_scales(p.vs, srow, n, h, vsc, kLoadUnit<kv_t>);
+      }
       __m512 qv[G][NC], acc[G][NC];
       float* acc_h = acc_all + h * G * D;
       for (int g = 0; g < G; ++g)
@@ -443,6 +511,8 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
           }
         }
         for (int g = 0; g < G; ++g) sc[g] = hsum16x16(part[g]);
+        if (p.ks != nullptr)
+          for (int g = 0; g < G; ++g) sc[g] = _mm512_mul_ps(sc[g], _mm512_load_ps(ksc));
       }
       // the new running maxima first, so that the G rescale factors take one vector exp (a libm
       // exp per head and block was ~20% of the kernel's time)
@@ -471,7 +541,7 @@ bool attend_item_avx512(const Problem& p, const Item& it) {
         float* lv = lsum + (h * G + g) * 16;
         _mm512_storeu_ps(lv, _mm512_fmadd_ps(_mm512_loadu_ps(lv), _mm512_set1_ps(alpha), e));
         mg = mn;
-        _mm512_store_ps(prob[g], e);
+        _mm512_store_ps(prob[g], p.vs != nullptr ? _mm512_mul_ps(e, _mm512_load_ps(vsc)) : e);
         if (alpha != 1.f) {
           const __m512 av = _mm512_set1_ps(alpha);
           for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], av);
@@ -630,12 +700,24 @@ std::pair<at::Tensor, at::Tensor> checked_rows(const torch::Tensor& req_to_token
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
                                      torch::Tensor req_to_token, torch::Tensor req_pool_indices,
-                                     torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor seq_lens, double scale, std::optional<torch::Tensor> k_scale,
+                                     std::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
   check_pool(k_buf, v_buf);
-  TORCH_CHECK(k_buf.scalar_type() == at::kFloat || k_buf.scalar_type() == at::kBFloat16,
-              "KV pool dtype must be float32 or bfloat16");
+  const at::ScalarType kv_type = k_buf.scalar_type();
+  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16 || k_buf.element_size() == 1,
+              "KV pool dtype must be float32, bfloat16, float8_e4m3fn, float8_e5m2 or int8");
+  TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "k_scale and v_scale come together");
+  TORCH_CHECK(!k_scale.has_value() || k_buf.element_size() == 1, "only a one-byte pool has scales");
+  TORCH_CHECK(k_scale.has_value() || (kv_type != at::kChar && kv_type != at::ScalarType::Float8_e4m3fn),
+              "an int8 or float8_e4m3fn pool needs its scales");
+  if (k_scale.has_value()) {
+    for (const auto& s : {*k_scale, *v_scale})
+      TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == k_buf.size(0) &&
+                      s.size(1) == k_buf.size(1),
+                  "k_scale / v_scale must be contiguous float32 [S, KVH]");
+  }
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t S = k_buf.size(0), KVH = k_buf.size(1);
@@ -661,8 +743,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch
   Problem p{qf.data_ptr<float>(), k_buf.data_ptr(), v_buf.data_ptr(), req_to_token.data_ptr<int64_t>(),
             req_to_token.stride(0), rpi_p, S, H, KVH, G, D, out.data_ptr<float>(),
             part_acc.data_ptr<float>(), part_ml.data_ptr<float>(), part_ml.data_ptr<float>() + part_ml.size(1) * H,
-            q_raw.data_ptr<float>(), static_cast<float>(scale)};
-  const ItemFn fn = k_buf.scalar_type() == at::kFloat ? pick_kernel<float>(G, D) : pick_kernel<c10::BFloat16>(G, D);
+            q_raw.data_ptr<float>(), static_cast<float>(scale),
+            k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr,
+            v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr};
+  ItemFn fn = nullptr;
+  switch (kv_type) {
+    case at::kFloat: fn = pick_kernel<float>(G, D); break;
+    case at::kBFloat16: fn = pick_kernel<c10::BFloat16>(G, D); break;
+    case at::ScalarType::Float8_e4m3fn: fn = pick_kernel<c10::Float8_e4m3fn>(G, D); break;
+    case at::ScalarType::Float8_e5m2: fn = pick_kernel<c10::Float8_e5m2>(G, D); break;
+    case at::kChar: fn = pick_kernel<int8_t>(G, D); break;
+    default: TORCH_CHECK(false, "KV pool dtype ", kv_type, " has no kernel");
+  }
   std::atomic<bool> ok{true};
   at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
     bool mine = true;
@@ -708,6 +800,74 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch
     });
   }
   return out.view({B, H * D}).to(q.scalar_type());
+}
+
+// Store new K/V rows into a one-byte pool, bit for bit what mem/kv_format.py's KVFormat.encode
+// computes, in one call instead of its dozen tensor ops (at batch 1 those cost more than the
+// attention): with scales (int8: top 127, rounded to nearest even; e4m3: top 448) each row of D
+// values is divided by max|x| / top; without (e5m2) values are clamped to +-top. The float8
+// conversions are c10's, the ones torch's .to() uses. k, v: [T, KVH, D] float32 or bfloat16.
+template <typename kv_t>
+void store_rows(const torch::Tensor& buf, const std::optional<torch::Tensor>& scale, const torch::Tensor& x,
+                const int64_t* loc, float top) {
+  const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2);
+  auto xf = x.to(at::kFloat).contiguous();
+  const float* src = xf.data_ptr<float>();
+  kv_t* dst = static_cast<kv_t*>(buf.data_ptr());
+  float* sc = scale.has_value() ? scale->data_ptr<float>() : nullptr;
+  at::parallel_for(0, T * KVH, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = r / KVH, h = r % KVH;
+      const float* row = src + r * D;
+      kv_t* out = dst + (loc[t] * KVH + h) * D;
+      if (sc == nullptr) {
+        for (int64_t d = 0; d < D; ++d) out[d] = kv_t(std::clamp(row[d], -top, top));
+        continue;
+      }
+      float amax = 0.f;
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(row[d]));
+      const float s = amax / top;
+      sc[loc[t] * KVH + h] = s;
+      const float div = std::max(s, std::numeric_limits<float>::min());
+      for (int64_t d = 0; d < D; ++d) {
+        const float v = row[d] / div;
+        if constexpr (std::is_same_v<kv_t, int8_t>)
+          out[d] = static_cast<int8_t>(std::nearbyint(v));
+        else
+          out[d] = kv_t(std::clamp(v, -top, top));
+      }
+    }
+  });
+}
+
+void store_kv(torch::Tensor k_buf, torch::Tensor v_buf, std::optional<torch::Tensor> k_scale,
+              std::optional<torch::Tensor> v_scale, torch::Tensor loc, torch::Tensor k, torch::Tensor v, double top) {
+  check_pool(k_buf, v_buf);
+  TORCH_CHECK(k_buf.element_size() == 1, "store_kv writes one-byte pools");
+  TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "k_scale and v_scale come together");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_buf.size(1) && k.size(2) == k_buf.size(2),
+              "k and v must be [T, KVH, D] like the pool's rows");
+  auto l = loc.to(at::kLong).contiguous();
+  TORCH_CHECK(l.numel() == k.size(0), "one slot per row");
+  const int64_t* lp = l.data_ptr<int64_t>();
+  for (int64_t t = 0; t < l.numel(); ++t) TORCH_CHECK(lp[t] >= 0 && lp[t] < k_buf.size(0), "slot outside the KV pool");
+  const auto f = static_cast<float>(top);
+  switch (k_buf.scalar_type()) {
+    case at::kChar:
+      TORCH_CHECK(k_scale.has_value(), "an int8 pool needs its scales");
+      store_rows<int8_t>(k_buf, k_scale, k, lp, f);
+      store_rows<int8_t>(v_buf, v_scale, v, lp, f);
+      break;
+    case at::ScalarType::Float8_e4m3fn:
+      store_rows<c10::Float8_e4m3fn>(k_buf, k_scale, k, lp, f);
+      store_rows<c10::Float8_e4m3fn>(v_buf, v_scale, v, lp, f);
+      break;
+    case at::ScalarType::Float8_e5m2:
+      store_rows<c10::Float8_e5m2>(k_buf, k_scale, k, lp, f);
+      store_rows<c10::Float8_e5m2>(v_buf, v_scale, v, lp, f);
+      break;
+    default: TORCH_CHECK(false, "store_kv: pool dtype ", k_buf.scalar_type(), " is not a one-byte format");
+  }
 }
 
 // The floor a decode kernel is measured against: read every K and V row that
@@ -791,7 +951,10 @@ bool has_bf16_dot() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &has_bf16_dot, "Whether a bfloat16 pool is read with bfloat16 dot products (AVX512-BF16)");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention reading K/V in place from a paged pool through req_to_token");
+        "Decode attention reading K/V in place from a paged pool through req_to_token", py::arg("q"),
+        py::arg("k_buf"), py::arg("v_buf"), py::arg("req_to_token"), py::arg("req_pool_indices"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("store_kv", &store_kv, "Store new K/V rows into a one-byte pool (KVFormat.encode, in one call)");
   m.def("read_kv_rows", &read_kv_rows,
         "Read (and sum) every K/V row a decode call would read, computing nothing else: the memory floor");
   m.def("has_avx512_path", &has_avx512_path, "Whether this build has the AVX-512 inner loops");

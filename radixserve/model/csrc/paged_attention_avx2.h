@@ -15,6 +15,18 @@ inline __m256 load8(const c10::BFloat16* x) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+// one-byte pools, as the AVX-512 loads (float8 through the float16 converter, F16C)
+inline __m256 load8(const c10::Float8_e5m2* x) {
+  const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(h, 8));
+}
+inline __m256 load8(const c10::Float8_e4m3fn* x) {  // 2^8 times too small: kLoadUnit
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<short>(0xBFFF))));
+}
+inline __m256 load8(const int8_t* x) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
+}
 
 // exp for x <= 0 (scores minus their running max), as exp16 of the AVX-512 path: 2^n exp(r),
 // n = round(x / ln 2), exp(r) by its Taylor series to r^7; inputs under -87 are clamped.
@@ -68,6 +80,7 @@ bool attend_item_avx2(const Problem& p, const Item& it) {
   std::fill(m, m + H, -std::numeric_limits<float>::infinity());
   bool ok = true;
   alignas(32) float prob[G][kBlock];
+  alignas(32) float ksc[kBlock], vsc[kBlock];  // an int8 pool's scales of the block, one head
   int64_t rows[kBlock];
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t0 = it.begin; t0 < it.end; t0 += kBlock) {
@@ -79,9 +92,15 @@ bool attend_item_avx2(const Problem& p, const Item& it) {
     for (int64_t j = 0; j < kBlock; ++j) live_bits[j] = j < n ? -1 : 0;
     const __m256 live0 = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(live_bits)));
     const __m256 live1 = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(live_bits + 8)));
+    int64_t srow[kBlock];
+    if (p.ks != nullptr) scale_rows(rows, n, D, srow);
     for (int64_t h = 0; h < KVH; ++h) {
       const float* qh = q + h * G * D;
       float* acc_h = acc_all + h * G * D;
+      if (p.ks != nullptr) {
+        block_scales(p.ks, srow, n, h, ksc, kLoadUnit<kv_t>);
+        block_scales(p.vs, srow, n, h, vsc, kLoadUnit<kv_t>);
+      }
       __m256 part[G][kBlock];
       for (int64_t j = 0; j < kBlock; ++j) {
         ahead.k_of(j, h);
@@ -102,8 +121,13 @@ bool attend_item_avx2(const Problem& p, const Item& it) {
       alignas(32) float mdiff[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       float mnew[G];
       for (int g = 0; g < G; ++g) {
-        sc[g][0] = _mm256_blendv_ps(neg_inf, hsum8x8(part[g]), live0);
-        sc[g][1] = _mm256_blendv_ps(neg_inf, hsum8x8(part[g] + 8), live1);
+        __m256 s0 = hsum8x8(part[g]), s1 = hsum8x8(part[g] + 8);
+        if (p.ks != nullptr) {
+          s0 = _mm256_mul_ps(s0, _mm256_load_ps(ksc));
+          s1 = _mm256_mul_ps(s1, _mm256_load_ps(ksc + 8));
+        }
+        sc[g][0] = _mm256_blendv_ps(neg_inf, s0, live0);
+        sc[g][1] = _mm256_blendv_ps(neg_inf, s1, live1);
         mnew[g] = std::max(m[h * G + g], hmax8(_mm256_max_ps(sc[g][0], sc[g][1])));
         mdiff[g] = m[h * G + g] - mnew[g];  // -inf on the first block: its factor is ~0
       }
@@ -115,8 +139,9 @@ bool attend_item_avx2(const Problem& p, const Item& it) {
         const __m256 mv = _mm256_set1_ps(mnew[g]);
         const __m256 e0 = _mm256_and_ps(live0, exp8(_mm256_sub_ps(sc[g][0], mv)));
         const __m256 e1 = _mm256_and_ps(live1, exp8(_mm256_sub_ps(sc[g][1], mv)));
-        _mm256_store_ps(prob[g], e0);
-        _mm256_store_ps(prob[g] + 8, e1);
+        // P x V takes a scaled pool's V scales with the probabilities (the row sum does not)
+        _mm256_store_ps(prob[g], p.vs != nullptr ? _mm256_mul_ps(e0, _mm256_load_ps(vsc)) : e0);
+        _mm256_store_ps(prob[g] + 8, p.vs != nullptr ? _mm256_mul_ps(e1, _mm256_load_ps(vsc + 8)) : e1);
         const __m256 s = _mm256_add_ps(e0, e1);
         __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
         t = _mm_add_ps(t, _mm_movehl_ps(t, t));

@@ -189,7 +189,8 @@ class PDWorker:
                                "cached_tokens": st.cached_tokens, "prefill_tokens": st.prefill_tokens,
                                "page_size": self.sched.kv.page_size}
         pool = self.sched.runner.kv_pool  # type: ignore[attr-defined]
-        out["kv_bytes_per_token"] = sum(b[0].numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers)
+        out["kv_bytes_per_token"] = pool.bytes_per_token_here()
+        out["kv_cache_dtype"] = pool.format.name
         if self.prefill is not None:
             out.update(vars(self.prefill.stats))
             out["endpoint"] = self.prefill.endpoint
