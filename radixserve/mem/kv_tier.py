@@ -16,6 +16,10 @@ reader thread (``fetch``), which checks each stored block (``tier_store.decode_b
 at the first that is missing or fails: a load returns the payloads of consecutive good blocks and
 the names of bad ones, which the caller drops (``forget``). A write that fails (a full disk, say)
 drops its block and is logged; nothing stops serving.
+
+``inline=True`` runs writes and reads in the caller's thread instead (the simulator: a run must not
+depend on thread timing), and ``block_bytes`` makes every block count that many bytes against the
+cap whatever it stores (the simulator's blocks stand for a GPU model's KV without holding it).
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ class Fetched:
 
 
 class KVTier:
-    def __init__(self, store: TierStore, *, model_id: bytes, block_tokens: int, capacity_bytes: int) -> None:
+    def __init__(self, store: TierStore, *, model_id: bytes, block_tokens: int, capacity_bytes: int,
+                 inline: bool = False, block_bytes: int | None = None) -> None:
         self.on_drop: Callable[[bytes], None] | None = None  # told of each block that leaves the index
         self.store = store
         self.model_id = model_id
@@ -91,10 +96,14 @@ class KVTier:
         self._done: deque[tuple[bytes, int, str | None]] = deque()  # (key, job id, error) from the writer
         self._job_id = 0
         self._errors_logged = 0
+        self._block_bytes = block_bytes
         self._scan()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
-        self._writer.start()
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-reader")
+        self._writer: threading.Thread | None = None
+        self._reader: ThreadPoolExecutor | None = None
+        if not inline:
+            self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
+            self._writer.start()
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-reader")
 
     def _scan(self) -> None:
         found = 0
@@ -145,7 +154,7 @@ class KVTier:
             return True
         payload = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts]).numpy().data
         header = encode_block(BlockHeader(self.model_id, parent, list(tokens), len(payload), zlib.crc32(payload)))
-        size = len(header) + len(payload)
+        size = self._block_bytes or len(header) + len(payload)
         if size > self.capacity_bytes:
             return False
         self._make_room(size)
@@ -153,7 +162,7 @@ class KVTier:
         self._index[key] = size
         self.used_bytes += size
         self._pending[key] = (self._job_id, payload)
-        self._jobs.put(("put", key, self._job_id, [header, payload]))
+        self._queue(("put", key, self._job_id, [header, payload]))
         return True
 
     def _make_room(self, size: int) -> None:
@@ -165,7 +174,7 @@ class KVTier:
     def _drop(self, key: bytes, size: int) -> None:
         self.used_bytes -= size
         self._pending.pop(key, None)
-        self._jobs.put(("delete", key, 0, []))
+        self._queue(("delete", key, 0, []))
         if self.on_drop is not None:
             self.on_drop(key)
 
@@ -180,25 +189,34 @@ class KVTier:
         for key in list(self._index):
             self.forget(key)
 
+    def _queue(self, job: tuple[str, bytes, int, list[Any]]) -> None:
+        if self._writer is None:
+            self._run(job)
+        else:
+            self._jobs.put(job)
+
     def _write_loop(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            op, key, job_id, parts = job
-            if op == "mark":
-                parts[0].set()
-                continue
-            err: str | None = None
-            try:
-                if op == "put":
-                    self.store.put(key.hex(), parts)
-                else:
-                    self.store.delete(key.hex())
-            except OSError as e:
-                err = f"{type(e).__name__}: {e}"
+            self._run(job)
+
+    def _run(self, job: tuple[str, bytes, int, list[Any]]) -> None:
+        op, key, job_id, parts = job
+        if op == "mark":
+            parts[0].set()
+            return
+        err: str | None = None
+        try:
             if op == "put":
-                self._done.append((key, job_id, err))
+                self.store.put(key.hex(), parts)
+            else:
+                self.store.delete(key.hex())
+        except OSError as e:
+            err = f"{type(e).__name__}: {e}"
+        if op == "put":
+            self._done.append((key, job_id, err))
 
     def poll(self) -> None:
         """Take in the writer's results: a landed block leaves memory, a failed one the index."""
@@ -226,9 +244,10 @@ class KVTier:
 
     def flush_writes(self, timeout: float = 30.0) -> None:
         """Wait until every queued write and delete has run (tests, shutdown)."""
-        ev = threading.Event()
-        self._jobs.put(("mark", b"", 0, [ev]))
-        ev.wait(timeout)
+        if self._writer is not None:
+            ev = threading.Event()
+            self._jobs.put(("mark", b"", 0, [ev]))
+            ev.wait(timeout)
         self.poll()
 
     # --- loads --------------------------------------------------------------------------------
@@ -237,8 +256,12 @@ class KVTier:
         on the reader thread; the future's payloads stop at the first missing or bad block."""
         self.touch(keys)
         mem = [self._pending.get(k) for k in keys]
-        return self._reader.submit(self._read, list(keys), list(parents), [list(t) for t in tokens],
-                                   [m[1] if m is not None else None for m in mem])
+        args = (list(keys), list(parents), [list(t) for t in tokens], [m[1] if m is not None else None for m in mem])
+        if self._reader is None:
+            done: Future[Fetched] = Future()
+            done.set_result(self._read(*args))
+            return done
+        return self._reader.submit(self._read, *args)
 
     def _read(self, keys: list[bytes], parents: list[bytes], tokens: list[list[int]],
               mem: list[memoryview | None]) -> Fetched:
@@ -269,6 +292,7 @@ class KVTier:
             raise AssertionError(f"KV tier: {len(stray)} pending writes of blocks not in the index")
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._writer.join(30.0)
-        self._reader.shutdown(wait=True)
+        if self._writer is not None and self._reader is not None:
+            self._jobs.put(None)
+            self._writer.join(30.0)
+            self._reader.shutdown(wait=True)

@@ -67,6 +67,10 @@ class KVManager:
         """Requests waiting for their prefix to load."""
         return self.tier.parked() if self.tier is not None else 0
 
+    def next_load_time(self) -> float | None:
+        """When the next prefix load in transfer lands, on the tier's clock (a simulated link), or None."""
+        return self.tier.next_ready() if self.tier is not None else None
+
     def wait_loads(self, timeout: float) -> None:
         if self.tier is not None:
             self.tier.wait(timeout)

@@ -85,7 +85,8 @@ def main(ns: argparse.Namespace) -> int:
     cost = make_cost_model(ns.cost_model, num_kv_heads=ns.kv_heads, step_overhead_ms=ns.step_overhead_ms,
                            ms_per_step=ns.ms_per_step, ms_per_token=ns.ms_per_token,
                            ms_per_context_token=ns.ms_per_context_token,
-                           draft=DraftModelSim(ns.draft_acceptance, ns.draft_cost))
+                           draft=DraftModelSim(ns.draft_acceptance, ns.draft_cost), pcie_gbps=ns.pcie_gbps,
+                           ms_per_loaded_token=ns.ms_per_loaded_token)
     base = server_args(ns, cost)
     t0 = time.perf_counter()
     specs = read_trace(ns.trace, ns.context_length) if ns.trace else generate(workload_config(ns))

@@ -8,6 +8,11 @@
       + prefill attention FLOPs / (tensor-core peak x efficiency)              (compute bound part)
       + fixed per-step overhead (launches, sampling, host<->device sync)
 
+and a prefix loaded back from the host tier (``--enable-hierarchical-cache``) takes
+``pcie_latency + KV bytes / pcie bandwidth`` on the worker's host link, one load after another,
+overlapped with the steps (the request waits, the GPU does not). Copies out to the host ride the
+other direction of the link beside the compute and are not charged.
+
 The operator times are Vidur's measurements of Llama-2-7B on one H100 (TP=1, median), made
 monotone (running maximum over num_tokens), interpolated linearly in ``num_tokens`` between table
 points and extrapolated proportionally (per token) past 4096.
@@ -55,6 +60,14 @@ class CostModel(Protocol):
 
     def step_time(self, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> float:
         """Seconds for one forward over requests with these cached prefixes and new tokens."""
+        ...
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes a token takes on the device (every layer's K and V)."""
+        ...
+
+    def tier_load_s(self, tokens: int) -> float:
+        """Seconds to move ``tokens`` tokens of KV from the host tier into the device pool."""
         ...
 
 
@@ -129,6 +142,10 @@ class H100Llama2CostModel:
     tensor_flops: float = 600e12  # bf16 dense tensor-core rate usable by attention kernels
     attn_efficiency: float = 0.5  # achieved fraction of tensor_flops in prefill attention
     step_overhead_s: float = 0.5e-3  # launches, sampling, scheduler<->GPU sync per step
+    # host -> device: H100 SXM's PCIe Gen5 x16 moves ~64 GB/s a direction nominal; pinned copies
+    # reach ~50-55
+    pcie_bytes_per_s: float = 50e9
+    pcie_latency_s: float = 10e-6  # a transfer's fixed cost (launch, DMA setup)
     monotone: bool = True  # use the table's running maximum: more tokens never make a step cheaper
     name: str = "h100-llama2-7b"
     draft: DraftModelSim | None = None
@@ -154,6 +171,9 @@ class H100Llama2CostModel:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_elem
 
+    def tier_load_s(self, tokens: int) -> float:
+        return self.pcie_latency_s + tokens * self.kv_bytes_per_token() / self.pcie_bytes_per_s
+
     def attention_s(self, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> float:
         """KV read over HBM (every request reads its whole context once per step) plus prefill FLOPs."""
         ctx_tokens = 0
@@ -178,8 +198,15 @@ class LinearCostModel:
     ms_per_step: float = 10.0
     ms_per_token: float = 0.1
     ms_per_context_token: float = 0.0
+    ms_per_loaded_token: float = 0.0  # a prefix loaded from the host tier, per token
     name: str = "linear"
     draft: DraftModelSim | None = None
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * 32 * 32 * 128 * 2  # what the h100 model's Llama-2-7B takes: sizes the host tier
+
+    def tier_load_s(self, tokens: int) -> float:
+        return self.ms_per_loaded_token * tokens / 1e3
 
     def step_time(self, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> float:
         tokens = sum(extend_lens)
@@ -199,15 +226,18 @@ def make_cost_model(
     ms_per_token: float = 0.1,
     ms_per_context_token: float = 0.0,
     draft: DraftModelSim | None = None,
+    pcie_gbps: float = 50.0,
+    ms_per_loaded_token: float = 0.0,
 ) -> CostModel:
     """``h100-llama2-7b``: the bundled table; ``h100-llama2-7b-shared``: read ../shared's full CSV;
     ``linear``: the two/three-parameter model. ``draft``: a simulated draft model as well."""
     if name == "linear":
-        return LinearCostModel(ms_per_step, ms_per_token, ms_per_context_token, draft=draft)
+        return LinearCostModel(ms_per_step, ms_per_token, ms_per_context_token, ms_per_loaded_token, draft=draft)
     if name == "h100-llama2-7b":
         table = OpTable.load_bundled()
     elif name == "h100-llama2-7b-shared":
         table = OpTable.load_vidur()
     else:
         raise ValueError(f"unknown cost model {name!r}; choose from {', '.join(COST_MODELS)}")
-    return H100Llama2CostModel(table, num_kv_heads=num_kv_heads, step_overhead_s=step_overhead_ms / 1e3, draft=draft)
+    return H100Llama2CostModel(table, num_kv_heads=num_kv_heads, step_overhead_s=step_overhead_ms / 1e3,
+                               pcie_bytes_per_s=pcie_gbps * 1e9, draft=draft)

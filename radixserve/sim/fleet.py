@@ -274,10 +274,14 @@ class Fleet:
             r = self.routed[rid]
             trace.records.append(FleetRecord(rid, _record(req), eng.worker, eng.rank, r.branch, r.predicted))
             self._push(clock.now, FINISH, rid)
-        # a step that scheduled nothing while work remains waits for the next request routed here
+        # a step that scheduled nothing while work remains waits for the next request routed here, or
+        # for the prefix it waits on to arrive from the host tier
         if sched.cur_batch is not None and sched.has_work():
             eng.scheduled = True
             self._push(clock.now, STEP, eng)
+        elif (ready := sched.kv.next_load_time()) is not None:
+            eng.scheduled = True
+            self._push(ready, STEP, eng)
 
     # --- the loop ----------------------------------------------------------------------------------
     def run(self, specs: Sequence[RequestSpec], label: str = "", progress: bool = False) -> FleetTrace:

@@ -13,7 +13,8 @@ from radixserve.config import ServerArgs
 from radixserve.router.policy import PolicyConfig, router_policy_names
 from radixserve.sim.fleet_config import FleetConfig
 from radixserve.sim.fleet_state import FleetRecord, FleetTrace, branch_counts
-from radixserve.sim.report import _f, class_table, fairness_line, table
+from radixserve.sim.host_tier import tier_figures
+from radixserve.sim.report import _f, class_table, fairness_line, host_tier_line, table
 from radixserve.sim.simulator import SimTrace
 from radixserve.sim.summary import summarize
 
@@ -90,6 +91,9 @@ def summarize_fleet(trace: FleetTrace, args: ServerArgs | None = None) -> dict[s
             "max_concurrent": cfg.router_max_concurrent, "queue_size": cfg.router_queue_size,
             "priority": cfg.router_priority, "tenant_fairness": cfg.router_tenant_fairness},
     }
+    tier = tier_figures([e.sched.kv for e in engines])
+    if tier is not None:
+        res["stats"]["host_tier"] = tier
     res["router"] = router_figures(trace.records, cfg.num_workers)
     if cfg.router_replicas > 1:
         res["router"]["replicas"] = cfg.router_replicas
@@ -154,6 +158,8 @@ def fleet_text(r: dict[str, Any], max_workers: int = 16) -> str:
         f"router: branches {ro['branches']}; imbalance (max/mean requests per worker) {_f(ro['imbalance'], 3)}"
         + (f", per rank {_f(ro['rank_imbalance'], 3)}" if "rank_imbalance" in ro else ""),
     ]
+    if "host_tier" in r.get("stats", {}):
+        lines.append(host_tier_line(r["stats"]["host_tier"]))
     if "replicas" in ro:
         lines.append(f"router replicas: {ro['replicas']}, requests each would have routed alike "
                      f"{_f(ro['replica_agreement'], 4)}")

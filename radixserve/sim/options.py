@@ -103,6 +103,11 @@ def _cost_model_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--ms-per-step", type=float, default=10.0, help="linear model: fixed ms per step.")
     c.add_argument("--ms-per-token", type=float, default=0.1, help="linear model: ms per new (computed) token.")
     c.add_argument("--ms-per-context-token", type=float, default=0.0, help="linear model: ms per context token read.")
+    c.add_argument("--pcie-gbps", type=float, default=50.0,
+                   help="h100 model, --enable-hierarchical-cache: the host link's bandwidth (GB/s) that prefixes load "
+                        "back over from the host tier, one load at a time per worker (PCIe Gen5 x16: ~50 achieved).")
+    c.add_argument("--ms-per-loaded-token", type=float, default=0.0,
+                   help="linear model, --enable-hierarchical-cache: ms per token loaded back from the host tier.")
     c.add_argument("--draft-acceptance", type=float, default=0.7,
                    help="--speculative-algorithm draft: the simulated draft model's chance that a draft token is the "
                         "request's own next token (a request keeps i drafts with probability this ** i).")

@@ -106,6 +106,8 @@ def summary_text(r: dict[str, Any]) -> str:
         rows, drafted, kept = st["spec_verify_rows"], st["spec_draft_tokens"], st["spec_accepted_tokens"]
         lines.append(f"speculation: {st['spec_verify_steps']} verify steps, {drafted} draft tokens, {kept} accepted "
                      f"({kept / max(drafted, 1):.3f}), {(rows + kept) / rows:.2f} tokens per request and verify step")
+    if "host_tier" in st:
+        lines.append(host_tier_line(st["host_tier"]))
     if "ttft_slo_attainment" in r:
         lines.append(f"TTFT SLO attainment {r['ttft_slo_attainment']:.3f} (of completed requests)")
     if "tpot_slo_attainment" in r:
@@ -216,3 +218,9 @@ def plot(results: Sequence[dict[str, Any]], traces: Sequence[SimTrace], path: st
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def host_tier_line(t: dict[str, Any]) -> str:
+    """The host tier's work (``--enable-hierarchical-cache``) in one line."""
+    return (f"host tier: {t['loads']} prefixes loaded back ({t['loaded_tokens']} tokens, {t['mean_load_ms']:.2f} ms "
+            f"each on the link), {t['blocks_stored']} blocks held at the end, {t['no_room']} loads found no room")

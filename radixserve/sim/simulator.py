@@ -34,6 +34,7 @@ from radixserve.sched.request_checks import check_request
 from radixserve.sched.sampling_params import SamplingParams
 from radixserve.sched.spec import spec_counts
 from radixserve.sim.cost_model import CostModel
+from radixserve.sim.host_tier import attach_host_tier, tier_figures
 from radixserve.sim.workload import EOS_TOKEN_ID, RequestSpec, stream_token
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -152,11 +153,11 @@ def build_sim_scheduler(
                          "(the cost model's draft: --draft-acceptance and --draft-cost)")
     if args.max_total_tokens is None:
         raise ValueError("the simulator needs --max-total-tokens (KV pool size in tokens)")
-    if args.enable_hierarchical_cache:
-        raise ValueError("the simulator does not model the KV tier (--enable-hierarchical-cache) yet")
     kv = build_kv(args, args.max_total_tokens, context_len,
                   pool_cls=NoWriteReqToTokenPool if skip_req_to_token_writes else ReqToTokenPool,
                   event_sink=event_sink)
+    if args.enable_hierarchical_cache:
+        attach_host_tier(args, kv, cost, clock, event_sink)
     runner = SimRunner(cost, clock)
     sched = build_scheduler(args, runner, kv, context_len=context_len, vocab_size=None,
                             eos_token_ids=[EOS_TOKEN_ID], clock=clock)
@@ -294,8 +295,10 @@ def run(
             stuck = 0
         elif sched.has_work():
             stuck += 1
-            if i < n:
-                clock.now = max(clock.now, specs[i].arrival_time)
+            # idle until the next arrival, or a prefix arriving from the host tier, whichever is first
+            events = [t for t in (specs[i].arrival_time if i < n else None, sched.kv.next_load_time()) if t is not None]
+            if events:
+                clock.now = max(clock.now, min(events))
             elif stuck > 3:
                 raise RuntimeError(f"the scheduler has work but schedules nothing ({len(sched.queues.waiting)} waiting)")
         for rid in _finished(outs):
@@ -374,6 +377,9 @@ def _close_trace(trace: SimTrace, sched: SchedulerCore, runner: SimRunner, clock
         "num_preemptions": st.num_preemptions, "num_aborted": st.num_aborted, "num_finished": st.num_finished,
         "cache_hit_rate": st.cache_hit_rate,
     }
+    tier = tier_figures([sched.kv])
+    if tier is not None:
+        trace.stats["host_tier"] = tier
     spec = sched.parts.spec
     if spec is not None:
         trace.stats.update(spec_verify_steps=spec.stats.verify_steps, **spec_counts(spec))
