@@ -25,9 +25,8 @@ or a block that fails its checks, only shortens what is loaded (the rest is comp
 Under ``--hicache-storage-backend file`` the blocks are files under
 ``--hicache-storage-dir/<model identity>``: a restarted server finds them again.
 
-``transfer_s(tokens)``, when given, is how long moving ``tokens`` tokens of KV into the pool takes
-on a link that carries one load at a time (the simulator's PCIe model, on its virtual clock): a
-load lands no earlier than that after the link is free. Here the reader thread's own time is the cost.
+``transfer_s(tokens)``: the time a load of ``tokens`` tokens takes on a link carrying one load at a
+time (the simulator's PCIe model, on its clock); a load lands no earlier. Unset: the reader's time.
 """
 
 from __future__ import annotations
@@ -170,18 +169,14 @@ class HiCache:
         B = self.B
         fut = self.tier.fetch(keys[b0 : b0 + k], [keys[b - 1] if b else root for b in range(b0, b0 + k)],
                               [ids[b * B : (b + 1) * B] for b in range(b0, b0 + k)])
-        now = self.clock()
-        ld = Load(req, key, m.last_node, list(m.device_indices), b0, (b0 + k) * B, fut, now)
+        ld = self.loads[req] = Load(req, key, m.last_node, list(m.device_indices), b0, (b0 + k) * B, fut, self.clock())
         if self.transfer_s is not None:
-            ld.ready_at = self._link_free = max(now, self._link_free) + self.transfer_s(ld.end - cached)
-        self.loads[req] = ld
+            ld.ready_at = self._link_free = max(ld.started, self._link_free) + self.transfer_s(ld.end - cached)
         return True
 
     def next_ready(self) -> float | None:
         """When the next load in transfer lands (``transfer_s``), if one waits on the link now."""
-        now = self.clock()
-        times = [ld.ready_at for ld in self.loads.values() if ld.ready_at > now]
-        return min(times) if times else None
+        return min((ld.ready_at for ld in self.loads.values() if ld.ready_at > self.clock()), default=None)
 
     def held_tokens(self) -> int:
         """Pool tokens locked for requests not admitted yet (landed loads), or on their way (read or

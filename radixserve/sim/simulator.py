@@ -295,10 +295,8 @@ def run(
             stuck = 0
         elif sched.has_work():
             stuck += 1
-            # idle until the next arrival, or a prefix arriving from the host tier, whichever is first
-            events = [t for t in (specs[i].arrival_time if i < n else None, sched.kv.next_load_time()) if t is not None]
-            if events:
-                clock.now = max(clock.now, min(events))
+            if (wake := _next_event(specs, i, sched)) is not None:
+                clock.now = max(clock.now, wake)
             elif stuck > 3:
                 raise RuntimeError(f"the scheduler has work but schedules nothing ({len(sched.queues.waiting)} waiting)")
         for rid in _finished(outs):
@@ -324,6 +322,14 @@ def run(
     trace.cpu_s = time.process_time() - cpu0
     _close_trace(trace, sched, runner, clock, max_timeline)
     return trace
+
+
+def _next_event(specs: Sequence[RequestSpec], i: int, sched: SchedulerCore) -> float | None:
+    """When an idle scheduler has something to do again: the next arrival, or a prefix arriving from
+    the host tier, whichever is first (None: neither is coming)."""
+    times = [t for t in (specs[i].arrival_time if i < len(specs) else None, sched.kv.next_load_time())
+             if t is not None]
+    return min(times) if times else None
 
 
 def _finished(outs: BatchOut) -> list[str]:
