@@ -22,9 +22,9 @@ def text(i: int) -> str:
     return " ".join(f"Entry {j} of ledger {i}: {j * 13 + i} units of item {(j * 7 + i) % 50} were moved." for j in range(25))
 
 
-def tiered(tier_dir: Path) -> ServerProcess:
+def tiered(tier_dir: Path, *extra: str) -> ServerProcess:
     return ServerProcess("--max-total-tokens", "1024", "--enable-metrics", "--enable-hierarchical-cache", "--hicache-ratio", "16",
-                         "--hicache-storage-dir", str(tier_dir))
+                         "--hicache-storage-dir", str(tier_dir), *extra)
 
 
 def gen(c: httpx.Client, i: int) -> dict[str, Any]:
@@ -77,3 +77,35 @@ def test_the_tier_through_the_server_and_a_restart(tmp_path: Path) -> None:
             assert_memory_ok(wait_idle(c))
     finally:
         again.close()
+
+
+def test_quantized_kv_through_the_server_and_its_tier(tmp_path: Path) -> None:
+    """``--kv-cache-dtype int8`` with the tier: a prompt evicted from the pool comes back from the
+    tier with the pool hit's output; a server over the same directory with another format finds none
+    of those blocks (they are named per format) and computes the prompt."""
+    it = started(tiered(tmp_path, "--kv-cache-dtype", "int8"))
+    srv = next(it)
+    try:
+        with srv.client() as c:
+            assert c.get("/get_server_info").json()["kv_cache_dtype"] == "int8"
+            gen(c, 0)
+            hit = gen(c, 0)
+            for i in range(1, 5):
+                gen(c, i)
+            back = gen(c, 0)
+            n = back["meta_info"]["prompt_tokens"]
+            assert back["meta_info"]["cached_tokens"] >= n - 64 and back["output_ids"] == hit["output_ids"]
+            assert tier_info(c)["hit_tokens"] >= n // 2
+            assert_memory_ok(wait_idle(c))
+    finally:
+        it.close()
+    other = started(tiered(tmp_path, "--kv-cache-dtype", "fp8_e5m2"))
+    srv2 = next(other)
+    try:
+        with srv2.client() as c:
+            first = gen(c, 0)
+            assert first["meta_info"]["cached_tokens"] == 0 and len(first["output_ids"]) == GREEDY["max_new_tokens"]
+            assert tier_info(c)["hit_tokens"] == 0
+            assert_memory_ok(wait_idle(c))
+    finally:
+        other.close()
