@@ -61,6 +61,31 @@ def chain_keys(root: bytes, ids: Sequence[int], block_tokens: int, n_blocks: int
     return keys
 
 
+def split_payloads(payloads: Sequence[memoryview], block_tokens: int, row_bytes: Sequence[int],
+                   skip: int) -> list[bytearray]:
+    """Blocks' payloads as ``KVPool.scatter``'s parts, without the first ``skip`` rows. A block's
+    payload is its parts one after the other (``KVPool.gather``'s order), ``block_tokens`` rows
+    each, ``row_bytes[j]`` bytes a row in part ``j``."""
+    B = block_tokens
+    block = B * sum(row_bytes)
+    for mv in payloads:
+        if len(mv) != block:
+            raise ValueError(f"a tier block has {len(mv)} payload bytes, the pool's blocks {block}")
+    rows = len(payloads) * B - skip
+    out: list[bytearray] = []
+    start = 0  # where part j starts in a block's payload
+    for row in row_bytes:
+        part = bytearray(rows * row)
+        at = 0
+        for i, mv in enumerate(payloads):
+            piece = mv[start + (skip if i == 0 else 0) * row : start + B * row]
+            part[at : at + len(piece)] = piece
+            at += len(piece)
+        out.append(part)
+        start += B * row
+    return out
+
+
 @dataclass
 class TierStats:
     blocks_written: int = 0

@@ -14,7 +14,8 @@
   waiting queue (``poll``, each step); it counts against ``--max-queued-requests``.
 - with a KV tier (``--enable-hierarchical-cache``), a request whose prefix the tier holds waits for
   it to load (``KVManager.prefetch``), then joins the waiting queue (``poll``, each step); it
-  counts against ``--max-queued-requests`` too.
+  counts against ``--max-queued-requests`` too. A queued request near the head whose cached prefix
+  was evicted meanwhile leaves the queue for such a load (``KVManager.recheck_tier``).
 - ``abort``: a waiting request is finished at once; a running or chunked one is flagged and
   released at the start of the next step (``apply_aborts``), wherever it is by then.
 - ``--queue-timeout``: a request not scheduled within that many seconds of queueing is aborted
@@ -74,6 +75,8 @@ class Intake:
             self.queues.waiting.extend(self.grammars.poll())
         if self.kv.tier is not None:
             self.queues.waiting.extend(self.kv.poll_loads())
+            for req in self.kv.recheck_tier(self.queues.waiting):  # their prefix left the pool meanwhile
+                self.queues.waiting.remove(req)
 
     def validate(self, req: Req) -> FINISH_ABORT | None:
         if req.rid in self.queues.by_rid:

@@ -59,6 +59,11 @@ class KVManager:
         """Start loading ``req``'s prefix from the tier; True: it waits for ``poll_loads`` to hand it back."""
         return self.tier is not None and self.tier.prefetch(req)
 
+    def recheck_tier(self, waiting: list[Req]) -> list[Req]:
+        """Queued requests whose cached prefix the pool lost since they queued and the tier holds: their
+        loads start now (``HiCache.recheck``); the caller takes them out of the queue."""
+        return self.tier.recheck(waiting) if self.tier is not None else []
+
     def poll_loads(self) -> list[Req]:
         """The requests whose prefix is loaded now (their KV is in the pool and the tree)."""
         return self.tier.poll() if self.tier is not None else []

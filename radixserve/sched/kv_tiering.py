@@ -42,7 +42,7 @@ from typing import Any
 from radixserve.mem.allocator import OutOfKVSlots, TokenToKVPoolAllocator
 from radixserve.mem.base_cache import RadixKey
 from radixserve.mem.kv_pool import KVPool
-from radixserve.mem.kv_tier import Fetched, KVTier, chain_keys, chain_root
+from radixserve.mem.kv_tier import Fetched, KVTier, chain_keys, chain_root, split_payloads
 from radixserve.mem.radix_cache import RadixCache
 from radixserve.mem.tree_node import TreeNode
 from radixserve.sched.req import Req
@@ -94,6 +94,7 @@ class HiCache:
         self.clock = clock
         self.transfer_s = transfer_s
         self._link_free = 0.0  # when the link (transfer_s) has moved every load started so far
+        self._seen_evictions = 0  # the tree's evicted_nodes at the last recheck
         self.B = tier.block_tokens
         self.loads: dict[Req, Load] = {}
         self.holds: dict[Req, int] = {}  # requests whose loaded prefix waits locked for admission: tokens
@@ -177,6 +178,15 @@ class HiCache:
     def next_ready(self) -> float | None:
         """When the next load in transfer lands (``transfer_s``), if one waits on the link now."""
         return min((ld.ready_at for ld in self.loads.values() if ld.ready_at > self.clock()), default=None)
+
+    def recheck(self, waiting: list[Req], limit: int = 4) -> list[Req]:
+        """The first ``limit`` queued requests (the next to run) whose prefix was evicted from the pool
+        after they queued, and is in the tier: their loads start, as at arrival. Looked at only after
+        the tree evicted something (a prompt's names are hashed again for each look)."""
+        if self.tree.evicted_nodes == self._seen_evictions:
+            return []
+        self._seen_evictions = self.tree.evicted_nodes
+        return [req for req in waiting[:limit] if req.tier_hold is None and self.prefetch(req)]
 
     def held_tokens(self) -> int:
         """Pool tokens locked for requests not admitted yet (landed loads), or on their way (read or
@@ -289,7 +299,7 @@ class HiCache:
         end = (ld.first_block + len(got.payloads)) * B
         if end - p > self.allocator.available_size() + self.tree.evictable_size():
             return False
-        parts = self._cut(got.payloads, p - ld.first_block * B)
+        parts = split_payloads(got.payloads, B, self.pool.part_row_bytes(), p - ld.first_block * B)
         avail = self.allocator.available_size()
         if end - p > avail:
             self.tree.evict(end - p - avail)
@@ -324,28 +334,6 @@ class HiCache:
         self.tier.stats.blocks_loaded += len(got.payloads)
         self.tier.stats.bytes_loaded += nbytes
         return True
-
-    def _cut(self, payloads: list[memoryview], skip: int) -> list[bytearray]:
-        """The blocks' payloads as ``KVPool.scatter``'s parts, without the first ``skip`` rows. A
-        block's payload is its parts one after the other (``KVPool.gather``'s order), ``B`` rows each."""
-        B, row_bytes = self.B, self.pool.part_row_bytes()
-        block = B * sum(row_bytes)
-        for mv in payloads:
-            if len(mv) != block:
-                raise ValueError(f"a tier block has {len(mv)} payload bytes, the pool's blocks {block}")
-        rows = len(payloads) * B - skip
-        out: list[bytearray] = []
-        start = 0  # where part j starts in a block's payload
-        for row in row_bytes:
-            part = bytearray(rows * row)
-            at = 0
-            for i, mv in enumerate(payloads):
-                piece = mv[start + (skip if i == 0 else 0) * row : start + B * row]
-                part[at : at + len(piece)] = piece
-                at += len(piece)
-            out.append(part)
-            start += B * row
-        return out
 
     # --- admin ----------------------------------------------------------------------------------
     def flush(self) -> None:

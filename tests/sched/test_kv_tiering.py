@@ -140,6 +140,23 @@ def test_quantized_kv_comes_back_from_the_tier_exactly(kv_dtype: str) -> None:
     assert hc is not None and hc.snapshot()["loads"] >= 3
 
 
+def test_a_queued_request_whose_prefix_left_the_pool_loads_it() -> None:
+    """A arrives with its prefix in the pool (nothing to load), queued behind C and D, which evict
+    that prefix before A runs: A leaves the queue for a load from the tier and runs on it."""
+    sched, hc = build(160, MemoryStore(), policy="write_through")
+    assert hc is not None
+    run(sched, [0])
+    ps = prompts()
+    reqs = [Req(f"q{i}", ps[i], SamplingParams(max_new_tokens=4)) for i in (2, 3, 0)]
+    for r in reqs:
+        sched.add_request(r)
+    assert hc.snapshot()["loads"] == 0 and not hc.loads  # A's prefix was in the pool when it arrived
+    outs = drain(sched)
+    a = reqs[2]
+    assert hc.snapshot()["loads"] >= 1 and a.cached_tokens >= 64
+    assert [t for o in outs if o.rid == "q0" for t in o.new_token_ids] == run(build(2048, None)[0], [0])[0]
+
+
 def test_without_the_tier_the_small_pool_recomputes() -> None:
     """The figure the tier changes: the same run over the small pool hits far less."""
     sched, _ = build(160, None)
@@ -247,8 +264,10 @@ def test_loaded_requests_run_before_their_kv_is_evicted_again() -> None:
     sched, hc = build(200, MemoryStore(), policy="write_through")
     got = burst(sched)
     assert {r: t for r, (t, _) in got.items()} == {r: t for r, (t, _) in want.items()}
-    assert hc is not None and hc.snapshot()["loads"] == 2
-    assert got["t0"][1] >= 80 and got["t1"][1] >= 80  # served from what the tier loaded
+    # t0 and t1 load at arrival (t2's load would not fit beside theirs: it computes); t3's prefix was
+    # in the pool then, and the loads evict it before t3 runs: it loads too, from near the queue's head
+    assert hc is not None and hc.snapshot()["loads"] == 3
+    assert got["t0"][1] >= 80 and got["t1"][1] >= 80 and got["t3"][1] >= 80  # served from what the tier loaded
 
 
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
