@@ -122,6 +122,7 @@ class KVTier:
         self._job_id = 0
         self._errors_logged = 0
         self._block_bytes = block_bytes
+        self.found_at_start: list[bytes] = []  # blocks a persistent store held when the tier opened
         self._scan()
         self._writer: threading.Thread | None = None
         self._reader: ThreadPoolExecutor | None = None
@@ -141,12 +142,28 @@ class KVTier:
                 if len(key) == KEY_BYTES:
                     self._index[key] = size
                     self.used_bytes += size
+                    self.found_at_start.append(key)
                     found += 1
         except OSError as e:
             logger.warning("KV tier: could not list the stored blocks (%s); starting empty", e)
         if found:
             logger.info("KV tier: found %d stored blocks (%.1f MiB)", found, self.used_bytes / 2**20)
         self._make_room(0)
+
+    def found_blocks(self) -> dict[bytes, tuple[bytes, list[int]]]:
+        """The blocks found at start that are still held, with the parent and tokens their headers
+        name (a block whose header cannot be read, or another model's, is left out: a load drops it)."""
+        out: dict[bytes, tuple[bytes, list[int]]] = {}
+        for key in self.found_at_start:
+            if key not in self._index:
+                continue
+            try:
+                h = self.store.header(key.hex())
+            except (CorruptBlock, OSError):
+                continue
+            if h is not None and h.model == self.model_id and len(h.tokens) == self.block_tokens:
+                out[key] = (h.parent, h.tokens)
+        return out
 
     # --- lookups (the scheduler's thread) -----------------------------------------------------
     def __contains__(self, key: bytes) -> bool:

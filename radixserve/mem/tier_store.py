@@ -59,21 +59,26 @@ def encode_block(header: BlockHeader) -> bytes:
     return MAGIC + _LEN.pack(len(h)) + h
 
 
-def decode_block(data: bytes | memoryview, *, model: bytes, parent: bytes, tokens: Sequence[int]) -> memoryview:
-    """The payload of a stored block, after checking it is the block expected; ``CorruptBlock`` if not."""
-    mv = memoryview(data)
+def decode_header(mv: memoryview) -> tuple[BlockHeader, int]:
+    """A stored block's header and where its payload starts; ``CorruptBlock`` if unreadable."""
     if bytes(mv[:8]) != MAGIC or len(mv) < 12:
         raise CorruptBlock("not a KV block (bad magic)")
     (hlen,) = _LEN.unpack(mv[8:12])
     try:
-        h = _DEC.decode(mv[12 : 12 + hlen])
+        return _DEC.decode(mv[12 : 12 + hlen]), 12 + hlen
     except msgspec.DecodeError as e:
         raise CorruptBlock(f"unreadable header: {e}") from e
+
+
+def decode_block(data: bytes | memoryview, *, model: bytes, parent: bytes, tokens: Sequence[int]) -> memoryview:
+    """The payload of a stored block, after checking it is the block expected; ``CorruptBlock`` if not."""
+    mv = memoryview(data)
+    h, start = decode_header(mv)
     if h.model != model:
         raise CorruptBlock("computed by another model or KV layout")
     if h.parent != parent or h.tokens != list(tokens):
         raise CorruptBlock("holds other tokens than its name says")
-    payload = mv[12 + hlen :]
+    payload = mv[start:]
     if len(payload) != h.nbytes:
         raise CorruptBlock(f"payload has {len(payload)} bytes, the header says {h.nbytes} (truncated?)")
     if zlib.crc32(payload) != h.crc:
@@ -105,6 +110,11 @@ class TierStore(ABC):
     def clear(self) -> None:
         for key, _ in list(self.scan()):
             self.delete(key)
+
+    def header(self, key: str) -> BlockHeader | None:
+        """A stored block's header alone (None if absent; ``CorruptBlock`` if unreadable)."""
+        data = self.get(key)
+        return None if data is None else decode_header(memoryview(data))[0]
 
 
 class MemoryStore(TierStore):
@@ -167,6 +177,16 @@ class FileStore(TierStore):
         try:
             with open(self._path(key), "rb") as f:
                 return f.read()
+        except FileNotFoundError:
+            return None
+
+    def header(self, key: str) -> BlockHeader | None:
+        try:
+            with open(self._path(key), "rb") as f:
+                head = f.read(12)
+                if len(head) < 12:
+                    raise CorruptBlock("not a KV block (too short)")
+                return decode_header(memoryview(head + f.read(_LEN.unpack(head[8:12])[0])))[0]
         except FileNotFoundError:
             return None
 

@@ -104,6 +104,7 @@ class HiCache:
         self.events = events  # the tier's blocks as cache events (--cache-events-port), or None
         if events is not None:
             tier.on_drop = events.dropped
+            events.found(tier.found_blocks(), chain_root(tier.model_id, None))
         # the one tree hook the write policy needs
         if write_policy == "write_through":
             tree.on_new_leaf = self._copy_out

@@ -8,8 +8,9 @@ parent's, and are reported when the parent's complete their chain. This keeps, p
 here, its parent's name, its tokens and its children (``_Entry``), to spell paths and to find
 what a completed chain makes reportable. A dropped block is reported removed (the router drops
 the worker from that path and everything below it, so its reported descendants become unreported)
-and stays as a ghost while it has children. Blocks found on disk at start are not reported (their
-tokens are not read until a load checks them). Only the default namespace is reported.
+and stays as a ghost while it has children. Blocks found on disk at start are reported once, the
+chains among them that begin at the root (``found``: parents and tokens from their headers). Only
+the default namespace is reported.
 """
 
 from __future__ import annotations
@@ -64,6 +65,23 @@ class TierEvents:
             self.sink(BlockStored(path[: complete * B], first * B, self.medium))
         if complete:
             self._report_below(keys[complete - 1], path[: complete * B])
+
+    def found(self, blocks: dict[bytes, tuple[bytes, list[int]]], root: bytes) -> None:
+        """Blocks a persistent tier held when it opened (``KVTier.found_blocks``): each chain of them
+        from ``root`` is reported, as if just stored."""
+        self._roots.add(root)
+        for key, (parent, tokens) in blocks.items():
+            self._blocks.setdefault(key, _Entry(parent, tokens))
+        for key, (parent, _) in blocks.items():
+            up = self._blocks.get(parent)
+            if up is not None and key not in up.kids:
+                up.kids.append(key)
+        for key, (parent, tokens) in blocks.items():
+            e = self._blocks[key]
+            if parent == root and not e.reported and not self.muted:
+                e.reported = True
+                self.sink(BlockStored(list(tokens), 0, self.medium))
+                self._report_below(key, list(tokens))
 
     def _report_below(self, key: bytes, path: list[int]) -> None:
         """Report the stored, unreported blocks hanging from reported block ``key`` (whose path is ``path``)."""

