@@ -102,9 +102,12 @@ class HiCache:
         self._freed: list[Req] = []  # requests whose staged load was given up: handed back at the next poll
         self.stats = LoadStats()
         self.events = events  # the tier's blocks as cache events (--cache-events-port), or None
+        # what a persistent tier found at start, reported when the first request arrives (a router
+        # sending requests here has subscribed to the events by then; at start it may not have)
+        self._found: tuple[dict[bytes, tuple[bytes, list[int]]], bytes] | None = None
         if events is not None:
             tier.on_drop = events.dropped
-            events.found(tier.found_blocks(), chain_root(tier.model_id, None))
+            self._found = (tier.found_blocks(), chain_root(tier.model_id, None))
         # the one tree hook the write policy needs
         if write_policy == "write_through":
             tree.on_new_leaf = self._copy_out
@@ -150,6 +153,9 @@ class HiCache:
     def prefetch(self, req: Req) -> bool:
         """Start loading ``req``'s prefix from the tier if the tier holds blocks past its cached
         prefix; True: ``req`` waits here until ``poll`` hands it back."""
+        if self._found is not None and self.events is not None:
+            self.events.found(*self._found)
+            self._found = None
         if req.kv_indices or req in self.loads:
             return False
         key = req.match_key()

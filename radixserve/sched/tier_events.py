@@ -8,9 +8,9 @@ parent's, and are reported when the parent's complete their chain. This keeps, p
 here, its parent's name, its tokens and its children (``_Entry``), to spell paths and to find
 what a completed chain makes reportable. A dropped block is reported removed (the router drops
 the worker from that path and everything below it, so its reported descendants become unreported)
-and stays as a ghost while it has children. Blocks found on disk at start are reported once, the
-chains among them that begin at the root (``found``: parents and tokens from their headers). Only
-the default namespace is reported.
+and stays as a ghost while it has children. Blocks found on disk at start are reported once, when
+the first request arrives, the chains among them that begin at the root (``found``: parents and
+tokens from their headers). Only the default namespace is reported.
 """
 
 from __future__ import annotations

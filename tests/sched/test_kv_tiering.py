@@ -303,8 +303,8 @@ def test_tier_events_keep_a_router_in_step_with_the_tier(policy: str) -> None:
 
 
 def test_a_restarted_tier_reports_the_blocks_it_finds(tmp_path: Any) -> None:
-    """A file tier opened over a directory that holds blocks reports their chains at once: a router
-    following the new worker credits it with what its tier can load, before any request."""
+    """A file tier opened over a directory that holds blocks reports their chains when the first
+    request arrives: a router following the worker credits it with what its tier can load."""
     first, hc = build(160, FileStore(str(tmp_path)), policy="write_through")
     run(first, [0, 1, 2, 3])
     assert hc is not None
@@ -314,9 +314,12 @@ def test_a_restarted_tier_reports_the_blocks_it_finds(tmp_path: Any) -> None:
     assert sink is not None
     (tmp_path / "ab").mkdir(exist_ok=True)
     (tmp_path / "ab" / ("ab" * 16 + ".kv")).write_bytes(b"garbage")  # an unreadable block: left out
-    _, hc2 = build(160, FileStore(str(tmp_path)), policy="write_through", events=TierEvents(sink, "DISK"))
+    sched2, hc2 = build(160, FileStore(str(tmp_path)), policy="write_through", events=TierEvents(sink, "DISK"))
     assert hc2 is not None and len(hc2.tier.found_at_start) == len(hc.tier) + 1
+    assert not router.lower.tenants()  # nothing yet: a router may not be listening at start
+    sched2.add_request(Req("first", [1, 2, 3], SamplingParams(max_new_tokens=1)))
     root = chain_root(hc2.tier.model_id, None)
     for p in prompts():
         held = hc2.tier.present_run(chain_keys(root, p, hc2.B, len(p) // hc2.B)) * hc2.B
         assert held >= 80 and router.lower.match(p)[1].get("w0", 0) == held
+    drain(sched2)
