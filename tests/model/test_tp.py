@@ -41,9 +41,12 @@ def _run(engine: Engine) -> list[Any]:
 
 
 @pytest.mark.slow
-def test_engine_tp2_equals_tp1_on_a_tiny_model(tiny: str) -> None:
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_engine_tp2_equals_tp1_on_a_tiny_model(tiny: str, kv_dtype: str) -> None:
+    """Also with int8 KV: each rank scales and stores its own heads as one rank stores them all."""
     # small prefill chunks: prompts prefill over several steps, so the journal carries chunk writes
-    kw: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 2048, "chunked_prefill_size": 16}
+    kw: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 2048, "chunked_prefill_size": 16,
+                          "kv_cache_dtype": kv_dtype}
     tp1 = Engine(tiny, **kw)
     want = _run(tp1)
     threads = torch.get_num_threads()
@@ -53,6 +56,7 @@ def test_engine_tp2_equals_tp1_on_a_tiny_model(tiny: str) -> None:
         # each rank's KV pool holds its half of the KV heads: half the bytes per token
         assert tp2.runner.kv_pool is not None
         assert tp2.runner.kv_pool.k_buffers[0].shape[1:] == (1, 16)
+        assert tp2.runner.kv_pool.format.name == ("int8" if kv_dtype == "int8" else "float32")
         assert tp2.runner.kv_bytes_per_token() * 2 == tp1.runner.kv_bytes_per_token()
         assert tp2.scheduler.kv.total_tokens == tp1.scheduler.kv.total_tokens
         procs = list(tp2._tp_procs)
