@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from radixserve.options import not_positive, option
 
-# --kv-cache-dtype's names (SGLang's, "bf16" and "bfloat16" alike); mem/kv_format.py says what each stores
-KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8")
+# --kv-cache-dtype's names (SGLang's and vLLM's: "bf16" and "bfloat16" alike, "fp8" is e4m3);
+# mem/kv_format.py says what each stores
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class ModelOptions:
     dtype: str = option("auto", "Weights/activations/KV dtype; auto picks the measured-fastest on this device.", ("auto", "float32", "bfloat16"), group="model")
     kv_cache_dtype: str = option(
         "auto", "How the KV pool stores K and V (docs/kv_tiers.md). auto: the model's --dtype. bf16 (bfloat16), "
-        "float32: as computed. int8, fp8_e4m3: one byte per value and a float32 scale per token and KV head "
+        "float32: as computed. int8, fp8_e4m3 (fp8): one byte per value and a float32 scale per token and KV head "
         "(1.88x the tokens of bfloat16 at head_dim 64; perplexity within 0.2%% of bf16 KV on the bundled model). "
         "fp8_e5m2: one byte, no scale, as SGLang and vLLM store fp8 without calibration (2x the tokens; 2 "
         "mantissa bits: +4.5%% perplexity). Prefill, the decode kernel and the torch path all read the stored "

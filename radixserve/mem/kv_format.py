@@ -94,8 +94,8 @@ def kv_format(name: str, model_dtype: torch.dtype) -> KVFormat:
         return KVFormat.plain(torch.bfloat16)
     if name == "float32":
         return KVFormat.plain(torch.float32)
-    if name == "fp8_e4m3":
-        return KVFormat(name, torch.float8_e4m3fn, scaled=True, limit=float(torch.finfo(torch.float8_e4m3fn).max))
+    if name in ("fp8", "fp8_e4m3"):
+        return KVFormat("fp8_e4m3", torch.float8_e4m3fn, scaled=True, limit=float(torch.finfo(torch.float8_e4m3fn).max))
     if name == "fp8_e5m2":
         return KVFormat(name, torch.float8_e5m2, limit=float(torch.finfo(torch.float8_e5m2).max))
     if name == "int8":

@@ -23,6 +23,7 @@ def test_names() -> None:
     assert kv_format("auto", torch.bfloat16).storage == torch.bfloat16
     assert kv_format("auto", torch.float32).storage == torch.float32
     assert kv_format("bf16", torch.float32).name == kv_format("bfloat16", torch.float32).name == "bfloat16"
+    assert kv_format("fp8", torch.float32) == kv_format("fp8_e4m3", torch.float32)  # vLLM's name
     for name in KV_CACHE_DTYPES:
         kv_format(name, torch.float32)
     with pytest.raises(ValueError, match="unknown KV cache dtype 'fp4'"):
