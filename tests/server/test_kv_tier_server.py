@@ -33,6 +33,20 @@ def gen(c: httpx.Client, i: int) -> dict[str, Any]:
     return r.json()
 
 
+def evicted_and_back(c: httpx.Client) -> tuple[dict[str, Any], int]:
+    """Prompt 0 twice (a pool hit), four others that evict it from the small pool, then prompt 0
+    again: nearly all of it comes back from the tier, with the pool hit's output. Returns the pool
+    hit and the prompt's length."""
+    gen(c, 0)
+    hit = gen(c, 0)
+    for i in range(1, 5):
+        gen(c, i)
+    back = gen(c, 0)
+    n = back["meta_info"]["prompt_tokens"]
+    assert back["meta_info"]["cached_tokens"] >= n - 64 and back["output_ids"] == hit["output_ids"]
+    return hit, n
+
+
 def tier_info(c: httpx.Client) -> dict[str, Any]:
     info = c.get("/get_server_info").json()["kv_tier"]
     assert info is not None and len(info) == 1
@@ -44,13 +58,7 @@ def test_the_tier_through_the_server_and_a_restart(tmp_path: Path) -> None:
     srv = next(it)
     try:
         with srv.client() as c:
-            gen(c, 0)
-            hit = gen(c, 0)
-            for i in range(1, 5):
-                gen(c, i)
-            back = gen(c, 0)
-            n = back["meta_info"]["prompt_tokens"]
-            assert back["meta_info"]["cached_tokens"] >= n - 64 and back["output_ids"] == hit["output_ids"]
+            hit, n = evicted_and_back(c)
             t = tier_info(c)
             assert t["enabled"] and t["backend"] == "file" and t["hit_tokens"] >= n // 2 and t["loads"] >= 1
             metrics = c.get("/metrics").text
@@ -88,13 +96,7 @@ def test_quantized_kv_through_the_server_and_its_tier(tmp_path: Path) -> None:
     try:
         with srv.client() as c:
             assert c.get("/get_server_info").json()["kv_cache_dtype"] == "int8"
-            gen(c, 0)
-            hit = gen(c, 0)
-            for i in range(1, 5):
-                gen(c, i)
-            back = gen(c, 0)
-            n = back["meta_info"]["prompt_tokens"]
-            assert back["meta_info"]["cached_tokens"] >= n - 64 and back["output_ids"] == hit["output_ids"]
+            hit, n = evicted_and_back(c)
             assert tier_info(c)["hit_tokens"] >= n // 2
             assert_memory_ok(wait_idle(c))
     finally:
