@@ -86,7 +86,8 @@ def main(ns: argparse.Namespace) -> int:
                            ms_per_step=ns.ms_per_step, ms_per_token=ns.ms_per_token,
                            ms_per_context_token=ns.ms_per_context_token,
                            draft=DraftModelSim(ns.draft_acceptance, ns.draft_cost), pcie_gbps=ns.pcie_gbps,
-                           ms_per_loaded_token=ns.ms_per_loaded_token)
+                           ms_per_loaded_token=ns.ms_per_loaded_token,
+                           kv_bytes_per_elem=1 if ns.kv_cache_dtype.startswith(("fp8", "int8")) else 2)
     base = server_args(ns, cost)
     t0 = time.perf_counter()
     specs = read_trace(ns.trace, ns.context_length) if ns.trace else generate(workload_config(ns))

@@ -228,9 +228,11 @@ def make_cost_model(
     draft: DraftModelSim | None = None,
     pcie_gbps: float = 50.0,
     ms_per_loaded_token: float = 0.0,
+    kv_bytes_per_elem: int = 2,
 ) -> CostModel:
     """``h100-llama2-7b``: the bundled table; ``h100-llama2-7b-shared``: read ../shared's full CSV;
-    ``linear``: the two/three-parameter model. ``draft``: a simulated draft model as well."""
+    ``linear``: the two/three-parameter model. ``draft``: a simulated draft model as well.
+    ``kv_bytes_per_elem``: the h100 model's KV bytes per value (1: fp8 / int8 KV)."""
     if name == "linear":
         return LinearCostModel(ms_per_step, ms_per_token, ms_per_context_token, ms_per_loaded_token, draft=draft)
     if name == "h100-llama2-7b":
@@ -240,4 +242,4 @@ def make_cost_model(
     else:
         raise ValueError(f"unknown cost model {name!r}; choose from {', '.join(COST_MODELS)}")
     return H100Llama2CostModel(table, num_kv_heads=num_kv_heads, step_overhead_s=step_overhead_ms / 1e3,
-                               pcie_bytes_per_s=pcie_gbps * 1e9, draft=draft)
+                               pcie_bytes_per_s=pcie_gbps * 1e9, kv_bytes_per_elem=kv_bytes_per_elem, draft=draft)

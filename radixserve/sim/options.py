@@ -103,6 +103,10 @@ def _cost_model_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--ms-per-step", type=float, default=10.0, help="linear model: fixed ms per step.")
     c.add_argument("--ms-per-token", type=float, default=0.1, help="linear model: ms per new (computed) token.")
     c.add_argument("--ms-per-context-token", type=float, default=0.0, help="linear model: ms per context token read.")
+    c.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"], default="auto",
+                   help="h100 model: the modelled GPU's KV. fp8 and int8 store a byte per value (per-tensor scales, as "
+                        "SGLang's fp8 KV on a GPU): the default pool holds twice the tokens and decode attention reads "
+                        "half the bytes; auto and bf16: two bytes.")
     c.add_argument("--pcie-gbps", type=float, default=50.0,
                    help="h100 model, --enable-hierarchical-cache: the host link's bandwidth (GB/s) that prefixes load "
                         "back over from the host tier, one load at a time per worker (PCIe Gen5 x16: ~50 achieved).")

@@ -225,6 +225,22 @@ def test_cli_compare_output_and_plot(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert rc == 0
 
 
+def test_one_byte_kv_doubles_the_pool_and_halves_the_attention_reads(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--kv-cache-dtype fp8`` on the h100 model: a byte per value, so the default pool holds twice
+    the tokens and a long-context decode step reads half the KV."""
+    pools = {}
+    for dtype in ("auto", "fp8"):
+        assert cli_main(["simulate", "--num-requests", "4", "--input-len", "32", "--output-len", "4", "--no-progress",
+                         "--kv-cache-dtype", dtype]) == 0
+        err = capsys.readouterr().err
+        pools[dtype] = int(err.split("KV pool ")[1].split()[0])
+    assert pools["fp8"] in (2 * pools["auto"], 2 * pools["auto"] + 1)
+    two, one = make_cost_model(), make_cost_model(kv_bytes_per_elem=1)
+    assert isinstance(two, H100Llama2CostModel) and isinstance(one, H100Llama2CostModel)
+    assert one.kv_bytes_per_token() * 2 == two.kv_bytes_per_token()
+    assert one.attention_s([4000] * 64, [1] * 64) * 2 == pytest.approx(two.attention_s([4000] * 64, [1] * 64))
+
+
 def test_help_explains_every_option() -> None:
     import argparse
 
