@@ -98,7 +98,9 @@ def test_quantized_kv_through_the_server_and_its_tier(tmp_path: Path) -> None:
             assert c.get("/get_server_info").json()["kv_cache_dtype"] == "int8"
             hit, n = evicted_and_back(c)
             assert tier_info(c)["hit_tokens"] >= n // 2
-            assert_memory_ok(wait_idle(c))
+            mem = wait_idle(c)
+            assert_memory_ok(mem)
+            assert mem["kv_format"] == "int8" and mem["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
     finally:
         it.close()
     other = started(tiered(tmp_path, "--kv-cache-dtype", "fp8_e5m2"))

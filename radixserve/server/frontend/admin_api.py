@@ -180,6 +180,9 @@ def merge_memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         return ranks[0]
     out: dict[str, Any] = {k: sum(r[k] for r in ranks) for k in
                            ("total", "available", "evictable", "protected", "req_slots_free", "req_slots_total")}
+    for key in ("kv_format", "kv_bytes_per_token"):  # the same on every rank
+        if key in ranks[0]:
+            out[key] = ranks[0][key]
     out["idle"] = all(r["idle"] for r in ranks)
     oks = [r["invariant_ok"] for r in ranks]
     out["invariant_ok"] = None if None in oks else all(oks)

@@ -278,6 +278,10 @@ class SchedulerServer:
             "invariant_ok": None,
             "invariant_error": None,
         }
+        pool = getattr(self.sched.runner, "kv_pool", None)
+        if pool is not None:  # how the pool stores KV (--kv-cache-dtype) and what a token takes
+            out["kv_format"] = pool.format.name
+            out["kv_bytes_per_token"] = pool.bytes_per_token_here()
         if self.pd is not None:
             out["disagg"] = self.pd.stats()
         if kv.tier is not None:
