@@ -71,7 +71,8 @@ def _zeros(rows: int, heads: int, dim: int, dtype: torch.dtype, device: str | to
 
 class KVPool:
     """Per layer, K and V buffers of ``[rows, num_kv_heads, head_dim]`` in the format's storage type
-    (``kv_format.py``), and for a scaled format (int8) their ``[rows, num_kv_heads]`` float32 scales.
+    (``kv_format.py``), and for a scaled format (int8, fp8_e4m3) their ``[rows, num_kv_heads]``
+    float32 scales.
     Everything that writes or reads KV goes through ``write`` / ``read`` (attention), ``gather`` /
     ``scatter`` (what leaves the pool and comes back: a transfer, the KV tier) or, for the paged
     kernel, the buffers and scales themselves."""
@@ -110,6 +111,10 @@ class KVPool:
             raw(bufs[layer]).index_copy_(0, loc, raw(data))
             if sc is not None:
                 scales[layer].index_copy_(0, loc, sc)
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """Layer ``layer``'s K and V scales, or ``(None, None)`` in a format without them."""
+        return (self.k_scales[layer], self.v_scales[layer]) if self.format.scaled else (None, None)
 
     def read(self, layer: int, idx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer ``layer`` at slots ``idx`` (any shape of indices, flattened), as ``dtype``."""

@@ -84,6 +84,7 @@ class _Metadata:
     decode: _DecodeGroup | None
     extends: list[_Extend]
     shared: list[tuple[torch.Tensor, SharedPrefixGroup]]  # (their tokens in the flat batch, group)
+    fresh_extends: bool = False  # an extend without a cached prefix attends to the new k/v directly
 
 
 @register_attention_backend("torch_native")
@@ -181,7 +182,7 @@ class TorchNativeAttention(AttentionBackend):
                         mask &= key_pos > query_pos - self.window
                 extends.append(_Extend(start, start + n, p, kv_idx, mask))
             start += n
-        return _Metadata(id(fb), decode, extends, shared)
+        return _Metadata(id(fb), decode, extends, shared, any(ext.kv_idx is None for ext in extends))
 
     @staticmethod
     def _tree_rows(fb: ForwardBatch, r2t: torch.Tensor, dec_tok: list[int], dec_rpi: list[int], lens: list[int],
@@ -283,7 +284,7 @@ class TorchNativeAttention(AttentionBackend):
             meta = self._meta = self._build_metadata(forward_batch, req_to_token_pool)
         loc = forward_batch.out_cache_loc
         self._store(kv_pool, layer_id, loc, k, v)
-        if kv_pool.format.quantized and any(ext.kv_idx is None for ext in meta.extends):
+        if kv_pool.format.quantized and meta.fresh_extends:
             # the new tokens as stored: a prompt attends to the same K/V with or without a cached prefix
             k, v = kv_pool.read(layer_id, loc, q.dtype)
 

@@ -73,7 +73,8 @@ def paged_decode_attention(
     """``q: [B, H, D]`` (one new token per row) attends over ``seq_lens[b]`` tokens whose KV slots
     are ``req_to_token[req_pool_indices[b], :seq_lens[b]]`` in ``k_buf, v_buf: [S, KVH, D]``
     (float32, bfloat16, float8 e4m3 / e5m2 or int8; a one-byte pool may come with ``k_scale,
-    v_scale: [S, KVH]`` float32, and int8 and e4m3 pools do: the formats of ``mem/kv_format.py``). Returns ``[B, H * D]`` in ``q``'s dtype."""
+    v_scale: [S, KVH]`` float32, and int8 and e4m3 pools do: the formats of ``mem/kv_format.py``).
+    Returns ``[B, H * D]`` in ``q``'s dtype."""
     out: torch.Tensor = extension().paged_decode_attention(
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, float(scale), k_scale, v_scale
     )
@@ -127,17 +128,15 @@ class CpuPagedAttention(TorchNativeAttention):
         fmt = kv_pool.format
         if not fmt.quantized:
             return super()._store(kv_pool, layer_id, loc, k, v)
-        scales = (kv_pool.k_scales[layer_id], kv_pool.v_scales[layer_id]) if fmt.scaled else (None, None)
-        extension().store_kv(kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id], *scales, loc, k, v, fmt.top)
+        extension().store_kv(kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id], *kv_pool.scales(layer_id),
+                             loc, k, v, fmt.top)
 
     def _decode(self, q: torch.Tensor, dec: _DecodeGroup, kv_pool: KVPool, layer_id: int) -> torch.Tensor:
         assert isinstance(dec, _PagedDecode)
         assert dec.req_to_token is not None and dec.req_pool_indices is not None and dec.seq_lens is not None
-        scaled = kv_pool.format.scaled
         return paged_decode_attention(
             q, kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id], dec.req_to_token, dec.req_pool_indices,
-            dec.seq_lens, self.scaling, kv_pool.k_scales[layer_id] if scaled else None,
-            kv_pool.v_scales[layer_id] if scaled else None,
+            dec.seq_lens, self.scaling, *kv_pool.scales(layer_id),
         )
 
 

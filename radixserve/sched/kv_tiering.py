@@ -31,6 +31,7 @@ time (the simulator's PCIe model, on its clock); a load lands no earlier. Unset:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -104,10 +105,10 @@ class HiCache:
         self.events = events  # the tier's blocks as cache events (--cache-events-port), or None
         # what a persistent tier found at start, reported when the first request arrives (a router
         # sending requests here has subscribed to the events by then; at start it may not have)
-        self._found: tuple[dict[bytes, tuple[bytes, list[int]]], bytes] | None = None
+        self._announce: Callable[[], None] | None = None
         if events is not None:
             tier.on_drop = events.dropped
-            self._found = (tier.found_blocks(), chain_root(tier.model_id, None))
+            self._announce = functools.partial(events.found, tier.found_blocks(), chain_root(tier.model_id, None))
         # the one tree hook the write policy needs
         if write_policy == "write_through":
             tree.on_new_leaf = self._copy_out
@@ -153,9 +154,9 @@ class HiCache:
     def prefetch(self, req: Req) -> bool:
         """Start loading ``req``'s prefix from the tier if the tier holds blocks past its cached
         prefix; True: ``req`` waits here until ``poll`` hands it back."""
-        if self._found is not None and self.events is not None:
-            self.events.found(*self._found)
-            self._found = None
+        if self._announce is not None:
+            self._announce()
+            self._announce = None
         if req.kv_indices or req in self.loads:
             return False
         key = req.match_key()

@@ -101,9 +101,8 @@ def test_every_vector_path_reads_quantized_pools_alike(variant: str) -> None:
     for name in ["bf16", *FORMATS]:
         kv, r2t, rpi = _pool(name, 16, 3, 64, lens, seed=11)
         q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(3))
-        scales = (kv.k_scales[0], kv.v_scales[0]) if kv.format.scaled else (None, None)
         args = (q, kv.k_buffers[0], kv.v_buffers[0], r2t.req_to_token, torch.tensor(rpi), torch.tensor(lens), 0.125,
-                *scales)
+                *kv.scales(0))
         want = paged.extension().paged_decode_attention(*args)
         tol = 1.5e-2 if name == "bf16" else 2e-5  # bf16: the main build may use bf16 dot products
         torch.testing.assert_close(other.paged_decode_attention(*args), want, atol=tol * want.abs().max().item(),
@@ -174,7 +173,7 @@ def test_the_kernels_store_writes_what_the_pool_writes(name: str, dtype: torch.d
     k[5] = 0
     loc = torch.randperm(299, generator=g)[:97] + 1
     a.write(0, loc, k, v)
-    scales = (b.k_scales[0], b.v_scales[0]) if fmt.scaled else (None, None)
+    scales = b.scales(0)
     paged.extension().store_kv(b.k_buffers[0], b.v_buffers[0], *scales, loc, k, v, fmt.top)
     for x, y in zip(a.gather(range(300)), b.gather(range(300)), strict=True):
         assert torch.equal(x, y)

@@ -167,12 +167,18 @@ def test_without_the_tier_the_small_pool_recomputes() -> None:
     assert sched2.stats.cached_tokens > cold_hits + 200
 
 
-def test_the_file_tier_survives_a_restart(tmp_path: Any) -> None:
-    want = run(build(2048, None)[0], [0])
+def stored_on_disk(tmp_path: Any, order: Sequence[int]) -> HiCache:
+    """Run ``order`` on a server with a file tier in ``tmp_path`` and stop it (its writes landed)."""
     sched, hc = build(160, FileStore(str(tmp_path)), policy="write_through")
-    run(sched, [0])
+    run(sched, order)
     assert hc is not None
     hc.close()
+    return hc
+
+
+def test_the_file_tier_survives_a_restart(tmp_path: Any) -> None:
+    want = run(build(2048, None)[0], [0])
+    stored_on_disk(tmp_path, [0])
     sched2, hc2 = build(160, FileStore(str(tmp_path)))  # a new server over the same directory
     assert run(sched2, [0]) == want
     assert hc2 is not None and hc2.snapshot()["hit_tokens"] >= 80
@@ -180,10 +186,7 @@ def test_the_file_tier_survives_a_restart(tmp_path: Any) -> None:
 
 def test_a_corrupt_block_is_computed_again(tmp_path: Any) -> None:
     want = run(build(2048, None)[0], [0])
-    sched, hc = build(160, FileStore(str(tmp_path)), policy="write_through")
-    run(sched, [0])
-    assert hc is not None
-    hc.close()
+    stored_on_disk(tmp_path, [0])
     files = sorted(tmp_path.rglob("*.kv"))
     assert len(files) >= 10
     for f in files[::3]:  # damage a third of the blocks, one way or another
@@ -305,10 +308,7 @@ def test_tier_events_keep_a_router_in_step_with_the_tier(policy: str) -> None:
 def test_a_restarted_tier_reports_the_blocks_it_finds(tmp_path: Any) -> None:
     """A file tier opened over a directory that holds blocks reports their chains when the first
     request arrives: a router following the worker credits it with what its tier can load."""
-    first, hc = build(160, FileStore(str(tmp_path)), policy="write_through")
-    run(first, [0, 1, 2, 3])
-    assert hc is not None
-    hc.tier.flush_writes()
+    hc = stored_on_disk(tmp_path, [0, 1, 2, 3])
     router = CacheAware(PolicyConfig())
     sink = event_sink("w0", router, lambda toks: list(toks), lambda: None)
     assert sink is not None
