@@ -149,8 +149,21 @@ def _start_worker(fleet: LaunchedFleet, port: int) -> subprocess.Popen[bytes]:
     fleet.extra.append(proc)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not next(w for w in fleet.workers() if w["url"] == url)["healthy"]:
+
+    def up() -> bool:  # the new process answers, not the router's memory of the old one
+        try:
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    while not up():
+        assert proc.poll() is None, f"the worker on :{port} exited with {proc.returncode}"
         assert time.monotonic() < deadline, f"the worker on :{port} never came back"
+        time.sleep(0.25)
+    # the router may not have noticed the old process was gone (a probe interval is longer than a
+    # drain): either way it must list the worker as taking traffic before the next one stops
+    while not (w := next(w for w in fleet.workers() if w["url"] == url))["healthy"] or not w["eligible"]:
+        assert time.monotonic() < deadline, f"the router never took :{port} back: {w}"
         time.sleep(0.25)
     return proc
 
@@ -169,6 +182,7 @@ def test_a_rolling_restart_under_steady_load_loses_nothing(fleet: LaunchedFleet)
     fails, none gets a 5xx, and every restarted worker is back in rotation."""
     stop = threading.Event()
     statuses: list[int] = []
+    failures: list[str] = []
 
     def steady(i: int) -> None:
         n = 0
@@ -176,6 +190,8 @@ def test_a_rolling_restart_under_steady_load_loses_nothing(fleet: LaunchedFleet)
             r = httpx.post(f"{fleet.url}/generate", json={"text": f"Client {i} asks question {n}: why?",
                                                           "sampling_params": {"max_new_tokens": 4}}, timeout=120)
             statuses.append(r.status_code)
+            if r.status_code != 200:
+                failures.append(f"{r.status_code} {r.text[:200]}")
             n += 1
 
     with ThreadPoolExecutor(2) as pool:
@@ -196,7 +212,7 @@ def test_a_rolling_restart_under_steady_load_loses_nothing(fleet: LaunchedFleet)
         stop.set()
         for c in clients:
             c.result()
-    assert statuses and set(statuses) == {200}, sorted(set(statuses))
+    assert statuses and set(statuses) == {200}, failures
     urls = [f"http://127.0.0.1:{p}" for p in fleet.worker_ports]
     before = [_sent_to(fleet, u) for u in urls]
     hits = [httpx.post(f"{fleet.url}/generate", json={"text": f"fresh prompt number {i} " * 3,
