@@ -4,36 +4,51 @@
 //
 //   linear(x [M, K] f32|bf16, w u8 [N, row bytes], type) -> y [M, N] (x's dtype)
 //
-// Every supported type is read as groups of 32 values, each group 32 unsigned bytes u with a scale
-// s and an offset m per 4 values (the lanes of one VNNI product), so that w = s * u + m:
+// Activations keep ~15 bits (one int8 pass, llama.cpp's, moves a model's predictions several times
+// more than its 4-bit weights do). Two schemes, by how a type scales its values.
+//
+// Types with a float scale per 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) are read as groups
+// of 32 unsigned bytes u with a scale s and an offset m, w = s * u + m:
 //
 //   Q4_0   u = q          s = d        m = -8 d           Q4_1   u = q       s = d      m = min
 //   Q5_0   u = q          s = d        m = -16 d          Q5_1   u = q       s = d      m = min
 //   Q8_0   u = q + 128    s = d        m = -128 d         IQ4_NL u = t[q]+128 s = d     m = -128 d
-//   Q4_K/Q5_K  per sub-block of 32: s = d * scale, m = -dmin * min     IQ4_XS  as IQ4_NL, s per 32
-//   Q6_K   u = q (6 bits), per 16 values s = d * scale, m = -32 s (lanes 0-3 and 4-7 differ)
 //
-// Each row of x is quantized per group of 32: qa = round(x / step), step = max|x| / 32639, so
-// |qa| <= 127 * 256 + 127 and qa = 256 hi + lo with hi and lo both int8 (~15 bits: one int8 pass,
-// llama.cpp's, moves a model's predictions several times more than its 4-bit weights do). Then
+// and each row of x is quantized per group of 32: qa = round(x / step), step = max|x| / 32639, so
+// qa = 256 hi + lo with hi and lo both int8. Then
 //
 //   sum_i w_i x_i = sum_lanes  s * step * (256 * sum4(u hi) + sum4(u lo))  +  m * step * sum4(qa)
 //
 // where each sum4 over a lane's 4 values is exact integer arithmetic (vpdpbusd, u8 x s8), and the
-// offset term's step * sum4(qa) is computed once per call with the quantization. Everything after
-// the integer sums is float32. A row of x is computed the same way whatever M is (the same
-// accumulation order in both paths below), so a request's tokens do not depend on its batch.
+// offset term's step * sum4(qa) is computed once per call with the quantization. Up to 24 rows,
+// each weight group is unpacked into the dot products of up to 8 rows at once (a weight row once
+// per 8 rows, from L1 after the first); past that, a weight row is unpacked once into a buffer
+// (bytes, lane scales and offsets, in L1) that groups of 4 rows then read. (512-bit vectors over
+// two groups, or the scheme below, measured no faster for these types on an AMD EPYC.)
 //
-// Up to 24 rows, each weight group is unpacked into the dot products of up to 8 rows at once (a
-// weight row once per 8 rows, from L1 after the first); past that, a weight row is unpacked once
-// into a buffer (bytes, lane scales and offsets, in L1) that groups of 4 rows then read. Output
-// rows are split over threads. (512-bit vectors over two groups measured no faster on an AMD
-// EPYC, which runs them as two 256-bit halves.)
+// Types with integer sub-scales in blocks of 256 (Q4_K, Q5_K, Q6_K, IQ4_XS) fold the sub-scales
+// into the weights: each block is unpacked once into 256 int16 values w, value = d * w + m_g for
+// its group g of 32,
+//
+//   Q4_K / Q5_K  w = q * scale, m = -dmin * min     Q6_K  w = (q - 32) * scale (per 16)
+//   IQ4_XS  w = t[q] * (scale - 32)
+//
+// Each row of x is quantized per block of 256 as int16 (step = max|x| / 32767); a block's products
+// are summed exactly in int32 by vpdpwssd (|w| <= 4096 and |qa| <= 32767: a lane's 16 products
+// stay in range), then one float multiply-add by d * step; the offsets are one 8-lane product per
+// block, its 8 m_g against the row's 8 step * sum(qa_g). Every row of x reads the unpacked block,
+// so an extra row costs two loads and a vpdpwssd per 32 values (1.3-1.9x faster than the first
+// scheme at 2-9 rows, the same at one).
+//
+// In both, everything after the integer sums is float32, in one order for every row, so a row's
+// result does not depend on how many rows come with it (a request's tokens do not depend on its
+// batch). Output rows (weight rows) are split over threads.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -164,65 +179,6 @@ struct IQ4_NLv {
     }
 };
 
-struct IQ4_XSv {  // d, scales_h (16 bits), scales_l[4], qs[128]
-    static constexpr int64_t kValues = 256, kBytes = 136;
-    template <class Sink> static void run(const uint8_t* b, Sink& sink) {
-        const __m128i t = iq4_table();
-        const __m256i table = _mm256_set_m128i(t, t);
-        const float d = f16(b);
-        uint16_t sh;
-        std::memcpy(&sh, b + 2, 2);
-        for (int ib = 0; ib < 8; ++ib) {
-            const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 0x03) << 4);
-            const float dl = d * static_cast<float>(ls - 32);
-            sink(ib, _mm256_shuffle_epi8(table, gguf::nibbles32(b + 8 + ib * 16)), lanes(dl), lanes(-128.f * dl));
-        }
-    }
-};
-
-template <bool kFifthBit>
-struct K45v {  // Q4_K (d, dmin, scales[12], qs[128]) and Q5_K (..., qh[32], qs[128])
-    static constexpr int64_t kValues = 256, kBytes = kFifthBit ? 176 : 144;
-    template <class Sink> static void run(const uint8_t* b, Sink& sink) {
-        const float d = f16(b), dmin = f16(b + 2);
-        const uint8_t* qs = b + (kFifthBit ? 48 : 16);
-        const __m256i high = kFifthBit ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
-        // the 8 sub-blocks' d * scale and -dmin * min, computed together (the same float products
-        // one at a time would give), then broadcast one sub-block at a time
-        uint32_t sc, sc_hi, mn, mn_hi;
-        gguf::k_scales_mins(b + 4, &sc, &sc_hi, &mn, &mn_hi);
-        const __m256 scf = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                             _mm_set_epi32(0, 0, static_cast<int>(sc_hi), static_cast<int>(sc)))));
-        const __m256 mnf = _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                             _mm_set_epi32(0, 0, static_cast<int>(mn_hi), static_cast<int>(mn)))));
-        for (int sub = 0; sub < 8; ++sub) {
-            const __m256i at = _mm256_set1_epi32(sub);
-            const __m256i v = gguf::k45_values32<kFifthBit>(qs, high, sub);
-            sink(sub, v, _mm256_permutevar8x32_ps(scf, at), _mm256_permutevar8x32_ps(mnf, at));
-        }
-    }
-};
-
-struct Q6_Kv {  // ql[128], qh[64], scales int8[16], d
-    static constexpr int64_t kValues = 256, kBytes = 210;
-    template <class Sink> static void run(const uint8_t* b, Sink& sink) {
-        const float d = f16(b + 208);
-        // d * scale of the 16 scales (values h * 128 + c * 32 + l take scale h * 8 + c * 2 + l / 16),
-        // computed together: the same float products one at a time would give
-        __m256 ds[2];
-        for (int h = 0; h < 2; ++h)
-            ds[h] = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + 8 * h)))));
-        for (int h = 0; h < 2; ++h) {
-            for (int c = 0; c < 4; ++c) {  // values h * 128 + c * 32 + l, l < 32
-                const __m256 s = _mm256_permutevar8x32_ps(ds[h], _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1,
-                                                                                   2 * c + 1, 2 * c + 1, 2 * c + 1));
-                sink(h * 4 + c, gguf::q6_k_values32(b, h, c), s, _mm256_mul_ps(s, lanes(-32.f)));
-            }
-        }
-    }
-};
-
 // --- the dot products -------------------------------------------------------------------------------
 using gguf::hsum8;
 
@@ -329,6 +285,153 @@ void run_linear(const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t 
     });
 }
 
+// --- types with integer sub-scales: blocks of 256 unpacked once to int16 ----------------------------
+constexpr int64_t kUnit = 256, kUnitGroups = kUnit / kGroup;
+
+// x quantized per row and block of 256: qa as int16, the step, per group step * sum(qa)
+struct UnitAct {
+    int64_t k = 0, units = 0;
+    std::vector<int16_t> q;
+    std::vector<float> step, gsum;
+    UnitAct(int64_t m, int64_t k_) : k(k_), units(k_ / kUnit), q(m * k_), step(m * units), gsum(m * units * kUnitGroups) {}
+};
+
+// block `i` (row i / units) of x
+template <class S>
+void quantize_unit(const S* x, UnitAct& a, int64_t i) {
+    constexpr float kMax = 32767.f;
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int64_t j = 0; j < kUnit; j += 16) {
+        const __m512 v = load16(x + j);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+        bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);  // max drops NaNs: they are looked for on their own
+    }
+    const float mx = _mm512_reduce_max_ps(amax);
+    const bool nonfinite = bad || !std::isfinite(mx);  // then the step is NaN, and the row's products
+    const float inv = !nonfinite && mx > 0.f ? kMax / mx : 0.f;
+    const float step = a.step[i] = nonfinite ? std::numeric_limits<float>::quiet_NaN() : mx / kMax;
+    const __m512 vi = _mm512_set1_ps(inv);
+    const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32767);
+    for (int64_t g = 0; g < kUnitGroups; ++g) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {
+            const int64_t j = g * kGroup + h * 16;
+            const __m512i v = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(load16(x + j), vi)), bottom), top);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(&a.q[i * kUnit + j]), _mm512_cvtepi32_epi16(v));
+            sum = _mm512_add_epi32(sum, v);
+        }
+        a.gsum[i * kUnitGroups + g] = static_cast<float>(_mm512_reduce_add_epi32(sum)) * step;
+    }
+}
+
+template <class S>
+void quantize(const S* x, int64_t m, UnitAct& a) {
+    at::parallel_for(0, m * a.units, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) quantize_unit(x + i * kUnit, a, i);
+    });
+}
+
+// one block of a weight row: values times sub-scales, the block's d, its 8 group offsets
+struct Unit {
+    alignas(64) int16_t w[kUnit];
+    alignas(32) float m[kUnitGroups];
+    float d = 0.f;
+};
+
+inline void put(Unit& u, int g, __m512i w) { _mm512_store_si512(reinterpret_cast<__m512i*>(u.w + g * kGroup), w); }
+
+struct IQ4_XSv {  // d, scales_h (16 bits), scales_l[4], qs[128]
+    static constexpr int64_t kValues = 256, kBytes = 136;
+    static constexpr bool kOffset = false;
+    static void unit(const uint8_t* b, Unit& u) {
+        const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gguf::KVALUES_IQ4NL));
+        const __m256i table = _mm256_set_m128i(t, t);
+        uint16_t sh;
+        std::memcpy(&sh, b + 2, 2);
+        for (int ib = 0; ib < 8; ++ib) {
+            const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 0x03) << 4);
+            const __m512i v = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, gguf::nibbles32(b + 8 + ib * 16)));
+            put(u, ib, _mm512_mullo_epi16(v, _mm512_set1_epi16(static_cast<int16_t>(ls - 32))));
+        }
+        u.d = f16(b);
+    }
+};
+
+template <bool kFifthBit>
+struct K45v {  // Q4_K (d, dmin, scales[12], qs[128]) and Q5_K (..., qh[32], qs[128])
+    static constexpr int64_t kValues = 256, kBytes = kFifthBit ? 176 : 144;
+    static constexpr bool kOffset = true;
+    static void unit(const uint8_t* b, Unit& u) {
+        const uint8_t* qs = b + (kFifthBit ? 48 : 16);
+        const __m256i high = kFifthBit ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+        uint32_t sc[2], mn[2];
+        gguf::k_scales_mins(b + 4, &sc[0], &sc[1], &mn[0], &mn[1]);
+        _mm256_store_ps(u.m, _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                               _mm_set_epi32(0, 0, static_cast<int>(mn[1]), static_cast<int>(mn[0]))))));
+        for (int sub = 0; sub < 8; ++sub) {
+            const int16_t s = static_cast<int16_t>((sc[sub / 4] >> (8 * (sub % 4))) & 0xFF);
+            put(u, sub, _mm512_mullo_epi16(_mm512_cvtepu8_epi16(gguf::k45_values32<kFifthBit>(qs, high, sub)), _mm512_set1_epi16(s)));
+        }
+        u.d = f16(b);
+    }
+};
+
+struct Q6_Kv {  // ql[128], qh[64], scales int8[16], d
+    static constexpr int64_t kValues = 256, kBytes = 210;
+    static constexpr bool kOffset = false;
+    static void unit(const uint8_t* b, Unit& u) {
+        // the 16 scales as int16, spread per group by one permute: values h * 128 + c * 32 + l take
+        // scale h * 8 + c * 2 + l / 16
+        const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+        const __m512i halves = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);  // l / 16
+        for (int h = 0; h < 2; ++h) {
+            for (int c = 0; c < 4; ++c) {
+                const __m512i scale = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16(static_cast<int16_t>(h * 8 + c * 2)), halves), scales);
+                const __m512i v = _mm512_sub_epi16(_mm512_cvtepu8_epi16(gguf::q6_k_values32(b, h, c)), _mm512_set1_epi16(32));
+                put(u, h * 4 + c, _mm512_mullo_epi16(v, scale));
+            }
+        }
+        u.d = f16(b + 208);
+    }
+};
+
+// one block of the weight row against row r of x: acc (16 lanes) and the offsets' macc (8 lanes)
+template <class T>
+inline void accumulate_unit(const Unit& u, const UnitAct& a, int64_t r, int64_t ui, __m512& acc, __m256& macc) {
+    const int64_t i = r * a.units + ui;
+    const int16_t* q = &a.q[i * kUnit];
+    __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();  // two chains: one row need not wait
+    for (int g = 0; g < kUnitGroups; g += 2) {
+        t0 = _mm512_dpwssd_epi32(t0, _mm512_load_si512(u.w + g * kGroup), _mm512_loadu_si512(q + g * kGroup));
+        t1 = _mm512_dpwssd_epi32(t1, _mm512_load_si512(u.w + (g + 1) * kGroup), _mm512_loadu_si512(q + (g + 1) * kGroup));
+    }
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)), _mm512_set1_ps(u.d * a.step[i]), acc);
+    if constexpr (T::kOffset) macc = _mm256_fmadd_ps(_mm256_load_ps(u.m), _mm256_loadu_ps(&a.gsum[i * kUnitGroups]), macc);
+}
+
+template <class T, class O>
+void run_units(const uint8_t* wp, int64_t rb, int64_t n, const UnitAct& a, int64_t m, O* yp) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+        Unit u;
+        std::vector<__m512> acc(m);
+        std::vector<__m256> macc(m);
+        for (int64_t j = begin; j < end; ++j) {
+            std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
+            std::fill(macc.begin(), macc.end(), _mm256_setzero_ps());
+            for (int64_t ui = 0; ui < a.units; ++ui) {
+                T::unit(wp + j * rb + ui * T::kBytes, u);
+                for (int64_t r = 0; r < m; ++r) accumulate_unit<T>(u, a, r, ui, acc[r], macc[r]);
+            }
+            for (int64_t r = 0; r < m; ++r)
+                yp[r * n + j] = static_cast<O>(_mm512_reduce_add_ps(acc[r]) + gguf::hsum8(macc[r]));
+        }
+    });
+}
+
+template <class T>
+constexpr bool kIntegerScaled = T::kValues == kUnit;
+
 // Calls f(T{}) with the unpacker of GGML type `type`; false where there is none.
 template <class F>
 bool with_type(int64_t type, F&& f) {
@@ -355,9 +458,20 @@ bool shape_of(int64_t type, Shape* s) {
     return with_type(type, [&](auto t) { *s = {decltype(t)::kValues, decltype(t)::kBytes}; });
 }
 
-template <class O>
-void run(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t m, O* yp) {
-    with_type(type, [&](auto t) { run_linear<decltype(t), O>(wp, rb, n, a, m, yp); });
+template <class S, class O>
+void run(int64_t type, const S* x, const uint8_t* wp, int64_t rb, int64_t n, int64_t m, int64_t k, O* yp) {
+    with_type(type, [&](auto t) {
+        using T = decltype(t);
+        if constexpr (kIntegerScaled<T>) {
+            UnitAct a(m, k);
+            quantize(x, m, a);
+            run_units<T, O>(wp, rb, n, a, m, yp);
+        } else {
+            Act a(m, k);
+            quantize(x, m, a);
+            run_linear<T, O>(wp, rb, n, a, m, yp);
+        }
+    });
 }
 #endif
 
@@ -387,14 +501,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type) {
     torch::Tensor xc = x.contiguous();
     torch::Tensor y = torch::empty({m, n}, xc.options());
     if (m == 0) return y;
-    Act a(m, k);
-    if (xc.scalar_type() == torch::kBFloat16) {
-        quantize(xc.data_ptr<c10::BFloat16>(), m, a);
-        run(type, w.data_ptr<uint8_t>(), w.size(1), n, a, m, y.data_ptr<c10::BFloat16>());
-    } else {
-        quantize(xc.data_ptr<float>(), m, a);
-        run(type, w.data_ptr<uint8_t>(), w.size(1), n, a, m, y.data_ptr<float>());
-    }
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    if (xc.scalar_type() == torch::kBFloat16)
+        run(type, xc.data_ptr<c10::BFloat16>(), wp, w.size(1), n, m, k, y.data_ptr<c10::BFloat16>());
+    else
+        run(type, xc.data_ptr<float>(), wp, w.size(1), n, m, k, y.data_ptr<float>());
     return y;
 #else
     (void)x, (void)w, (void)type;
