@@ -10,6 +10,11 @@ engine's default rows unless ``--quant-max-rows`` says otherwise)::
 
     python scripts/bench_quant_step.py --batches 1 4 16 64 --quantizations none gguf
 
+``gguf@N`` is ``gguf`` with bfloat16 inputs of up to N rows on the VNNI integer kernel (the bf16 row
+kernel past them) for every weight: where the two kernels cross over::
+
+    python scripts/bench_quant_step.py --batches 4 5 6 8 --quantizations gguf@4 gguf@8 --quant-max-rows 16
+
 One runner per quantization, all loaded in this process; for each batch the runners are timed in
 turn, round after round (``--rounds``), so a busy machine slows them alike. Prints the median and
 the minimum step per runner and each one's ratio to the first (``none``: the float weights), and
@@ -29,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from radixserve.model.gguf_blocks import GGUFWeight  # noqa: E402
 from radixserve.model.linear import Linear  # noqa: E402
 from radixserve.model.model_runner import ModelRunner  # noqa: E402
 from radixserve.model.quant import DEFAULT_MAX_ROWS, DEFAULT_MAX_ROWS_BF16  # noqa: E402
@@ -53,6 +59,13 @@ def weight_bytes(runner: ModelRunner, rows: int) -> int:
     return total
 
 
+def set_vnni_rows(runner: ModelRunner, rows: int) -> None:
+    """Every GGUF weight of ``runner`` takes the VNNI kernel up to ``rows`` bfloat16 rows."""
+    for m in runner.model.modules():
+        if isinstance(m, Linear) and isinstance(m._quant, GGUFWeight):
+            m._quant.vnni_rows = rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -71,11 +84,14 @@ def main() -> None:
     max_rows = args.quant_max_rows if args.quant_max_rows is not None else max(args.batches)
     runners = {
         q: ModelRunner(args.model, dtype=args.dtype, attention_backend=args.attention_backend,
-                       quantization=q.partition(":")[0], quant_kernel=q.partition(":")[2] or "auto",
+                       quantization=q.partition("@")[0].partition(":")[0], quant_kernel=q.partition(":")[2] or "auto",
                        quant_max_rows=args.quant_max_rows if q == "gguf" else max_rows, num_threads=args.threads,
                        progress=False)
         for q in args.quantizations
     }
+    for q, runner in runners.items():
+        if "@" in q:
+            set_vnni_rows(runner, int(q.partition("@")[2]))
     first = next(iter(runners.values()))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {torch.backends.cpu.get_cpu_capability()}, "
           f"dtype {first.dtype}, attention {args.attention_backend}, context {args.ctx}, quantized up to {max_rows} rows, "

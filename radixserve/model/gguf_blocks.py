@@ -11,13 +11,13 @@ parallelism loads float weights instead.
 ``GGUFWeight`` is the linear's side: ``x @ W.T`` by csrc/gguf_dequant.cpp's ``linear``, which
 dequantizes one weight row at a time for small inputs (decode: the weights are read once, in their
 blocks) and tiles of rows into the BLAS GEMM for large ones (prefill). A bfloat16 model on a CPU
-with AVX-512 takes two faster kernels for its decode batches: up to ``VNNI_MAX_ROWS`` rows,
-csrc/gguf_vnni.cpp (activations quantized to ~15 bits per group of 32, or of 256 for the
-K-quants, integer dot products against the blocks; AVX512-VNNI), and past that the bf16 row kernel of gguf_dequant.cpp (each
-weight row expanded to bf16 once, vdpbf16ps dot products; AVX512-BF16). float32 models keep the
-float kernel, their exact reference. A fused linear whose parts
-have different types (Q4_K_M files keep some ``attn_v`` / ``ffn_down`` in Q6_K) holds one segment
-per type and writes each segment's columns of the output.
+with AVX-512 takes two faster kernels for its decode batches: up to ``VNNI_MAX_ROWS`` rows
+(``VNNI_MAX_ROWS_K`` for the K-quants), csrc/gguf_vnni.cpp (activations quantized to ~15 bits per
+group of 32, or of 256 for the K-quants, integer dot products against the blocks; AVX512-VNNI),
+and past that the bf16 row kernel of gguf_dequant.cpp (each weight row expanded to bf16 once,
+vdpbf16ps dot products; AVX512-BF16). float32 models keep the float kernel, their exact
+reference. A fused linear whose parts have different types (Q4_K_M files keep some ``attn_v`` /
+``ffn_down`` in Q6_K) holds one segment per type and writes each segment's columns of the output.
 
 Which of the two bf16 kernels a row takes changes its numbers (the VNNI kernel quantizes the
 activations; each kernel alone computes a row the same way whatever the number of rows). A step
@@ -42,6 +42,11 @@ from radixserve.model.quant import QuantizedWeight
 # bundled model at 1 / 4 rows took 9.3 / 19.8 ms with it and 15.7 / 23.7 ms with the bf16 kernel
 # (AVX-512 EPYC); from 8 rows the bf16 kernel's plain dot products win.
 VNNI_MAX_ROWS = 4
+# the same for a weight whose every part has integer sub-scales (Q4_K, Q5_K, Q6_K, IQ4_XS: the
+# kernel's cheaper scheme): decode steps of a ~1.1B Q4_K_M Llama at 5 / 6 / 8 rows took 85 / 99 /
+# 135 ms with it and 113 / 117 / 125 ms with the bf16 kernel
+VNNI_MAX_ROWS_K = 6
+INTEGER_SCALED_TYPES = frozenset({12, 13, 14, 23})
 
 # the number of requests of the decode step being run, where it has more rows than requests
 _decode_requests: ContextVar[int | None] = ContextVar("gguf_decode_requests", default=None)
@@ -145,6 +150,8 @@ class GGUFWeight(QuantizedWeight):
         self._ext = linear_ext()
         vnni = vnni_ext()
         self._vnni = vnni if vnni is not None and all(vnni.supported(s.qtype) for s in self.segments) else None
+        self.vnni_rows = VNNI_MAX_ROWS_K if all(s.qtype in INTEGER_SCALED_TYPES for s in self.segments) \
+            else VNNI_MAX_ROWS
 
     @property
     def type_ids(self) -> list[int]:
@@ -153,13 +160,13 @@ class GGUFWeight(QuantizedWeight):
     def _segment(self, rows: torch.Tensor, s: GGUFBlocks) -> torch.Tensor:
         if self._vnni is not None and rows.dtype == torch.bfloat16 and rows.shape[0] <= self.small_rows:
             requests = _decode_requests.get()
-            if (rows.shape[0] if requests is None else requests) <= VNNI_MAX_ROWS:
+            if (rows.shape[0] if requests is None else requests) <= self.vnni_rows:
                 return self._vnni.linear(rows, s.data, s.qtype)
         return self._ext.linear(rows, s.data, s.qtype, self.small_rows)
 
     @property
     def integer_kernel(self) -> bool:
-        """Whether bfloat16 inputs of up to ``min(small_rows, VNNI_MAX_ROWS)`` rows run the VNNI integer
+        """Whether bfloat16 inputs of up to ``min(small_rows, vnni_rows)`` rows run the VNNI integer
         kernel (every segment's type has it and the CPU has AVX512-VNNI)."""
         return self._vnni is not None
 

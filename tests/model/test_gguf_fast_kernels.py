@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from radixserve.model.dequant import has_bf16_kernel, linear_ext, vnni_ext
-from radixserve.model.gguf_blocks import VNNI_MAX_ROWS, GGUFWeight
+from radixserve.model.gguf_blocks import VNNI_MAX_ROWS, VNNI_MAX_ROWS_K, GGUFWeight, decode_rows
 from tests.model.test_gguf_blocks import blocks_of
 
 VNNI_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
@@ -81,18 +81,23 @@ def test_bf16_kernel_equals_the_bf16_weights_matmul(name: str) -> None:
 @needs_bf16
 def test_gguf_weight_picks_the_kernel_by_dtype_and_rows() -> None:
     ext, vnni = linear_ext(), vnni_ext()
-    b = blocks_of("Q6_K", rows=24, cols=256)
-    weight = GGUFWeight([b], small_rows=16)
-    assert weight.integer_kernel
-    for rows in (1, VNNI_MAX_ROWS):
-        x = torch.randn(rows, 256).to(torch.bfloat16)
-        assert torch.equal(weight(x), vnni.linear(x, b.data, b.qtype))
-    x = torch.randn(VNNI_MAX_ROWS + 1, 256).to(torch.bfloat16)
-    assert torch.equal(weight(x), ext.linear(x, b.data, b.qtype, 16))  # the bf16 row kernel
-    x = torch.randn(17, 256).to(torch.bfloat16)
-    assert torch.equal(weight(x), ext.linear(x, b.data, b.qtype, 0))  # past small_rows: the tiles
-    x32 = torch.randn(2, 256)
-    assert torch.equal(weight(x32), ext.linear(x32, b.data, b.qtype, 16))  # float32 keeps the float kernel
+    for name, limit in (("Q6_K", VNNI_MAX_ROWS_K), ("Q8_0", VNNI_MAX_ROWS)):  # the K-quants' scheme goes further
+        b = blocks_of(name, rows=24, cols=256)
+        weight = GGUFWeight([b], small_rows=16)
+        assert weight.integer_kernel and weight.vnni_rows == limit
+        for rows in (1, limit):
+            x = torch.randn(rows, 256).to(torch.bfloat16)
+            assert torch.equal(weight(x), vnni.linear(x, b.data, b.qtype))
+        x = torch.randn(limit + 1, 256).to(torch.bfloat16)
+        assert torch.equal(weight(x), ext.linear(x, b.data, b.qtype, 16))  # the bf16 row kernel
+        with decode_rows(limit):  # a verify step of `limit` requests: its rows compute decode rows' numbers
+            assert torch.equal(weight(x), vnni.linear(x, b.data, b.qtype))
+        x = torch.randn(17, 256).to(torch.bfloat16)
+        assert torch.equal(weight(x), ext.linear(x, b.data, b.qtype, 0))  # past small_rows: the tiles
+        x32 = torch.randn(2, 256)
+        assert torch.equal(weight(x32), ext.linear(x32, b.data, b.qtype, 16))  # float32 keeps the float kernel
+    mixed = GGUFWeight([blocks_of("Q4_K", rows=8, cols=256), blocks_of("Q8_0", rows=8, cols=256)], small_rows=16)
+    assert mixed.vnni_rows == VNNI_MAX_ROWS  # a part without the K scheme: the smaller limit for all
 
 
 def test_bf16_models_default_rows_follow_the_kernel() -> None:
