@@ -55,12 +55,13 @@ class ModelOptions:
         "(Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS; no float copy: weights take the file's size) and every "
         "forward reads them there, row by row for steps of at most --quantization-max-batch rows, else by "
         "dequantized tiles through the GEMM; the results are the dequantized weights' to float rounding "
-        "(a bfloat16 model on a CPU with AVX-512 runs integer VNNI dot products up to 4 rows, ~15-bit "
+        "(a bfloat16 model on a CPU with AVX-512 runs integer VNNI dot products up to 4 rows, 6 for "
+        "K-quants, ~15-bit "
         "activations, and bf16 dot products past that). "
         "none: float weights (a GGUF's expanded at load). int4 (groups of 32 with a scale and a minimum, "
         "Q4_1's layout) and int8 (blocks of 32, Q8_0's; one scale per row where ATen's kernel runs): "
-        "quantized copies of float weights for small steps. auto: gguf for a GGUF model (none under "
-        "tensor parallelism, whose column shards would cut blocks), else none. docs/model.md.",
+        "quantized copies of float weights for small steps. auto: gguf for a GGUF model (under tensor "
+        "parallelism each rank keeps its shard's blocks), else none. docs/model.md.",
         ("auto", "none", "gguf", "int8", "int4"), group="model")
     quantization_max_batch: int | None = option(
         None, "Most rows (tokens) of a forward that uses the int8/int4 copies (above it the float weights "

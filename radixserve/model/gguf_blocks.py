@@ -4,9 +4,9 @@ A GGUF tensor of torch shape ``[N, K]`` is N rows of ``K / block_size`` blocks, 
 contiguous in the file (K is the fastest dimension). ``GGUFBlocks`` holds such a tensor as a uint8
 ``[..., N, row_bytes]`` array plus its type, and offers the few operations loading needs, all on
 whole rows: llama.cpp's q/k row permutation, fused q/k/v and gate/up cut into their parts, one
-expert out of a stacked ``[experts, N, K]`` tensor, parts joined again (``GGUFWeight``). A column
-slice (a tensor-parallel shard of ``o_proj``/``down_proj``) would have to cut blocks, so tensor
-parallelism loads float weights instead.
+expert out of a stacked ``[experts, N, K]`` tensor, parts joined again (``GGUFWeight``), and a
+column slice on block boundaries (a tensor-parallel shard of ``o_proj`` / ``down_proj``; one that
+would cut blocks is refused, and the loader dequantizes that tensor instead).
 
 ``GGUFWeight`` is the linear's side: ``x @ W.T`` by csrc/gguf_dequant.cpp's ``linear``, which
 dequantizes one weight row at a time for small inputs (decode: the weights are read once, in their
@@ -92,13 +92,23 @@ class GGUFBlocks:
         return GGUFBlocks(data, self.qtype, self.cols)
 
     def __getitem__(self, index: Any) -> GGUFBlocks:
-        """Rows (a slice or an integer on the leading dimension); ``[:, a:b]`` only when it is every column."""
-        if isinstance(index, tuple):
-            rows, cols = index
-            if cols != slice(None) and range(self.cols)[cols] != range(self.cols):
-                raise ValueError("GGUF blocks cannot be cut by columns (a block holds 32-256 of them)")
-            index = rows
-        return self._rows(self.data[index])
+        """Rows (a slice or an integer on the leading dimension); ``[:, a:b]`` columns only where
+        ``a`` and ``b`` fall on block boundaries (a tensor-parallel shard of a row-parallel linear),
+        else ValueError."""
+        if not isinstance(index, tuple):
+            return self._rows(self.data[index])
+        rows, cols = index
+        if not isinstance(cols, slice):
+            raise ValueError("GGUF blocks are cut by a slice of columns")
+        span = range(self.cols)[cols]
+        if span == range(self.cols):
+            return self._rows(self.data[rows])
+        block, size = block_shape(self.qtype)
+        if span.step != 1 or span.start % block or span.stop % block:
+            raise ValueError(f"GGUF blocks cannot be cut by columns {span.start}:{span.stop} (GGML type "
+                             f"{self.qtype} holds {block} values a block)")
+        data = self.data[rows][..., span.start // block * size : span.stop // block * size]
+        return GGUFBlocks(data, self.qtype, len(span))
 
     def split(self, sizes: Sequence[int]) -> tuple[GGUFBlocks, ...]:
         return tuple(self._rows(d) for d in self.data.split(list(sizes)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,34 @@ from radixserve.model.linear import Linear, empty_param
 from radixserve.model.parallel import TPGroup
 from radixserve.model.quant import DEFAULT_MAX_ROWS
 from radixserve.model.safetensors_loader import Weights
+
+
+class _Source:
+    """A state dict being loaded: the names taken from it, whole or cut to a shard."""
+
+    def __init__(self, sd: Weights) -> None:
+        self.sd = sd
+        self.used: set[str] = set()
+
+    def take(self, name: str) -> torch.Tensor | GGUFBlocks:
+        if name not in self.sd:
+            raise KeyError(f"state dict lacks {name}")
+        self.used.add(name)
+        return self.sd[name]
+
+    def cut(self, name: str, index: Any) -> torch.Tensor | GGUFBlocks:
+        """Rows or columns of ``name``: blocks where the cut keeps them whole, else as float."""
+        w = self.take(name)
+        if isinstance(w, GGUFBlocks):
+            try:
+                return w[index]
+            except ValueError:  # columns inside blocks: this shard as float
+                return w.dequantize()[index]
+        return w[index]
+
+    def floats(self, name: str) -> torch.Tensor:
+        w = self.take(name)
+        return w.dequantize() if isinstance(w, GGUFBlocks) else w
 
 
 class LlamaForCausalLM(nn.Module):
@@ -127,21 +156,10 @@ class LlamaForCausalLM(nn.Module):
         embedding is looked up from them; anything else (a norm, the MoE router) is dequantized.
 
         Under tensor parallelism the whole tensors come in and this rank's rows / columns are cut
-        out here: every rank reads the whole checkpoint, which is fine for small models (a large
-        one would want each rank to read only its slices from the file). Blocks are dequantized
-        first (a column shard would cut blocks)."""
-        used: set[str] = set()
-
-        def take(name: str) -> torch.Tensor | GGUFBlocks:
-            if name not in sd:
-                raise KeyError(f"state dict lacks {name}")
-            used.add(name)
-            w = sd[name]
-            return w.dequantize() if isinstance(w, GGUFBlocks) and self.tp is not None else w
-
-        def floats(name: str) -> torch.Tensor:
-            w = take(name)
-            return w.dequantize() if isinstance(w, GGUFBlocks) else w
+        out here (every rank reads the whole checkpoint: fine for small models), blocks kept where
+        the cut keeps them whole; the vocabulary-parallel embedding and LM head are dequantized."""
+        src = _Source(sd)
+        take, cut, floats, used = src.take, src.cut, src.floats, src.used
 
         c, D = self.config, self.config.head_dim
         tp_size, rank = (self.tp.size, self.tp.rank) if self.tp is not None else (1, 0)
@@ -154,6 +172,8 @@ class LlamaForCausalLM(nn.Module):
             dst[v1 - v0 :].zero_()  # padding of the last rank's slice: never looked up, its logits cut off
 
         emb = take("model.embed_tokens.weight")
+        if isinstance(emb, GGUFBlocks) and self.tp is not None:
+            emb = emb.dequantize()  # each rank holds a padded slice of the vocabulary
         if isinstance(emb, GGUFBlocks):
             self.embed_blocks = emb
             if c.tie_word_embeddings:
@@ -169,6 +189,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm.weight.copy_(norm_weight("model.norm.weight"))
         if not c.tie_word_embeddings:
             head = take("lm_head.weight")
+            if isinstance(head, GGUFBlocks) and self.tp is not None:
+                head = head.dequantize()
             if isinstance(head, GGUFBlocks):
                 self.lm_head.load([head])
             else:
@@ -178,12 +200,12 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             a = layer.self_attn
             parts = (q_part, kv_part, kv_part)
-            a.qkv_proj.load([take(p + f"self_attn.{n}_proj.weight")[r] for n, r in zip("qkv", parts, strict=True)])
+            a.qkv_proj.load([cut(p + f"self_attn.{n}_proj.weight", r) for n, r in zip("qkv", parts, strict=True)])
             if a.qkv_proj.bias is not None:
                 a.qkv_proj.bias.copy_(
                     torch.cat([floats(p + f"self_attn.{n}_proj.bias")[r] for n, r in zip("qkv", parts, strict=True)])
                 )
-            a.o_proj.load([take(p + "self_attn.o_proj.weight")[:, q_part]])
+            a.o_proj.load([cut(p + "self_attn.o_proj.weight", (slice(None), q_part))])
             if a.q_norm is not None and a.k_norm is not None:
                 a.q_norm.weight.copy_(norm_weight(p + "self_attn.q_norm.weight"))
                 a.k_norm.weight.copy_(norm_weight(p + "self_attn.k_norm.weight"))
@@ -191,8 +213,9 @@ class LlamaForCausalLM(nn.Module):
                 getattr(layer, role).weight.copy_(norm_weight(p + hf_name + ".weight"))
             for mlp, prefix in self._mlps(layer, p):
                 r0, r1 = mlp.rows
-                mlp.gate_up_proj.load([take(prefix + "gate_proj.weight")[r0:r1], take(prefix + "up_proj.weight")[r0:r1]])
-                mlp.down_proj.load([take(prefix + "down_proj.weight")[:, r0:r1]])
+                mlp.gate_up_proj.load([cut(prefix + "gate_proj.weight", slice(r0, r1)),
+                                       cut(prefix + "up_proj.weight", slice(r0, r1))])
+                mlp.down_proj.load([cut(prefix + "down_proj.weight", (slice(None), slice(r0, r1)))])
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.gate.copy_(floats(p + "mlp.gate.weight"))
         unused = [

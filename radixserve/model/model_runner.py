@@ -60,11 +60,11 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return parse_dtype(dtype)
 
 
-def resolve_quantization(name: str, model_path: str | None, tensor_parallel: bool = False) -> str:
+def resolve_quantization(name: str, model_path: str | None) -> str:
     """``auto``: ``gguf`` for a GGUF model (its quantized matrices stay in their blocks and every
     forward reads them there: gguf_blocks.py) where the block kernels build, else ``none`` (float
-    weights). ``gguf`` insists on that. Under tensor parallelism the blocks are not kept (a column
-    shard would cut blocks): ``auto`` is ``none`` there. Any other name is returned as it is."""
+    weights). ``gguf`` insists on that. Under tensor parallelism each rank keeps its shard's blocks
+    (llama.py ``load_weights``). Any other name is returned as it is."""
     if name not in ("auto", "gguf"):
         return name
     from radixserve.model.dequant import block_types
@@ -73,13 +73,10 @@ def resolve_quantization(name: str, model_path: str | None, tensor_parallel: boo
     if name == "gguf":
         if not is_gguf:
             raise ValueError("--quantization gguf needs a GGUF model (it keeps the file's own blocks)")
-        if tensor_parallel:
-            raise ValueError("--quantization gguf does not run under tensor parallelism (shards would cut "
-                             "blocks); use --quantization auto or none")
         if not block_types():
             raise RuntimeError("--quantization gguf needs the GGUF block kernels, which did not build here")
         return name
-    return "gguf" if is_gguf and not tensor_parallel and block_types() else "none"
+    return "gguf" if is_gguf and block_types() else "none"
 
 
 def windowed(config: ModelConfig, context_length: int | None) -> tuple[ModelConfig, int]:
@@ -150,7 +147,7 @@ class ModelRunner:
         self.kv_format = kv_format(kv_cache_dtype, self.dtype)
         t0 = time.perf_counter()
         self.tp = tp_group if tp_group is not None and tp_group.size > 1 else None
-        self.quantization = resolve_quantization(check_quantization(quantization), model_path, self.tp is not None)
+        self.quantization = resolve_quantization(check_quantization(quantization), model_path)
         in_blocks = self.quantization == "gguf"
         if quant_max_rows is None:
             quant_max_rows = default_max_rows(self.dtype, in_blocks)

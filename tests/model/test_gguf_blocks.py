@@ -59,8 +59,13 @@ def test_lookup_and_row_operations_keep_the_blocks_exact() -> None:
     assert torch.equal(q.dequantize(), w[:8]) and torch.equal(k.dequantize(), w[8:])
     assert torch.equal(b.chunk(2)[1].dequantize(), w[6:])
     assert b[:, 0:256].data is not None and torch.equal(b[2:5].dequantize(), w[2:5])
-    with pytest.raises(ValueError, match="columns"):
-        b[:, 0:128]
+    with pytest.raises(ValueError, match="columns 0:128"):
+        b[:, 0:128]  # inside a block of 256
+    wide = blocks_of("Q4_K", rows=6, cols=768)
+    shard = wide[1:4, 256:768]  # a tensor-parallel shard of a row-parallel linear: whole blocks
+    assert shard.shape == (3, 512) and torch.equal(shard.dequantize(), wide.dequantize()[1:4, 256:768])
+    small = blocks_of("Q4_1", rows=4, cols=256)
+    assert torch.equal(small[:, 192:256].dequantize(), small.dequantize()[:, 192:256])  # blocks of 32
     with pytest.raises(IndexError):
         b.lookup(torch.tensor([12]))
     stacked = GGUFBlocks(b.data.reshape(3, 4, -1), b.qtype, 256)  # [experts, rows, cols]
@@ -102,8 +107,7 @@ def test_a_linear_keeps_blocks_instead_of_a_float_weight() -> None:
 def test_quantization_auto_keeps_a_gguf_models_blocks(tmp_path: Any) -> None:
     from radixserve.model.model_runner import resolve_quantization
 
-    assert resolve_quantization("auto", None) == "gguf"
-    assert resolve_quantization("auto", None, tensor_parallel=True) == "none"  # shards would cut blocks
+    assert resolve_quantization("auto", None) == "gguf"  # also under tensor parallelism: shards keep blocks
     assert resolve_quantization("int4", None) == "int4"
     st = tmp_path / "m"
     st.mkdir()
@@ -111,8 +115,6 @@ def test_quantization_auto_keeps_a_gguf_models_blocks(tmp_path: Any) -> None:
     assert resolve_quantization("auto", str(st)) == "none"  # not a GGUF
     with pytest.raises(ValueError, match="GGUF"):
         resolve_quantization("gguf", str(st))
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        resolve_quantization("gguf", None, tensor_parallel=True)
 
 
 def test_the_bundled_model_is_read_in_place(fp32_runner: Any) -> None:

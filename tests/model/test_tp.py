@@ -75,8 +75,44 @@ def test_bundled_model_tp3_equals_tp1_in_float32(fp32_runner: Any) -> None:
             .generate(prompts, params)]
     with Engine(None, tp_size=3, dtype="float32", max_total_tokens=2048) as tp3:
         assert tp3.runner.kv_pool is not None and tp3.runner.kv_pool.k_buffers[0].shape[1] == 1  # 3 KV heads / 3
+        # each rank keeps its shard's Q4_1 blocks: 3 of 9 heads (192 columns of o_proj), 512 of down_proj's
+        assert tp3.runner.quantization == "gguf"
+        layer = tp3.runner.model.layers[0]
+        assert [s.data.shape for s in layer.self_attn.o_proj._quant.segments] == [(576, 192 // 32 * 20)]
+        assert [s.cols for s in layer.mlp.down_proj._quant.segments] == [512]
         got = [o["output_ids"] for o in tp3.generate(prompts, params)]
     assert got == want
+
+
+@pytest.mark.slow
+def test_k_quant_shards_keep_their_blocks(tmp_path: Any) -> None:
+    """A random Q4_K_M-mix Llama (scripts/make_random_gguf.py): under tp 2 each rank keeps the Q4_K /
+    Q6_K blocks of its shard (o_proj's 256 of 512 columns and down_proj's 512 of 1,024 are whole
+    blocks of 256), and computes what tp 1 does."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from radixserve.model.gguf_blocks import GGUFWeight
+
+    model = tmp_path / "k.gguf"
+    subprocess.run([sys.executable, "scripts/make_random_gguf.py", str(model), "--hidden", "512", "--layers", "2",
+                    "--heads", "4", "--kv-heads", "2", "--ffn", "1024"],
+                   check=True, capture_output=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
+    kw: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 1024}
+    prompt, params = "The quick brown fox jumps over", {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    tp1 = Engine(str(model), **kw)
+    want = tp1.generate(prompt, {**params, "top_logprobs_num": 1}, logprob_start_len=0)
+    with Engine(str(model), tp_size=2, **kw) as tp2:
+        layer = tp2.runner.model.layers[0]
+        for linear, cols in ((layer.self_attn.o_proj, 256), (layer.mlp.down_proj, 512)):
+            assert isinstance(linear._quant, GGUFWeight) and {s.cols for s in linear._quant.segments} == {cols}
+            assert {s.qtype for s in linear._quant.segments} <= {12, 14}  # Q4_K, Q6_K
+        got = tp2.generate(prompt, {**params, "top_logprobs_num": 1}, logprob_start_len=0)
+    assert isinstance(got, dict) and isinstance(want, dict)
+    assert got["output_ids"] == want["output_ids"]
+    lp = got["meta_info"]["input_token_logprobs"]
+    assert len(lp) > 4 and lp == pytest.approx(want["meta_info"]["input_token_logprobs"], abs=1e-3)
 
 
 def test_bundled_model_refuses_tp2_before_starting_anything() -> None:
