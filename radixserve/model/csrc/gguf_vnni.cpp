@@ -17,10 +17,11 @@
 // and each row of x is quantized per group of 32: qa = round(x / step), step = max|x| / 32639, so
 // qa = 256 hi + lo with hi and lo both int8. Then
 //
-//   sum_i w_i x_i = sum_lanes  s * step * (256 * sum4(u hi) + sum4(u lo))  +  m * step * sum4(qa)
+//   sum_i w_i x_i = s * step * sum_lanes (256 * sum4(u hi) + sum4(u lo))  +  m * step * sum(qa)
 //
-// where each sum4 over a lane's 4 values is exact integer arithmetic (vpdpbusd, u8 x s8), and the
-// offset term's step * sum4(qa) is computed once per call with the quantization. Up to 24 rows,
+// where each sum4 over a lane's 4 values is exact integer arithmetic (vpdpbusd, u8 x s8); the
+// offset term's step * sum(qa) is computed once per call with the quantization, and the offsets
+// are one 8-lane product per 8 groups (their 8 m against the row's 8 sums). Up to 24 rows,
 // each weight group is unpacked into the dot products of up to 8 rows at once (a weight row once
 // per 8 rows, from L1 after the first); past that, a weight row is unpacked once into a buffer
 // (bytes, lane scales and offsets, in L1) that groups of 4 rows then read. (512-bit vectors over
@@ -73,13 +74,14 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kDirectRows = 8, kDirectChunks = 3;
 constexpr float kQMax = 127.f * 256.f + 127.f;
 
-// x quantized: per row and group, hi and lo bytes in the values' order, the step, and per lane
-// step * (sum of the lane's 4 qa)
+// x quantized: per row and group, hi and lo bytes in the values' order, the step, and step * (sum
+// of the group's qa), a row's sums padded with zeros to a multiple of 8 groups (`gstride`)
 struct Act {
-    int64_t k = 0, groups = 0;
+    int64_t k = 0, groups = 0, gstride = 0;
     std::vector<int8_t> hi, lo;
-    std::vector<float> step, lane_sum;
-    Act(int64_t m, int64_t k_) : k(k_), groups(k_ / kGroup), hi(m * k_), lo(m * k_), step(m * groups), lane_sum(m * groups * 8) {}
+    std::vector<float> step, gsum;
+    Act(int64_t m, int64_t k_)
+        : k(k_), groups(k_ / kGroup), gstride((groups + 7) / 8 * 8), hi(m * k_), lo(m * k_), step(m * groups), gsum(m * gstride, 0.f) {}
 };
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -89,7 +91,7 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 
 template <class S>
-void quantize_group(const S* x, int8_t* hi, int8_t* lo, float* step, float* lane_sum) {
+void quantize_group(const S* x, int8_t* hi, int8_t* lo, float* step, float* gsum) {
     const __m512 a = load16(x), b = load16(x + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     // a NaN or infinite value makes the step NaN and so every product of the row NaN, as in float
@@ -109,19 +111,19 @@ void quantize_group(const S* x, int8_t* hi, int8_t* lo, float* step, float* lane
     const __m256i ones = _mm256_set1_epi8(1);
     const __m256i sh = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, h);
     const __m256i sum = _mm256_dpbusd_epi32(_mm256_slli_epi32(sh, 8), ones, l);
-    _mm256_storeu_ps(lane_sum, _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(*step)));
+    *gsum = static_cast<float>(_mm512_reduce_add_epi32(_mm512_zextsi256_si512(sum))) * *step;
 }
 
 template <class S>
 void quantize(const S* x, int64_t m, Act& a) {
     at::parallel_for(0, m * a.groups, 256, [&](int64_t begin, int64_t end) {
         for (int64_t g = begin; g < end; ++g)
-            quantize_group(x + g * kGroup, &a.hi[g * kGroup], &a.lo[g * kGroup], &a.step[g], &a.lane_sum[g * 8]);
+            quantize_group(x + g * kGroup, &a.hi[g * kGroup], &a.lo[g * kGroup], &a.step[g],
+                           &a.gsum[g / a.groups * a.gstride + g % a.groups]);
     });
 }
 
 // --- the weight side: each type's groups of 32 as (u, s, m) ----------------------------------------
-inline __m256 lanes(float v) { return _mm256_set1_ps(v); }
 
 inline __m128i iq4_table() {  // the IQ4 values + 128, as unsigned bytes
     return _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gguf::KVALUES_IQ4NL)), _mm_set1_epi8(char(0x80)));
@@ -131,14 +133,14 @@ struct Q4_0v {
     static constexpr int64_t kValues = 32, kBytes = 18;
     template <class Sink> static void run(const uint8_t* b, Sink& sink) {
         const float d = f16(b);
-        sink(0, gguf::nibbles32(b + 2), lanes(d), lanes(-8.f * d));
+        sink(gguf::nibbles32(b + 2), d, -8.f * d);
     }
 };
 
 struct Q4_1v {
     static constexpr int64_t kValues = 32, kBytes = 20;
     template <class Sink> static void run(const uint8_t* b, Sink& sink) {
-        sink(0, gguf::nibbles32(b + 4), lanes(f16(b)), lanes(f16(b + 2)));
+        sink(gguf::nibbles32(b + 4), f16(b), f16(b + 2));
     }
 };
 
@@ -148,7 +150,7 @@ struct Q5_0v {
         uint32_t qh;
         std::memcpy(&qh, b + 2, 4);
         const float d = f16(b);
-        sink(0, _mm256_or_si256(gguf::nibbles32(b + 6), gguf::fifth_bits32(qh)), lanes(d), lanes(-16.f * d));
+        sink(_mm256_or_si256(gguf::nibbles32(b + 6), gguf::fifth_bits32(qh)), d, -16.f * d);
     }
 };
 
@@ -157,7 +159,7 @@ struct Q5_1v {
     template <class Sink> static void run(const uint8_t* b, Sink& sink) {
         uint32_t qh;
         std::memcpy(&qh, b + 4, 4);
-        sink(0, _mm256_or_si256(gguf::nibbles32(b + 8), gguf::fifth_bits32(qh)), lanes(f16(b)), lanes(f16(b + 2)));
+        sink(_mm256_or_si256(gguf::nibbles32(b + 8), gguf::fifth_bits32(qh)), f16(b), f16(b + 2));
     }
 };
 
@@ -166,7 +168,7 @@ struct Q8_0v {
     template <class Sink> static void run(const uint8_t* b, Sink& sink) {
         const float d = f16(b);
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-        sink(0, _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))), lanes(d), lanes(-128.f * d));
+        sink(_mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))), d, -128.f * d);
     }
 };
 
@@ -175,24 +177,30 @@ struct IQ4_NLv {
     template <class Sink> static void run(const uint8_t* b, Sink& sink) {
         const __m128i t = iq4_table();
         const float d = f16(b);
-        sink(0, _mm256_shuffle_epi8(_mm256_set_m128i(t, t), gguf::nibbles32(b + 2)), lanes(d), lanes(-128.f * d));
+        sink(_mm256_shuffle_epi8(_mm256_set_m128i(t, t), gguf::nibbles32(b + 2)), d, -128.f * d);
     }
 };
 
 // --- the dot products -------------------------------------------------------------------------------
 using gguf::hsum8;
 
-// rows r0 .. r0 + R of x against one weight group (u, s, m), the group's index g in the row
+// rows r0 .. r0 + R of x against weight group g (bytes u, scale s)
 template <int R>
-inline void accumulate(const Act& a, int64_t r0, int64_t g, __m256i u, __m256 s, __m256 m, __m256* acc, __m256* macc) {
+inline void accumulate(const Act& a, int64_t r0, int64_t g, __m256i u, float s, __m256* acc) {
     for (int r = 0; r < R; ++r) {
         const int64_t gi = (r0 + r) * a.groups + g;
         const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.hi[gi * kGroup]));
         const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.lo[gi * kGroup]));
         const __m256i t = _mm256_dpbusd_epi32(_mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, h), 8), u, l);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(s, _mm256_set1_ps(a.step[gi])), acc[r]);
-        macc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(&a.lane_sum[gi * 8]), macc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(s * a.step[gi]), acc[r]);
     }
+}
+
+// the offsets of groups g0 .. g0 + 8 (`m`, zero past the row's last group) against rows r0 .. r0 + R
+// of x: one 8-lane product per row and 8 groups
+template <int R>
+inline void offsets(const Act& a, int64_t r0, int64_t g0, __m256 m, __m256* macc) {
+    for (int r = 0; r < R; ++r) macc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(&a.gsum[(r0 + r) * a.gstride + g0]), macc[r]);
 }
 
 // O: float, or c10::BFloat16 (a bfloat16 model's output written as it is, no conversion pass)
@@ -203,21 +211,34 @@ inline void finish(const __m256* acc, const __m256* macc, O* out, int64_t ldo) {
 
 // one weight row against R <= kDirectRows rows of x, unpacking each group straight into the products
 template <class T, int R, class O>
-void row_direct(const uint8_t* row, int64_t nb, const Act& a, int64_t r0, O* out, int64_t ldo) {
+void row_direct(const uint8_t* row, int64_t groups, const Act& a, int64_t r0, O* out, int64_t ldo) {
     __m256 acc[R], macc[R];
     for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        auto sink = [&](int i, __m256i u, __m256 s, __m256 m) { accumulate<R>(a, r0, b * (T::kValues / kGroup) + i, u, s, m, acc, macc); };
-        T::run(row + b * T::kBytes, sink);
+    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+        __m256 mg = _mm256_setzero_ps();  // the 8 groups' offsets, built in a register
+        const auto group = [&](int i) {
+            auto sink = [&](__m256i u, float s, float m) {
+                accumulate<R>(a, r0, g0 + i, u, s, acc);
+                mg = _mm256_mask_mov_ps(mg, static_cast<__mmask8>(1u << i), _mm256_set1_ps(m));
+            };
+            T::run(row + (g0 + i) * T::kBytes, sink);
+        };
+        if (groups - g0 >= 8) {
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; ++i) group(i);
+        } else {
+            for (int i = 0; i < groups - g0; ++i) group(i);
+        }
+        offsets<R>(a, r0, g0, mg, macc);
     }
     finish<R, O>(acc, macc, out, ldo);
 }
 
-// one weight row, unpacked into `u` (its bytes) and `sm` (per group: 8 lane scales, 8 offsets)
+// one weight row, unpacked into `u` (its bytes), `s` and `m` (per group; m zero-padded to gstride)
 struct RowBuffer {
     std::vector<uint8_t> u;
-    std::vector<float> sm;
-    explicit RowBuffer(int64_t k) : u(k), sm(k / kGroup * 16) {}
+    std::vector<float> s, m;
+    RowBuffer(int64_t k, int64_t gstride) : u(k), s(k / kGroup), m(gstride, 0.f) {}
 };
 
 template <int R, class O>
@@ -225,60 +246,59 @@ void row_buffered(const RowBuffer& w, int64_t groups, const Act& a, int64_t r0, 
     __m256 acc[R], macc[R];
     for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&w.u[g * kGroup]));
-        accumulate<R>(a, r0, g, u, _mm256_loadu_ps(&w.sm[g * 16]), _mm256_loadu_ps(&w.sm[g * 16 + 8]), acc, macc);
+        accumulate<R>(a, r0, g, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&w.u[g * kGroup])), w.s[g], acc);
+        if (g % 8 == 7 || g == groups - 1) offsets<R>(a, r0, g - g % 8, _mm256_loadu_ps(&w.m[g - g % 8]), macc);
     }
     finish<R, O>(acc, macc, out, ldo);
 }
 
 // one weight row against rows r0 .. r0 + rows (at most kDirectRows) of x
 template <class T, class O>
-void row_chunk(const uint8_t* row, int64_t nb, const Act& a, int64_t r0, int64_t rows, O* out, int64_t ldo) {
+void row_chunk(const uint8_t* row, int64_t groups, const Act& a, int64_t r0, int64_t rows, O* out, int64_t ldo) {
     switch (rows) {
-        case 1: row_direct<T, 1, O>(row, nb, a, r0, out, ldo); break;
-        case 2: row_direct<T, 2, O>(row, nb, a, r0, out, ldo); break;
-        case 3: row_direct<T, 3, O>(row, nb, a, r0, out, ldo); break;
-        case 4: row_direct<T, 4, O>(row, nb, a, r0, out, ldo); break;
-        case 5: row_direct<T, 5, O>(row, nb, a, r0, out, ldo); break;
-        case 6: row_direct<T, 6, O>(row, nb, a, r0, out, ldo); break;
-        case 7: row_direct<T, 7, O>(row, nb, a, r0, out, ldo); break;
-        default: row_direct<T, 8, O>(row, nb, a, r0, out, ldo); break;
+        case 1: row_direct<T, 1, O>(row, groups, a, r0, out, ldo); break;
+        case 2: row_direct<T, 2, O>(row, groups, a, r0, out, ldo); break;
+        case 3: row_direct<T, 3, O>(row, groups, a, r0, out, ldo); break;
+        case 4: row_direct<T, 4, O>(row, groups, a, r0, out, ldo); break;
+        case 5: row_direct<T, 5, O>(row, groups, a, r0, out, ldo); break;
+        case 6: row_direct<T, 6, O>(row, groups, a, r0, out, ldo); break;
+        case 7: row_direct<T, 7, O>(row, groups, a, r0, out, ldo); break;
+        default: row_direct<T, 8, O>(row, groups, a, r0, out, ldo); break;
     }
 }
 
 template <class T, class O>
 void run_linear(const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t m, O* yp) {
-    const int64_t nb = a.k / T::kValues;
+    const int64_t groups = a.groups;
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
         if (m <= kDirectRows * kDirectChunks) {  // chunks of at most kDirectRows rows, as even as they go
             const int64_t chunks = (m + kDirectRows - 1) / kDirectRows;
             for (int64_t j = begin; j < end; ++j) {
                 for (int64_t c = 0, r0 = 0; c < chunks; ++c) {
                     const int64_t rows = (m - r0) / (chunks - c);
-                    row_chunk<T, O>(wp + j * rb, nb, a, r0, rows, yp + r0 * n + j, n);
+                    row_chunk<T, O>(wp + j * rb, groups, a, r0, rows, yp + r0 * n + j, n);
                     r0 += rows;
                 }
             }
             return;
         }
-        RowBuffer w(a.k);
+        RowBuffer w(a.k, a.gstride);
         for (int64_t j = begin; j < end; ++j) {
             const uint8_t* row = wp + j * rb;
-            for (int64_t b = 0; b < nb; ++b) {
-                auto store = [&](int i, __m256i u, __m256 s, __m256 mm) {
-                    const int64_t g = b * (T::kValues / kGroup) + i;
+            for (int64_t g = 0; g < groups; ++g) {
+                auto store = [&](__m256i u, float s, float mm) {
                     _mm256_storeu_si256(reinterpret_cast<__m256i*>(&w.u[g * kGroup]), u);
-                    _mm256_storeu_ps(&w.sm[g * 16], s);
-                    _mm256_storeu_ps(&w.sm[g * 16 + 8], mm);
+                    w.s[g] = s;
+                    w.m[g] = mm;
                 };
-                T::run(row + b * T::kBytes, store);
+                T::run(row + g * T::kBytes, store);
             }
             int64_t r = 0;
-            for (; r + 4 <= m; r += 4) row_buffered<4, O>(w, a.groups, a, r, yp + r * n + j, n);
+            for (; r + 4 <= m; r += 4) row_buffered<4, O>(w, groups, a, r, yp + r * n + j, n);
             switch (m - r) {
-                case 1: row_buffered<1, O>(w, a.groups, a, r, yp + r * n + j, n); break;
-                case 2: row_buffered<2, O>(w, a.groups, a, r, yp + r * n + j, n); break;
-                case 3: row_buffered<3, O>(w, a.groups, a, r, yp + r * n + j, n); break;
+                case 1: row_buffered<1, O>(w, groups, a, r, yp + r * n + j, n); break;
+                case 2: row_buffered<2, O>(w, groups, a, r, yp + r * n + j, n); break;
+                case 3: row_buffered<3, O>(w, groups, a, r, yp + r * n + j, n); break;
                 default: break;
             }
         }
