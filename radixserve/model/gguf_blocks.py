@@ -13,11 +13,11 @@ dequantizes one weight row at a time for small inputs (decode: the weights are r
 blocks) and tiles of rows into the BLAS GEMM for large ones (prefill). A bfloat16 model on a CPU
 with AVX-512 takes two faster kernels for its decode batches: up to ``VNNI_MAX_ROWS`` rows
 (``VNNI_MAX_ROWS_K`` for the K-quants), csrc/gguf_vnni.cpp (activations quantized to ~15 bits per
-group of 32, or of 256 for the K-quants, integer dot products against the blocks; AVX512-VNNI),
-and past that the bf16 row kernel of gguf_dequant.cpp (each weight row expanded to bf16 once,
-vdpbf16ps dot products; AVX512-BF16). float32 models keep the float kernel, their exact
-reference. A fused linear whose parts have different types (Q4_K_M files keep some ``attn_v`` /
-``ffn_down`` in Q6_K) holds one segment per type and writes each segment's columns of the output.
+256 values, integer dot products against the blocks; AVX512-VNNI), and past that the bf16 row kernel
+of gguf_dequant.cpp (each weight row expanded to bf16 once, vdpbf16ps dot products; AVX512-BF16).
+float32 models keep the float kernel, their exact reference. A fused linear whose parts have
+different types (Q4_K_M files keep some ``attn_v`` / ``ffn_down`` in Q6_K) holds one segment per
+type and writes each segment's columns of the output.
 
 Which of the two bf16 kernels a row takes changes its numbers (the VNNI kernel quantizes the
 activations; each kernel alone computes a row the same way whatever the number of rows). A step

@@ -14,14 +14,16 @@
 //   Q5_0   u = q          s = d        m = -16 d          Q5_1   u = q       s = d      m = min
 //   Q8_0   u = q + 128    s = d        m = -128 d         IQ4_NL u = t[q]+128 s = d     m = -128 d
 //
-// and each row of x is quantized per group of 32: qa = round(x / step), step = max|x| / 32639, so
-// qa = 256 hi + lo with hi and lo both int8. Then
+// and each row of x is quantized per span of 8 groups (256 values; a row's last may be shorter):
+// qa = round(x / step), step = max|x| / 32639, so qa = 256 hi + lo with hi and lo both int8. Then
+// a span's
 //
-//   sum_i w_i x_i = s * step * sum_lanes (256 * sum4(u hi) + sum4(u lo))  +  m * step * sum(qa)
+//   sum_i w_i x_i = step * sum_groups s * sum_lanes (256 * sum4(u hi) + sum4(u lo))
+//                   + sum_groups m * step * sum(qa of the group)
 //
 // where each sum4 over a lane's 4 values is exact integer arithmetic (vpdpbusd, u8 x s8); the
 // offset term's step * sum(qa) is computed once per call with the quantization, and the offsets
-// are one 8-lane product per 8 groups (their 8 m against the row's 8 sums). Up to 24 rows,
+// are one 8-lane product per span (its 8 groups' m against the row's 8 sums). Up to 24 rows,
 // each weight group is unpacked into the dot products of up to 8 rows at once (a weight row once
 // per 8 rows, from L1 after the first); past that, a weight row is unpacked once into a buffer
 // (bytes, lane scales and offsets, in L1) that groups of 4 rows then read. (512-bit vectors over
@@ -74,14 +76,16 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kDirectRows = 8, kDirectChunks = 3;
 constexpr float kQMax = 127.f * 256.f + 127.f;
 
-// x quantized: per row and group, hi and lo bytes in the values' order, the step, and step * (sum
-// of the group's qa), a row's sums padded with zeros to a multiple of 8 groups (`gstride`)
+// x quantized: per row, hi and lo bytes in the values' order, per span of 8 groups (256 values;
+// the row's last may be shorter) the step, and per group step * (sum of the group's qa), a row's
+// sums padded with zeros to whole spans (`gstride`)
 struct Act {
-    int64_t k = 0, groups = 0, gstride = 0;
+    int64_t k = 0, groups = 0, spans = 0, gstride = 0;
     std::vector<int8_t> hi, lo;
     std::vector<float> step, gsum;
     Act(int64_t m, int64_t k_)
-        : k(k_), groups(k_ / kGroup), gstride((groups + 7) / 8 * 8), hi(m * k_), lo(m * k_), step(m * groups), gsum(m * gstride, 0.f) {}
+        : k(k_), groups(k_ / kGroup), spans((groups + 7) / 8), gstride(spans * 8), hi(m * k_), lo(m * k_),
+          step(m * spans), gsum(m * gstride, 0.f) {}
 };
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -90,36 +94,45 @@ inline __m512 load16(const c10::BFloat16* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// span `i` (row i / spans) of x: n groups of 32 from x
 template <class S>
-void quantize_group(const S* x, int8_t* hi, int8_t* lo, float* step, float* gsum) {
-    const __m512 a = load16(x), b = load16(x + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+void quantize_span(const S* x, int64_t n, Act& a, int64_t i) {
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int64_t j = 0; j < n * kGroup; j += 16) {
+        const __m512 v = load16(x + j);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+        bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);  // max drops NaNs: they are looked for on their own
+    }
+    const float mx = _mm512_reduce_max_ps(amax);
     // a NaN or infinite value makes the step NaN and so every product of the row NaN, as in float
-    // (max drops NaNs: they are looked for on their own)
-    const bool bad = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q) || !std::isfinite(amax);
-    const float inv = !bad && amax > 0.f ? kQMax / amax : 0.f;
-    *step = bad ? std::numeric_limits<float>::quiet_NaN() : amax / kQMax;
+    const bool nonfinite = bad || !std::isfinite(mx);
+    const float inv = !nonfinite && mx > 0.f ? kQMax / mx : 0.f;
+    const float step = a.step[i] = nonfinite ? std::numeric_limits<float>::quiet_NaN() : mx / kQMax;
     const __m512 vi = _mm512_set1_ps(inv);
     const __m512i c128 = _mm512_set1_epi32(128);
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vi)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, vi));
-    const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, c128), 8), hb = _mm512_srai_epi32(_mm512_add_epi32(qb, c128), 8);
-    const __m512i la = _mm512_sub_epi32(qa, _mm512_slli_epi32(ha, 8)), lb = _mm512_sub_epi32(qb, _mm512_slli_epi32(hb, 8));
-    const __m256i h = _mm256_set_m128i(_mm512_cvtepi32_epi8(hb), _mm512_cvtepi32_epi8(ha));
-    const __m256i l = _mm256_set_m128i(_mm512_cvtepi32_epi8(lb), _mm512_cvtepi32_epi8(la));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), h);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), l);
-    const __m256i ones = _mm256_set1_epi8(1);
-    const __m256i sh = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, h);
-    const __m256i sum = _mm256_dpbusd_epi32(_mm256_slli_epi32(sh, 8), ones, l);
-    *gsum = static_cast<float>(_mm512_reduce_add_epi32(_mm512_zextsi256_si512(sum))) * *step;
+    const int64_t r = i / a.spans, g0 = i % a.spans * 8;
+    for (int64_t g = 0; g < n; ++g) {
+        const S* xg = x + g * kGroup;
+        const int64_t at = r * a.k + (g0 + g) * kGroup;
+        const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xg), vi)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xg + 16), vi));
+        const __m512i ha = _mm512_srai_epi32(_mm512_add_epi32(qa, c128), 8), hb = _mm512_srai_epi32(_mm512_add_epi32(qb, c128), 8);
+        const __m512i la = _mm512_sub_epi32(qa, _mm512_slli_epi32(ha, 8)), lb = _mm512_sub_epi32(qb, _mm512_slli_epi32(hb, 8));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.hi[at]), _mm512_cvtepi32_epi8(ha));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.hi[at + 16]), _mm512_cvtepi32_epi8(hb));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.lo[at]), _mm512_cvtepi32_epi8(la));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.lo[at + 16]), _mm512_cvtepi32_epi8(lb));
+        a.gsum[r * a.gstride + g0 + g] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb))) * step;
+    }
 }
 
 template <class S>
 void quantize(const S* x, int64_t m, Act& a) {
-    at::parallel_for(0, m * a.groups, 256, [&](int64_t begin, int64_t end) {
-        for (int64_t g = begin; g < end; ++g)
-            quantize_group(x + g * kGroup, &a.hi[g * kGroup], &a.lo[g * kGroup], &a.step[g],
-                           &a.gsum[g / a.groups * a.gstride + g % a.groups]);
+    at::parallel_for(0, m * a.spans, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            const int64_t g0 = i % a.spans * 8;
+            quantize_span(x + i / a.spans * a.k + g0 * kGroup, std::min<int64_t>(8, a.groups - g0), a, i);
+        }
     });
 }
 
@@ -184,23 +197,28 @@ struct IQ4_NLv {
 // --- the dot products -------------------------------------------------------------------------------
 using gguf::hsum8;
 
-// rows r0 .. r0 + R of x against weight group g (bytes u, scale s)
+// rows r0 .. r0 + R of x against weight group g (bytes u, scale s): into the span's sums `part`
 template <int R>
-inline void accumulate(const Act& a, int64_t r0, int64_t g, __m256i u, float s, __m256* acc) {
+inline void accumulate(const Act& a, int64_t r0, int64_t g, __m256i u, float s, __m256* part) {
+    const __m256 sv = _mm256_set1_ps(s);
     for (int r = 0; r < R; ++r) {
-        const int64_t gi = (r0 + r) * a.groups + g;
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.hi[gi * kGroup]));
-        const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.lo[gi * kGroup]));
+        const int64_t at = ((r0 + r) * a.groups + g) * kGroup;
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.hi[at]));
+        const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.lo[at]));
         const __m256i t = _mm256_dpbusd_epi32(_mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, h), 8), u, l);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(s * a.step[gi]), acc[r]);
+        part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sv, part[r]);
     }
 }
 
-// the offsets of groups g0 .. g0 + 8 (`m`, zero past the row's last group) against rows r0 .. r0 + R
-// of x: one 8-lane product per row and 8 groups
+// the end of the span of 8 groups from g0: its sums times the row's step into acc, and its offsets
+// (`m`, zero past the row's last group): one 8-lane product per row
 template <int R>
-inline void offsets(const Act& a, int64_t r0, int64_t g0, __m256 m, __m256* macc) {
-    for (int r = 0; r < R; ++r) macc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(&a.gsum[(r0 + r) * a.gstride + g0]), macc[r]);
+inline void end_span(const Act& a, int64_t r0, int64_t g0, __m256 m, __m256* part, __m256* acc, __m256* macc) {
+    for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_fmadd_ps(part[r], _mm256_set1_ps(a.step[(r0 + r) * a.spans + g0 / 8]), acc[r]);
+        part[r] = _mm256_setzero_ps();
+        macc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(&a.gsum[(r0 + r) * a.gstride + g0]), macc[r]);
+    }
 }
 
 // O: float, or c10::BFloat16 (a bfloat16 model's output written as it is, no conversion pass)
@@ -212,13 +230,13 @@ inline void finish(const __m256* acc, const __m256* macc, O* out, int64_t ldo) {
 // one weight row against R <= kDirectRows rows of x, unpacking each group straight into the products
 template <class T, int R, class O>
 void row_direct(const uint8_t* row, int64_t groups, const Act& a, int64_t r0, O* out, int64_t ldo) {
-    __m256 acc[R], macc[R];
-    for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+    __m256 acc[R], part[R], macc[R];
+    for (int r = 0; r < R; ++r) acc[r] = part[r] = macc[r] = _mm256_setzero_ps();
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         __m256 mg = _mm256_setzero_ps();  // the 8 groups' offsets, built in a register
         const auto group = [&](int i) {
             auto sink = [&](__m256i u, float s, float m) {
-                accumulate<R>(a, r0, g0 + i, u, s, acc);
+                accumulate<R>(a, r0, g0 + i, u, s, part);
                 mg = _mm256_mask_mov_ps(mg, static_cast<__mmask8>(1u << i), _mm256_set1_ps(m));
             };
             T::run(row + (g0 + i) * T::kBytes, sink);
@@ -229,7 +247,7 @@ void row_direct(const uint8_t* row, int64_t groups, const Act& a, int64_t r0, O*
         } else {
             for (int i = 0; i < groups - g0; ++i) group(i);
         }
-        offsets<R>(a, r0, g0, mg, macc);
+        end_span<R>(a, r0, g0, mg, part, acc, macc);
     }
     finish<R, O>(acc, macc, out, ldo);
 }
@@ -243,11 +261,11 @@ struct RowBuffer {
 
 template <int R, class O>
 void row_buffered(const RowBuffer& w, int64_t groups, const Act& a, int64_t r0, O* out, int64_t ldo) {
-    __m256 acc[R], macc[R];
-    for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+    __m256 acc[R], part[R], macc[R];
+    for (int r = 0; r < R; ++r) acc[r] = part[r] = macc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        accumulate<R>(a, r0, g, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&w.u[g * kGroup])), w.s[g], acc);
-        if (g % 8 == 7 || g == groups - 1) offsets<R>(a, r0, g - g % 8, _mm256_loadu_ps(&w.m[g - g % 8]), macc);
+        accumulate<R>(a, r0, g, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&w.u[g * kGroup])), w.s[g], part);
+        if (g % 8 == 7 || g == groups - 1) end_span<R>(a, r0, g - g % 8, _mm256_loadu_ps(&w.m[g - g % 8]), part, acc, macc);
     }
     finish<R, O>(acc, macc, out, ldo);
 }
