@@ -46,7 +46,6 @@ VNNI_MAX_ROWS = 4
 # kernel's cheaper scheme): decode steps of a ~1.1B Q4_K_M Llama at 5 / 6 / 8 rows took 85 / 99 /
 # 135 ms with it and 113 / 117 / 125 ms with the bf16 kernel
 VNNI_MAX_ROWS_K = 6
-INTEGER_SCALED_TYPES = frozenset({12, 13, 14, 23})
 
 # the number of requests of the decode step being run, where it has more rows than requests
 _decode_requests: ContextVar[int | None] = ContextVar("gguf_decode_requests", default=None)
@@ -160,8 +159,8 @@ class GGUFWeight(QuantizedWeight):
         self._ext = linear_ext()
         vnni = vnni_ext()
         self._vnni = vnni if vnni is not None and all(vnni.supported(s.qtype) for s in self.segments) else None
-        self.vnni_rows = VNNI_MAX_ROWS_K if all(s.qtype in INTEGER_SCALED_TYPES for s in self.segments) \
-            else VNNI_MAX_ROWS
+        k_quants = self._vnni is not None and all(self._vnni.integer_scaled(s.qtype) for s in self.segments)
+        self.vnni_rows = VNNI_MAX_ROWS_K if k_quants else VNNI_MAX_ROWS
 
     @property
     def type_ids(self) -> list[int]:

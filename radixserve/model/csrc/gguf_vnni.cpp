@@ -94,21 +94,29 @@ inline __m512 load16(const c10::BFloat16* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// span `i` (row i / spans) of x: n groups of 32 from x
+// The step of n values of x (a multiple of 16) quantized to at most qmax: max|x| / qmax, and in
+// `inv` what x is multiplied by. A NaN or infinite value makes the step NaN (inv 0) and so every
+// product of the row NaN, as in float.
 template <class S>
-void quantize_span(const S* x, int64_t n, Act& a, int64_t i) {
+float quant_step(const S* x, int64_t n, float qmax, float* inv) {
     __m512 amax = _mm512_setzero_ps();
     __mmask16 bad = 0;
-    for (int64_t j = 0; j < n * kGroup; j += 16) {
+    for (int64_t j = 0; j < n; j += 16) {
         const __m512 v = load16(x + j);
         amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
         bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);  // max drops NaNs: they are looked for on their own
     }
     const float mx = _mm512_reduce_max_ps(amax);
-    // a NaN or infinite value makes the step NaN and so every product of the row NaN, as in float
     const bool nonfinite = bad || !std::isfinite(mx);
-    const float inv = !nonfinite && mx > 0.f ? kQMax / mx : 0.f;
-    const float step = a.step[i] = nonfinite ? std::numeric_limits<float>::quiet_NaN() : mx / kQMax;
+    *inv = !nonfinite && mx > 0.f ? qmax / mx : 0.f;
+    return nonfinite ? std::numeric_limits<float>::quiet_NaN() : mx / qmax;
+}
+
+// span `i` (row i / spans) of x: n groups of 32 from x
+template <class S>
+void quantize_span(const S* x, int64_t n, Act& a, int64_t i) {
+    float inv;
+    const float step = a.step[i] = quant_step(x, n * kGroup, kQMax, &inv);
     const __m512 vi = _mm512_set1_ps(inv);
     const __m512i c128 = _mm512_set1_epi32(128);
     const int64_t r = i / a.spans, g0 = i % a.spans * 8;
@@ -337,18 +345,8 @@ struct UnitAct {
 // block `i` (row i / units) of x
 template <class S>
 void quantize_unit(const S* x, UnitAct& a, int64_t i) {
-    constexpr float kMax = 32767.f;
-    __m512 amax = _mm512_setzero_ps();
-    __mmask16 bad = 0;
-    for (int64_t j = 0; j < kUnit; j += 16) {
-        const __m512 v = load16(x + j);
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
-        bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);  // max drops NaNs: they are looked for on their own
-    }
-    const float mx = _mm512_reduce_max_ps(amax);
-    const bool nonfinite = bad || !std::isfinite(mx);  // then the step is NaN, and the row's products
-    const float inv = !nonfinite && mx > 0.f ? kMax / mx : 0.f;
-    const float step = a.step[i] = nonfinite ? std::numeric_limits<float>::quiet_NaN() : mx / kMax;
+    float inv;
+    const float step = a.step[i] = quant_step(x, kUnit, 32767.f, &inv);
     const __m512 vi = _mm512_set1_ps(inv);
     const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32767);
     for (int64_t g = 0; g < kUnitGroups; ++g) {
@@ -515,6 +513,18 @@ void run(int64_t type, const S* x, const uint8_t* wp, int64_t rb, int64_t n, int
 
 }  // namespace
 
+// Whether GGML type `type` takes the integer-sub-scale scheme (the K-quants, IQ4_XS).
+bool integer_scaled(int64_t type) {
+#ifdef RADIXSERVE_GGUF_VNNI
+    bool out = false;
+    with_type(type, [&](auto t) { out = kIntegerScaled<decltype(t)>; });
+    return out;
+#else
+    (void)type;
+    return false;
+#endif
+}
+
 // Whether this build has the kernel for GGML type `type` (false everywhere without AVX512-VNNI).
 bool supported(int64_t type) {
 #ifdef RADIXSERVE_GGUF_VNNI
@@ -553,5 +563,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("supported", &supported, "whether a GGML type has the VNNI kernel in this build");
+    m.def("integer_scaled", &integer_scaled, "whether a GGML type takes the integer-sub-scale scheme");
     m.def("linear", &linear, "x [M, K] @ block weight [N, K].T by int8 dot products");
 }
