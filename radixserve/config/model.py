@@ -48,7 +48,8 @@ class ModelOptions:
         "(compiled by scripts/setup.sh, or on first use; needs g++ and ninja: if it cannot be built, choosing it "
         "fails at start with the reason); it also brings the fused C++ small ops (RMSNorm + residual, RoPE, "
         "SiLU x up; torch_native keeps the torch ones, the reference). auto: cpu_paged when its kernel builds "
-        "here, else torch_native (and torch_native for layers with sliding windows or soft-capped scores: Gemma).",
+        "here, else torch_native (and torch_native for a model with soft-capped attention scores: Gemma 2; both "
+        "have sliding windows).",
         ("auto", "torch_native", "cpu_paged"), group="model")
     quantization: str = option(
         "auto", "How the linear weights are held. gguf: a GGUF file's quantized matrices stay in their blocks "

@@ -105,7 +105,8 @@ class TorchNativeAttention(AttentionBackend):
     attention does, instead of by SDPA.
     """
 
-    windows_and_softcap = True
+    has_windows = True
+    has_softcap = True
 
     def _init_state(self) -> None:
         self._meta: _Metadata | None = None

@@ -7,8 +7,9 @@ with ``q: [T, H, D]``, ``k, v: [T, KVH, D]`` for the ``T`` new tokens of the bat
 metadata, so the per-layer work is a handful of tensor ops.
 
 A backend may also attend over a sliding window (each token sees the ``window`` latest positions,
-itself included) and soft-cap the scores (``cap * tanh(score / cap)``), as Gemma's layers do; only
-``torch_native`` does both, and ``auto`` picks it for a model that needs them.
+itself included; the positions before it are never read) and soft-cap the scores (``cap *
+tanh(score / cap)``), as Gemma's layers do. Both backends have windows; only ``torch_native`` caps
+scores, and ``auto`` picks it for a model that needs that (Gemma 2).
 
 Backends register by name (``@register_attention_backend("name")``); ``create_attention_backend``
 builds one. A GPU kernel (FlashInfer, Triton...) is one more subclass. Backends in their own module
@@ -36,7 +37,8 @@ class AttentionBackend(ABC):
     # need a compiler anyway
     fused_small_ops = False
     # whether it implements ``window`` and ``softcap``
-    windows_and_softcap = False
+    has_windows = False
+    has_softcap = False
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -57,9 +59,10 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scaling = scaling if scaling is not None else head_dim**-0.5
-        if (window or softcap) and not self.windows_and_softcap:
-            raise ValueError(f"the {type(self).__name__} backend has no sliding window or score soft-capping, "
-                             "which this model needs; use --attention-backend torch_native (or auto)")
+        if (window and not self.has_windows) or (softcap and not self.has_softcap):
+            raise ValueError(f"the {type(self).__name__} backend has no score soft-capping, which this model "
+                             "needs; use --attention-backend torch_native (or auto)" if softcap else
+                             f"the {type(self).__name__} backend has no sliding window, which this model needs")
         self.window = window
         self.softcap = softcap
         self._init_state()
@@ -102,10 +105,10 @@ def available_attention_backends() -> list[str]:
     return sorted(set(_BACKENDS) | set(_LAZY_BACKENDS))
 
 
-def resolve_auto_backend(needs_windows_or_softcap: bool = False) -> str:
+def resolve_auto_backend(needs_softcap: bool = False) -> str:
     """What ``auto`` means here: the paged kernel if its extension builds, else the torch path (and
-    the torch path for a model with sliding windows or soft-capped scores, which the kernel lacks)."""
-    if needs_windows_or_softcap:
+    the torch path for a model with soft-capped scores, which the kernel lacks)."""
+    if needs_softcap:
         return "torch_native"
     err = _backend_class("cpu_paged").unavailable()
     if err is None:
@@ -126,9 +129,9 @@ def create_attention_backend(
     """Raises ``ValueError`` for an unknown name or one without the ``window`` / ``softcap`` asked
     for; a backend that cannot run here (``cpu_paged`` without its compiled extension) raises
     ``RuntimeError`` saying why. ``auto``: ``cpu_paged`` where its kernel builds, else (or when
-    ``window`` or ``softcap`` is asked for) ``torch_native``."""
+    ``softcap`` is asked for) ``torch_native``."""
     if name == "auto":
-        name = resolve_auto_backend(bool(window or softcap))
+        name = resolve_auto_backend(bool(softcap))
     return _backend_class(name)(num_heads, num_kv_heads, head_dim, scaling, window, softcap)
 
 

@@ -7,6 +7,9 @@ through ``req_to_token[req_pool_idx, :seq_len]`` instead and reads K/V where the
 an online softmax in float32 (the file's header has the algorithm). Prefill and extend rows keep
 the torch path (their SDPA calls are GEMM-bound, not gather-bound).
 
+Sliding windows: a windowed layer's decode rows attend their last ``window`` slots only (the
+kernel's ``window``); the positions before are never read, so the pool may have freed them.
+
 Shared prefixes: the kernel attends every decode row, grouped or not, and the torch
 ``cascade.py`` grouping is off for this backend (``share_prefixes = False``). Measured
 (docs/benchmarks.md, "Where a decode step goes"): a shared prefix read once per member by the kernel
@@ -69,14 +72,16 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``q: [B, H, D]`` (one new token per row) attends over ``seq_lens[b]`` tokens whose KV slots
-    are ``req_to_token[req_pool_indices[b], :seq_lens[b]]`` in ``k_buf, v_buf: [S, KVH, D]``
+    are ``req_to_token[req_pool_indices[b], :seq_lens[b]]`` (with a ``window``, the last ``window`` of
+    them) in ``k_buf, v_buf: [S, KVH, D]``
     (float32, bfloat16, float8 e4m3 / e5m2 or int8; a one-byte pool may come with ``k_scale,
     v_scale: [S, KVH]`` float32, and int8 and e4m3 pools do: the formats of ``mem/kv_format.py``).
     Returns ``[B, H * D]`` in ``q``'s dtype."""
     out: torch.Tensor = extension().paged_decode_attention(
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, float(scale), k_scale, v_scale
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, float(scale), k_scale, v_scale, window or 0
     )
     return out
 
@@ -105,7 +110,8 @@ class CpuPagedAttention(TorchNativeAttention):
 
     fused_small_ops = True
 
-    windows_and_softcap = False  # the kernel has neither
+    has_windows = True
+    has_softcap = False  # the kernel has no score capping
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -122,6 +128,12 @@ class CpuPagedAttention(TorchNativeAttention):
         lens_t = torch.tensor(lens, dtype=torch.int64)
         return _PagedDecode(token_idx, len(lens), [], 0, r2t, rows_rpi.to(torch.int64), lens_t)
 
+    def _window_decode_group(
+        self, r2t: torch.Tensor, rows_rpi: torch.Tensor, lens: list[int], token_idx: torch.Tensor | None,
+        window: int,
+    ) -> _DecodeGroup:
+        return self._decode_group(r2t, rows_rpi, lens, token_idx)  # the kernel starts each row at its window
+
     def _store(self, kv_pool: KVPool, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """A one-byte pool is written by the extension in one call (the same bytes as ``KVPool.write``,
         which takes a dozen tensor ops)."""
@@ -136,7 +148,7 @@ class CpuPagedAttention(TorchNativeAttention):
         assert dec.req_to_token is not None and dec.req_pool_indices is not None and dec.seq_lens is not None
         return paged_decode_attention(
             q, kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id], dec.req_to_token, dec.req_pool_indices,
-            dec.seq_lens, self.scaling, *kv_pool.scales(layer_id),
+            dec.seq_lens, self.scaling, *kv_pool.scales(layer_id), window=self.window,
         )
 
 

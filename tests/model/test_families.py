@@ -62,13 +62,15 @@ def test_prefill_extend_and_decode_match_transformers(
     path = d if fmt == "hf" else write_gguf(d, str(tmp_path / "model.gguf"))
     # Phi-3: a context within the original 128 positions runs LongRoPE's short factors, as
     # transformers does for a sequence that fits them
-    if (name.startswith("gemma") or name == "mistral") and backend == "cpu_paged":
-        # the paged kernel has no windows or caps: refused by name, and auto gives Gemma 3's global
-        # layers the kernel and its local ones (Mistral: all of them) the torch path
-        with pytest.raises(ValueError, match="sliding window or score soft-capping"):
+    if name == "gemma2" and backend == "cpu_paged":
+        # the paged kernel has no score capping: refused by name, and auto gives Gemma 2 the torch path
+        with pytest.raises(ValueError, match="no score soft-capping"):
             ModelRunner(path, dtype="float32", attention_backend="cpu_paged", progress=False)
         backend = "auto"
     runner, h = runner_and_harness(path, context_length=128 if name == "phi3" else None, backend=backend)
+    if name in ("gemma3", "mistral") and backend == "cpu_paged":  # windowed layers on the kernel too
+        local = runner.model.local_attn_backend  # (Mistral: every layer, its context being past the window)
+        assert type(local).__name__ == "CpuPagedAttention" and local.window == 8
     cfg = runner.model_config
     assert cfg.num_experts == {"mixtral": 4, "qwen3_moe": 6}.get(name, 0)
     if name == "granite":

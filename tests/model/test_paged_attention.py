@@ -60,7 +60,8 @@ def _batch(rpi: list[int], lens: list[int], ext: list[int], r2t: torch.Tensor) -
     )
 
 
-def _compare(pool: Pool, fb: ForwardBatch, heads: int, seed: int, share_prefixes: bool = True) -> None:
+def _compare(pool: Pool, fb: ForwardBatch, heads: int, seed: int, share_prefixes: bool = True,
+             window: int | None = None) -> torch.Tensor:
     kvh, d = pool.kv.k_buffers[0].shape[1:]
     dtype = pool.kv.dtype
     g = torch.Generator().manual_seed(seed)
@@ -68,10 +69,10 @@ def _compare(pool: Pool, fb: ForwardBatch, heads: int, seed: int, share_prefixes
     q = torch.randn(T, heads, d, generator=g).to(dtype)
     k = torch.randn(T, kvh, d, generator=g).to(dtype)
     v = torch.randn(T, kvh, d, generator=g).to(dtype)
-    ref_be = TorchNativeAttention(heads, kvh, d)
-    ref_be.share_prefixes = share_prefixes
+    ref_be = TorchNativeAttention(heads, kvh, d, window=window)
+    ref_be.share_prefixes = share_prefixes and window is None
     ref = ref_be.forward(q, k, v, 0, fb, pool.kv, pool.r2t)
-    got = create_attention_backend("cpu_paged", heads, kvh, d).forward(q, k, v, 0, fb, pool.kv, pool.r2t)
+    got = create_attention_backend("cpu_paged", heads, kvh, d, window=window).forward(q, k, v, 0, fb, pool.kv, pool.r2t)
     assert got.dtype == ref.dtype and got.shape == ref.shape
     # errors relative to the output's scale (a long context averages V down to ~0.03): float32 is
     # exact up to summation order (seen: 6e-7); bfloat16 rounds the output, and torch also its
@@ -79,6 +80,7 @@ def _compare(pool: Pool, fb: ForwardBatch, heads: int, seed: int, share_prefixes
     scale = ref.float().abs().max().item()
     tol = 1e-5 if dtype == torch.float32 else 1.5e-2
     torch.testing.assert_close(got.float(), ref.float(), atol=tol * scale, rtol=0)
+    return got
 
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -142,6 +144,34 @@ def test_other_head_shapes(heads: int, kvh: int, d: int) -> None:
     lens = [1, 77, 800, 1500]
     rpi = [pool.request(n) for n in lens]
     _compare(pool, _batch(rpi, lens, [1] * len(lens), pool.r2t.req_to_token), heads, seed=5)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("page", [1, 16])
+def test_sliding_window_reads_only_the_window(dtype: torch.dtype, page: int) -> None:
+    """Rows shorter and longer than the window (a long one split over threads), each against the
+    torch backend's window; then every slot before a row's window is replaced by one outside the
+    pool (which the kernel refuses to read) and the result is the same bits."""
+    window = 300
+    pool = Pool(page, 3, 64, dtype, pages=12000 // page, seed=8)
+    lens = [1, 17, 299, 300, 301, 700, 2000, 64]
+    rpi = [pool.request(n) for n in lens]
+    fb = _batch(rpi, lens, [1] * len(lens), pool.r2t.req_to_token)
+    got = _compare(pool, fb, 9, seed=6, window=window)
+    for r, n in zip(rpi, lens, strict=True):
+        pool.r2t.req_to_token[r, : max(0, n - window)] = 10**6
+    be = create_attention_backend("cpu_paged", 9, 3, 64, window=window)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(fb.num_tokens, 9, 64, generator=g).to(dtype)
+    k, v = (torch.randn(fb.num_tokens, 3, 64, generator=g).to(dtype) for _ in range(2))
+    assert torch.equal(be.forward(q, k, v, 0, fb, pool.kv, pool.r2t), got)
+
+
+def test_a_backend_without_windows_or_capping_says_which() -> None:
+    with pytest.raises(ValueError, match="no score soft-capping.*torch_native"):
+        create_attention_backend("cpu_paged", 9, 3, 64, softcap=50.0)
+    assert create_attention_backend("auto", 9, 3, 64, softcap=50.0).__class__ is TorchNativeAttention
 
 
 @needs_ext

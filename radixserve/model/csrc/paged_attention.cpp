@@ -8,6 +8,9 @@
 //                                 int8 and e4m3 pools always have them)
 //   req_to_token [R, C] int64     req_to_token[req_pool_indices[b], t] = slot of token t of row b
 //   seq_lens     [B] int64        tokens row b attends to (its new token included)
+//   window       int              > 0: a sliding window, row b attends to its last `window` tokens
+//                                 only, [seq_lens[b] - window, seq_lens[b]) (slots before that are
+//                                 never read: the pool may have freed them)
 //   returns      [B, H * D]       in q's dtype
 //
 // Work is cut into items (row, token range). An item walks its tokens in blocks of kBlock and, for
@@ -631,11 +634,13 @@ ItemFn pick_kernel(int64_t G, int64_t D) {
 // Returns the number of threads to use (cuts has that many runs). Consecutive rows of one request
 // (a speculative verify step's positions, each attended as a decode row) are emitted piece by
 // piece: the rows' items over the same tokens run one after another, mostly on one thread, so the
-// K/V they share is read from memory once and from cache after that.
-int64_t plan(const int64_t* lens, const int64_t* rpi, int64_t B, int64_t threads, std::vector<Item>& items,
-             std::vector<int64_t>& cuts, int64_t& num_parts) {
+// K/V they share is read from memory once and from cache after that. With a `window` (> 0) a row's
+// span is its last `window` tokens, cut into pieces by the span's length as a shorter row's is.
+int64_t plan(const int64_t* lens, const int64_t* rpi, int64_t B, int64_t window, int64_t threads,
+             std::vector<Item>& items, std::vector<int64_t>& cuts, int64_t& num_parts) {
+  const auto first_of = [window](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; };
   int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += lens[b];
+  for (int64_t b = 0; b < B; ++b) total += lens[b] - first_of(lens[b]);
   threads = std::max<int64_t>(1, std::min(threads, total / kMinTokensPerThread));
   num_parts = 0;
   items.clear();
@@ -644,15 +649,15 @@ int64_t plan(const int64_t* lens, const int64_t* rpi, int64_t B, int64_t threads
     last = first + 1;
     while (last < B && rpi[last] == rpi[first]) ++last;
     int64_t most = 0;
-    for (int64_t b = first; b < last; ++b) most = std::max(most, pieces_of(lens[b]));
+    for (int64_t b = first; b < last; ++b) most = std::max(most, pieces_of(lens[b] - first_of(lens[b])));
     for (int64_t s = 0; s < most; ++s) {
       for (int64_t b = first; b < last; ++b) {
-        const int64_t len = lens[b], pieces = pieces_of(len);
+        const int64_t start = first_of(lens[b]), len = lens[b] - start, pieces = pieces_of(len);
         if (s >= pieces) continue;
         // equal pieces, each a multiple of kBlock, so no piece is a short tail
         const int64_t step = ((len + pieces - 1) / pieces + kBlock - 1) / kBlock * kBlock;
         const int64_t begin = std::min(len, s * step), end = std::min(len, (s + 1) * step);
-        items.push_back({b, begin, end, pieces > 1 ? num_parts++ : -1});
+        items.push_back({b, start + begin, start + end, pieces > 1 ? num_parts++ : -1});
       }
     }
   }
@@ -701,7 +706,7 @@ std::pair<at::Tensor, at::Tensor> checked_rows(const torch::Tensor& req_to_token
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tensor v_buf,
                                      torch::Tensor req_to_token, torch::Tensor req_pool_indices,
                                      torch::Tensor seq_lens, double scale, std::optional<torch::Tensor> k_scale,
-                                     std::optional<torch::Tensor> v_scale) {
+                                     std::optional<torch::Tensor> v_scale, int64_t window) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
   check_pool(k_buf, v_buf);
@@ -735,7 +740,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch
   std::vector<Item> items;
   std::vector<int64_t> cuts;
   int64_t P = 0;
-  const int64_t threads = plan(lens_p, rpi_p, B, max_threads, items, cuts, P);
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
+  const int64_t threads = plan(lens_p, rpi_p, B, window, max_threads, items, cuts, P);
   const int64_t G = H / KVH;
   auto part_acc = at::empty({std::max<int64_t>(P, 1), H, D}, qf.options());
   auto part_ml = at::empty({2, std::max<int64_t>(P, 1), H}, qf.options());
@@ -875,7 +881,7 @@ void store_kv(torch::Tensor k_buf, torch::Tensor v_buf, std::optional<torch::Ten
 // but a sum, and prefetch the rows ahead so that scattered pages do not make it latency-bound.
 // Returns the sum (so the reads cannot be optimised away).
 double read_kv_rows(torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor req_to_token,
-                    torch::Tensor req_pool_indices, torch::Tensor seq_lens) {
+                    torch::Tensor req_pool_indices, torch::Tensor seq_lens, int64_t window) {
   check_pool(k_buf, v_buf);
   const int64_t B = req_pool_indices.numel(), S = k_buf.size(0);
   const auto [rpi, lens] = checked_rows(req_to_token, req_pool_indices, seq_lens, B);
@@ -888,7 +894,7 @@ double read_kv_rows(torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor req_
   std::vector<Item> items;
   std::vector<int64_t> cuts;
   int64_t parts = 0;
-  const int64_t threads = plan(lens_p, rpi_p, B, std::max<int64_t>(1, at::get_num_threads()), items, cuts, parts);
+  const int64_t threads = plan(lens_p, rpi_p, B, window, std::max<int64_t>(1, at::get_num_threads()), items, cuts, parts);
   std::vector<uint64_t> sums(threads, 0);
   std::atomic<bool> ok{true};
   constexpr int64_t kAhead = kPrefetchBlocks * kBlock;
@@ -953,9 +959,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention reading K/V in place from a paged pool through req_to_token", py::arg("q"),
         py::arg("k_buf"), py::arg("v_buf"), py::arg("req_to_token"), py::arg("req_pool_indices"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("seq_lens"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("window") = 0);
   m.def("store_kv", &store_kv, "Store new K/V rows into a one-byte pool (KVFormat.encode, in one call)");
   m.def("read_kv_rows", &read_kv_rows,
-        "Read (and sum) every K/V row a decode call would read, computing nothing else: the memory floor");
+        "Read (and sum) every K/V row a decode call would read, computing nothing else: the memory floor",
+        py::arg("k_buf"), py::arg("v_buf"), py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
+        py::arg("window") = 0);
   m.def("has_avx512_path", &has_avx512_path, "Whether this build has the AVX-512 inner loops");
 }
