@@ -379,9 +379,9 @@ def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,
         + (f" (per tensor-parallel rank: 1/{args.tp_size} of the KV heads)" if args.tp_size > 1 else ""),
         file=sys.stderr,
     )
-    # under tensor parallelism the other ranks replay this pool's writes into their copy of the table
+    # other TP ranks replay this table's writes; KV behind a whole-model window is freed (not for a draft)
     kv = build_kv(args, total, context_len, pool_cls=JournaledReqToTokenPool if args.tp_size > 1 else ReqToTokenPool,
-                  event_sink=event_sink)
+                  event_sink=event_sink, window=None if runner.draft else runner.model_config.whole_window)
     pool = runner.make_kv_pool(total, args.page_size)
     runner.attach_pools(pool, kv.req_to_token_pool)
     if args.enable_hierarchical_cache:

@@ -102,12 +102,14 @@ def make_scheduler(
     page_size: int = 1,
     radix: bool = True,
     runner: Callable[[ReqToTokenPool], EchoRunner] = EchoRunner,
+    window: int | None = None,
     **kw: object,
 ) -> tuple[SchedulerCore, EchoRunner, KVManager]:
-    """A scheduler over ``runner(request-slot pool)`` (an ``EchoRunner`` or a subclass)."""
+    """A scheduler over ``runner(request-slot pool)`` (an ``EchoRunner`` or a subclass); ``window``:
+    the model's whole-model sliding window (``KVManager`` frees KV behind it)."""
     args = ServerArgs.from_kwargs(page_size=page_size, disable_radix_cache=not radix, **kw)  # type: ignore[arg-type]
     # built as the engine and the simulator build theirs (sched/build.py), over a pool of max_reqs slots
-    kv = build_kv(args, pool_tokens, context_len, max_reqs=max_reqs)
+    kv = build_kv(args, pool_tokens, context_len, max_reqs=max_reqs, window=window)
     model = runner(kv.req_to_token_pool)
     sched = build_scheduler(args, model, kv, context_len=context_len, vocab_size=VOCAB, eos_token_ids=[0])
     return sched, model, kv

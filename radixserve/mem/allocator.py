@@ -63,6 +63,11 @@ class TokenToKVPoolAllocator:
         self._n_released = 0
         free.sort(reverse=True)
 
+    def is_handed_out(self, slot: int) -> bool:
+        """Whether ``slot``'s page is allocated (not free, not the padding page)."""
+        page = slot // self.page_size
+        return 0 < page <= self.num_pages and not self._is_free[page]
+
     def _take_pages(self, n: int) -> list[int]:
         if n > len(self._free_pages):
             if n > len(self._free_pages) + self._n_released:

@@ -123,6 +123,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def whole_window(self) -> int | None:
+        """The sliding window when every layer has it (no KV further behind a request's newest token
+        is ever read again), else None."""
+        return self.sliding_window if self.sliding_layers and len(self.sliding_layers) == self.num_layers else None
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 

@@ -146,9 +146,10 @@ class CpuPagedAttention(TorchNativeAttention):
     def _decode(self, q: torch.Tensor, dec: _DecodeGroup, kv_pool: KVPool, layer_id: int) -> torch.Tensor:
         assert isinstance(dec, _PagedDecode)
         assert dec.req_to_token is not None and dec.req_pool_indices is not None and dec.seq_lens is not None
+        k_scale, v_scale = kv_pool.scales(layer_id)
         return paged_decode_attention(
             q, kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id], dec.req_to_token, dec.req_pool_indices,
-            dec.seq_lens, self.scaling, *kv_pool.scales(layer_id), window=self.window,
+            dec.seq_lens, self.scaling, k_scale, v_scale, self.window,
         )
 
 

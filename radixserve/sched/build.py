@@ -35,18 +35,19 @@ def request_slots(args: SchedulingOptions) -> int:
 def build_kv(
     args: ServerArgs, total_tokens: int, context_len: int, *,
     pool_cls: Callable[[int, int], ReqToTokenPool] = ReqToTokenPool, max_reqs: int | None = None,
-    event_sink: Callable[[CacheEvent], None] | None = None,
+    event_sink: Callable[[CacheEvent], None] | None = None, window: int | None = None,
 ) -> KVManager:
     """The request-slot pool (``pool_cls``), the allocator over ``total_tokens`` KV slots and the
     prefix cache ``--disable-radix-cache`` / ``--radix-eviction-policy`` ask for; ``event_sink``
-    receives the radix cache's events (``--cache-events-port``, the simulator's router)."""
+    receives the radix cache's events (``--cache-events-port``, the simulator's router); ``window``:
+    the model's whole-model sliding window (``ModelRunner.kv_window``: KV behind it is freed)."""
     r2t = pool_cls(max_reqs if max_reqs is not None else request_slots(args), context_len)
     allocator = TokenToKVPoolAllocator(total_tokens, args.page_size)
     cache: BasePrefixCache = (
         ChunkCache(r2t, allocator) if args.disable_radix_cache
         else RadixCache(r2t, allocator, args.radix_eviction_policy, event_sink)
     )
-    return KVManager(r2t, allocator, cache)
+    return KVManager(r2t, allocator, cache, window)
 
 
 def build_scheduler(

@@ -8,6 +8,14 @@ worker reserves slots for KV that arrives from elsewhere and adopts it into the 
 and the dashboard get a read-only view of the radix tree (``prefix_tree``), None without one.
 With ``--enable-hierarchical-cache`` the KV tier behind the tree is here too (``attach_tier``): a
 request whose prefix the tier holds is loaded before it is queued (``prefetch`` / ``poll_loads``).
+
+A model whose every layer attends over a sliding window (``window``: Mistral 7B v0.1 and Phi-3-mini
+past their window) never reads a request's KV more than ``window`` positions behind its newest
+token. As a request grows, its own slots that far behind are freed, whole pages, one position later
+than strictly needed (a step still in flight in the overlap loop reads its own window). The cached
+prefix (the prompt, shared) is not touched: it stays for the prefix hits of later requests. When
+the request ends, only the KV before the freed span is whole: that part goes to the cache as
+usual, the rest is freed (a later request reuses the prompt, not this request's output).
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ class Hold:
 
 class KVManager:
     def __init__(
-        self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, tree_cache: BasePrefixCache
+        self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, tree_cache: BasePrefixCache,
+        window: int | None = None,
     ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
@@ -49,6 +58,7 @@ class KVManager:
         self._reserved = 0  # slots reserved outside any request (KV on its way in)
         self._holds = 0  # live Holds
         self.tier: HiCache | None = None
+        self.window = window  # a whole-model sliding window: own slots behind it are freed
 
     def attach_tier(self, tier: HiCache | None) -> None:
         """The KV tier behind the prefix cache (``tier_setup.build_hicache``), once the pool exists."""
@@ -142,6 +152,7 @@ class KVManager:
 
     def cache_unfinished(self, req: Req) -> None:
         """Insert ``req``'s computed KV into the cache now (a finished chunk or prompt), keeping it locked."""
+        assert req.kv_freed_to <= req.cache_protected_len, "a prompt being cached has no slots freed behind a window"
         self.tree_cache.cache_unfinished_req(req)
 
     def uncached_tokens(self, req: Req) -> int:
@@ -228,6 +239,8 @@ class KVManager:
 
     def grow(self, req: Req, n: int) -> list[int]:
         """KV slots for the next ``n`` tokens of ``req``, evicting cache leaves if needed."""
+        if self.window is not None:
+            self._free_behind_window(req)
         last = req.kv_indices[-1] if req.kv_indices else None
         cur = len(req.kv_indices)
         need = self.allocator.pages_needed(cur, n) * self.page_size
@@ -247,6 +260,9 @@ class KVManager:
         evictions as the per-request calls, one request-table write. Returns ``(positions,
         slots)``: each request's computed length before the step, and its new slot."""
         ps = self.page_size
+        if self.window is not None:
+            for req in reqs:
+                self._free_behind_window(req)
         kvs = list(map(_get_kv_indices, reqs))  # (C passes: this runs for every running request)
         cols = list(map(len, kvs))
         if ps == 1:  # every request takes the next free slot
@@ -260,6 +276,25 @@ class KVManager:
         deque(map(list.append, kvs, slots), maxlen=0)
         self.req_to_token_pool.write_many(rows, cols, slots)
         return cols, slots
+
+    def _free_behind_window(self, req: Req) -> None:
+        """Free ``req``'s own slots more than ``window`` positions behind its next token (see the
+        module's docstring); its kv_indices keep their (stale) entries until ``_whole_prefix``."""
+        assert self.window is not None
+        end = (len(req.kv_indices) - self.window) // self.page_size * self.page_size
+        start = max(req.kv_freed_to, req.cache_protected_len)
+        if end > start:
+            self.allocator.free(req.kv_indices[start:end])
+            req.kv_freed_to = end
+
+    def _whole_prefix(self, req: Req) -> None:
+        """Before ``req``'s KV is cached or freed: with slots freed behind a window, cut its KV back
+        to the part before them (freeing the slots after them)."""
+        a, b = req.cache_protected_len, req.kv_freed_to
+        if b > a:
+            self.allocator.free(req.kv_indices[b:])
+            del req.kv_indices[a:]
+        req.kv_freed_to = 0
 
     def decode_tokens_needed(self, reqs: list[Req], steps: int = 1) -> int:
         """Slots the running requests need for ``steps`` more decode steps."""
@@ -306,6 +341,7 @@ class KVManager:
             if req.tier_hold is not None and self.tier is not None:
                 self.tier.unhold(req)
             return
+        self._whole_prefix(req)
         self.tree_cache.cache_finished_req(req)
 
     def discard(self, req: Req) -> None:
@@ -314,6 +350,7 @@ class KVManager:
         if req.req_pool_idx is None:
             self.release(req)
             return
+        self._whole_prefix(req)
         self.allocator.free(req.kv_indices[req.cache_protected_len :])
         if req.last_node is not None:
             self.tree_cache.dec_lock_ref(req.last_node)

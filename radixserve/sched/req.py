@@ -55,6 +55,9 @@ class Req:
         self.req_pool_idx: int | None = None
         self.kv_indices: list[int] = []
         self.cache_protected_len = 0
+        # a whole-model sliding window (KVManager): its own slots [cache_protected_len, kv_freed_to)
+        # were freed, no later token reading them; their kv_indices entries are stale until it ends
+        self.kv_freed_to = 0
         self.last_node: TreeNode | None = None  # where its cached prefix ends in the radix tree
         # the prefix the KV tier loaded for it, locked until it is admitted (KVManager.admit) or leaves
         self.tier_hold: TreeNode | None = None

@@ -187,6 +187,36 @@ def test_engine_serves_each_family_greedy_as_transformers(family: tuple[str, str
         eng.check_memory_invariant()
 
 
+def test_a_whole_model_window_frees_kv_behind_it_through_the_engine(tmp_path: Any) -> None:
+    """Mistral (window 8 on every layer) generating far past its window: the scheduler frees each
+    request's KV behind the window as it goes (the paged kernel never reads it), the tokens are
+    transformers' own, and every slot comes back."""
+    d = make_tiny_model(str(tmp_path), "mistral")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with Engine(d, dtype="float32", max_total_tokens=2048) as eng:
+        kv = eng.scheduler.kv
+        assert kv.window == 8
+        freed: list[int] = []
+        real = kv._free_behind_window
+
+        def spy(req: Any) -> None:
+            before = req.kv_freed_to
+            real(req)
+            freed.append(req.kv_freed_to - before)
+
+        kv._free_behind_window = spy
+        prompts = ["a short one", "another prompt, a little longer"]
+        outs = eng.generate(prompts, {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True})
+        assert isinstance(outs, list) and sum(freed) >= 2 * 30
+        for prompt, o in zip(prompts, outs, strict=True):
+            tokens = eng.tokenizer.encode(prompt)
+            with torch.inference_mode():
+                want = hf.generate(torch.tensor([tokens]), max_new_tokens=40, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)[0, len(tokens):].tolist()
+            assert o["output_ids"] == want
+        eng.check_memory_invariant()
+
+
 def test_the_language_model_of_an_image_text_gemma3_checkpoint(tmp_path: Any) -> None:
     """Gemma 3 4B and up ship as image-text checkpoints: their language model runs, text only."""
     text = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,

@@ -33,9 +33,11 @@ class StubModelRunner(EchoRunner):
 
     class _Cfg:
         vocab_size = VOCAB
+        whole_window = None  # no sliding window
 
     tokenizer = _Tok()
     model_config = _Cfg()
+    draft = None
 
     def use_kv_cache_dtype(self, name: str) -> None:
         self.kv_format = kv_format(name, torch.float32)

@@ -1,0 +1,138 @@
+"""A model whose every layer has a sliding window: the scheduler frees each request's KV behind the
+window as it grows, the window it still reads is always intact, and nothing leaks.
+
+``WindowRunner`` keeps what a real pool would hold: each slot it writes remembers its position and
+a hash of the whole token sequence up to it (chained through the slot of the position before).
+Before every forward each row's window is read back: a slot freed too early and handed to another
+request, or a wrong slot in the table, shows as a wrong position or a broken chain."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.config import ServerArgs
+from radixserve.mem.allocator import TokenToKVPoolAllocator
+from radixserve.mem.forward_batch import ForwardBatch, ForwardOutput
+from radixserve.mem.kv_pool import ReqToTokenPool
+from radixserve.sched.build import build_kv
+from radixserve.sched.core import SchedulerCore
+from radixserve.sched.req import Req
+from radixserve.sched.sampling_params import SamplingParams
+from tests.fakes import EchoRunner, expected_tokens, make_scheduler
+from tests.sched.sched_helpers import prompt
+
+W = 12  # the window (positions a token attends, itself included)
+
+
+class WindowRunner(EchoRunner):
+    def __init__(self, pool: ReqToTokenPool) -> None:
+        super().__init__(pool)
+        self.kv: dict[int, tuple[int, int, int]] = {}  # slot -> (position, hash before it, hash with it)
+        self.reads = 0
+        self.allocator: TokenToKVPoolAllocator | None = None  # set by the test: slots read must be handed out
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        assert self.pool is not None
+        ids, loc = batch.input_ids.tolist(), batch.out_cache_loc.tolist()
+        off = 0
+        for i, n in enumerate(batch.extend_seq_lens):
+            row = self.pool.req_to_token[int(batch.req_pool_indices[i])].tolist()
+            p = batch.extend_prefix_lens[i]
+            # the positions before the new tokens that the first of them attends
+            for q in range(max(0, p + 1 - W), p):
+                pos, before, _ = self.kv[row[q]]
+                assert pos == q, f"the slot of position {q} holds position {pos}: freed and reused too early"
+                assert self.allocator is None or self.allocator.is_handed_out(row[q]), f"position {q}'s slot is free"
+                if q > max(0, p + 1 - W):
+                    assert before == self.kv[row[q - 1]][2], f"the KV at position {q} is another sequence's"
+                self.reads += 1
+            h = self.kv[row[p - 1]][2] if p else 0
+            for j in range(n):
+                new = hash((h, ids[off + j]))
+                self.kv[loc[off + j]] = (p + j, h, new)
+                h = new
+            off += n
+        return super().forward(batch)
+
+
+def _run(sched: SchedulerCore, reqs: list[Req], overlap: bool) -> dict[str, list[int]]:
+    for r in reqs:
+        sched.add_request(r)
+    seen: dict[str, list[int]] = {}
+    for _ in range(5000):
+        for o in sched.step_overlapped() if overlap else sched.step():
+            seen.setdefault(o.rid, []).extend(o.new_token_ids)
+        if not sched.has_work():
+            sched.step_overlapped() if overlap else sched.step()  # the idle step's self-check
+            sched.kv.check_invariant()
+            return seen
+    raise AssertionError("did not drain")
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("scheduler", ["sglang", "unified"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_kv_behind_the_window_is_freed_and_the_window_kept(page: int, scheduler: str, overlap: bool) -> None:
+    """Long outputs (many windows) from prompts shorter and longer than the window, two of them
+    sharing a cached prefix: the same tokens as without the window, each request's KV stays within
+    its cached prompt plus a window (and a page), and everything is given back."""
+    prompts = [prompt(0, 5), prompt(1, 30), prompt(1, 30)[:20] + prompt(2, 9), prompt(3, 12)]
+    sched, runner, kv = make_scheduler(pool_tokens=400, page_size=page, runner=WindowRunner, window=W,
+                                       scheduler=scheduler, chunked_prefill_size=16)
+    assert isinstance(runner, WindowRunner)
+    runner.allocator = kv.allocator
+    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=60 + 7 * i)) for i, p in enumerate(prompts)]
+    peak: dict[str, int] = {}
+    real = kv.grow_decode
+
+    def grow_decode(rs: list[Req]) -> tuple[list[int], list[int]]:
+        out = real(rs)
+        for r in rs:
+            held = len(r.kv_indices) - max(r.kv_freed_to, r.cache_protected_len)
+            peak[r.rid] = max(peak.get(r.rid, 0), held)
+        return out
+
+    kv.grow_decode = grow_decode  # type: ignore[method-assign]
+    seen = _run(sched, reqs, overlap)
+    for i, p in enumerate(prompts):
+        assert seen[f"r{i}"] == expected_tokens(p, 60 + 7 * i)
+    assert runner.reads > 0
+    if scheduler == "sglang":  # (the unified scheduler grows decode rows one by one: kv.grow)
+        assert peak and max(peak.values()) <= W + 2 * page
+
+
+def test_without_a_window_nothing_is_freed_early() -> None:
+    sched, _, kv = make_scheduler(pool_tokens=400, runner=WindowRunner)
+    req = Req("a", prompt(0, 5), SamplingParams(max_new_tokens=40))
+    _run(sched, [req], overlap=False)
+    assert req.kv_freed_to == 0 and kv.window is None
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("radix", [True, False])
+@pytest.mark.parametrize("end", ["release", "discard"])
+def test_a_request_with_freed_kv_caches_only_its_whole_prefix(page: int, radix: bool, end: str) -> None:
+    """KVManager alone: a request grows far past the window; what it holds stays within a window
+    (and a page) past its cached prompt; ending it (finish or retraction: ``release``; a failed
+    forward: ``discard``) caches only the prompt, frees the rest, and the accounting is exact."""
+    args = ServerArgs(page_size=page, disable_radix_cache=not radix)
+    kv = build_kv(args, 96, 128, max_reqs=2, window=W)
+    r = Req("a", list(range(1, 9)), SamplingParams(max_new_tokens=80))
+    kv.match(r)
+    kv.lock_match(r)
+    kv.admit(r)
+    kv.grow(r, r.extend_input_len)
+    if radix:
+        kv.cache_unfinished(r)  # the prompt, shareable (as the scheduler does after a prefill)
+    for t in range(60):
+        r.output_ids.append(500 + t)
+        kv.grow(r, 1)
+        own = -(-len(r.kv_indices) // page) * page - max(r.kv_freed_to, r.cache_protected_len)  # whole pages
+        assert own <= W + 2 * page
+        assert kv.allocator.available_size() + kv.evictable_size() + kv.protected_size() + own == 96
+    assert r.kv_freed_to > r.cache_protected_len
+    (kv.release if end == "release" else kv.discard)(r)
+    kv.check_invariant()
+    cached = 8 // page * page if radix else 0
+    assert kv.evictable_size() == cached and kv.allocator.available_size() == 96 - cached
+    assert r.kv_freed_to == 0 and r.kv_indices == []
