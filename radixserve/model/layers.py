@@ -199,7 +199,12 @@ class SparseMoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        # group the (token, choice) pairs by expert: one gather and two GEMMs per expert in use
+        if x.shape[0] == 1:  # one token (a decode step at batch 1): its experts run on it directly
+            return self._one_token(x, weights, chosen, ops)
+        return self._grouped(x, weights, chosen, ops)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        """Group the (token, choice) pairs by expert: one gather and two GEMMs per expert in use."""
         flat = chosen.reshape(-1)
         order = flat.argsort(stable=True)
         rows_of = order // self.top_k
@@ -212,4 +217,14 @@ class SparseMoE(nn.Module):
                 y = self.experts[e].forward(x.index_select(0, rows), ops)
                 out.index_add_(0, rows, y * weight_of[start : start + n])
                 start += n
+        return out if self.tp is None else self.tp.all_reduce_(out)
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        """``forward`` for a single token without the grouping's gathers and scatters: the same
+        products added in the same order (experts by index), so the same bits."""
+        ids = chosen[0].tolist()
+        w = weights[0].to(x.dtype)
+        out = torch.zeros_like(x)
+        for j in sorted(range(self.top_k), key=ids.__getitem__):
+            out.add_(self.experts[ids[j]].forward(x, ops) * w[j])
         return out if self.tp is None else self.tp.all_reduce_(out)

@@ -306,3 +306,29 @@ def test_moe_tp2_equals_tp1(tmp_path: Any) -> None:
         got = [o["output_ids"] for o in tp2.generate(prompts, greedy)]
         tp2.check_memory_invariant()
     assert got == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_single_token_takes_its_experts_directly_with_the_same_bits(dtype: torch.dtype) -> None:
+    """A decode step at batch 1 runs a token's experts without the grouping's gathers and scatters
+    (``SparseMoE._one_token``): bit for bit what the grouped path gives it (a speculative verify
+    step, whose rows go through the grouped path, must compute what decoding did). Top 4 of 8, so
+    the order the experts' outputs are added in matters."""
+    from dataclasses import replace
+
+    from radixserve.model.layers import _TORCH_OPS, SparseMoE
+
+    cfg = replace(_cfg(max_position=64), num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32)
+    moe = SparseMoE(cfg, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    moe.to(dtype)
+    for seed in range(8):
+        x = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        probs = torch.softmax(torch.nn.functional.linear(x, moe.gate), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(moe.top_k, dim=-1)
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        assert torch.equal(moe(x), moe._grouped(x, weights, chosen, _TORCH_OPS))
