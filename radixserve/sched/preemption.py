@@ -81,7 +81,7 @@ class Preemption:
                 break
             chosen.append(r)
             need_slots -= 1
-            need_tokens -= (min(r.remaining_new_tokens, clip) * ratio + len(r.kv_indices) - r.cache_protected_len
+            need_tokens -= (min(r.remaining_new_tokens, clip) * ratio + r.own_kv_tokens
                             + kv.exclusive_cached_tokens(r))
         if not chosen or need_tokens > 0 or need_slots > 0:
             return False

@@ -128,6 +128,11 @@ class Req:
         return len(self.kv_indices)
 
     @property
+    def own_kv_tokens(self) -> int:
+        """KV slots this request holds itself (not the cache's, not freed behind a window)."""
+        return len(self.kv_indices) - max(self.cache_protected_len, self.kv_freed_to)
+
+    @property
     def kv_token_ids(self) -> list[int]:
         n = len(self.kv_indices)
         k = len(self.origin_input_ids)

@@ -88,8 +88,7 @@ def test_kv_behind_the_window_is_freed_and_the_window_kept(page: int, scheduler:
     def grow_decode(rs: list[Req]) -> tuple[list[int], list[int]]:
         out = real(rs)
         for r in rs:
-            held = len(r.kv_indices) - max(r.kv_freed_to, r.cache_protected_len)
-            peak[r.rid] = max(peak.get(r.rid, 0), held)
+            peak[r.rid] = max(peak.get(r.rid, 0), r.own_kv_tokens)
         return out
 
     kv.grow_decode = grow_decode  # type: ignore[method-assign]
