@@ -176,15 +176,20 @@ def test_engine_serves_each_family_greedy_as_transformers(family: tuple[str, str
     ctx = 128 if name == "phi3" else None
     with Engine(d, dtype="float32", max_total_tokens=2048, chunked_prefill_size=16, context_length=ctx) as eng:
         prompts = ["the same opening words, then one", "the same opening words, then two", "x"]
-        outs = eng.generate(prompts, {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
-        assert isinstance(outs, list)
-        for prompt, o in zip(prompts, outs, strict=True):
-            tokens = eng.tokenizer.encode(prompt)
-            with torch.inference_mode():
-                want = hf.generate(torch.tensor([tokens]), max_new_tokens=8, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)[0, len(tokens):].tolist()
-            assert o["output_ids"] == want
+        _greedy_as_transformers(eng, hf, prompts, 8)
         eng.check_memory_invariant()
+
+
+def _greedy_as_transformers(eng: Engine, hf: Any, prompts: list[str], n: int) -> None:
+    """The engine's greedy ``n`` tokens of each prompt are transformers' own."""
+    outs = eng.generate(prompts, {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True})
+    assert isinstance(outs, list)
+    for prompt, o in zip(prompts, outs, strict=True):
+        tokens = eng.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            want = hf.generate(torch.tensor([tokens]), max_new_tokens=n, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(tokens):].tolist()
+        assert o["output_ids"] == want
 
 
 def test_a_whole_model_window_frees_kv_behind_it_through_the_engine(tmp_path: Any) -> None:
@@ -205,15 +210,8 @@ def test_a_whole_model_window_frees_kv_behind_it_through_the_engine(tmp_path: An
             freed.append(req.kv_freed_to - before)
 
         kv._free_behind_window = spy
-        prompts = ["a short one", "another prompt, a little longer"]
-        outs = eng.generate(prompts, {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True})
-        assert isinstance(outs, list) and sum(freed) >= 2 * 30
-        for prompt, o in zip(prompts, outs, strict=True):
-            tokens = eng.tokenizer.encode(prompt)
-            with torch.inference_mode():
-                want = hf.generate(torch.tensor([tokens]), max_new_tokens=40, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)[0, len(tokens):].tolist()
-            assert o["output_ids"] == want
+        _greedy_as_transformers(eng, hf, ["a short one", "another prompt, a little longer"], 40)
+        assert sum(freed) >= 2 * 30
         eng.check_memory_invariant()
 
 
