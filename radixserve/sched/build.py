@@ -40,7 +40,7 @@ def build_kv(
     """The request-slot pool (``pool_cls``), the allocator over ``total_tokens`` KV slots and the
     prefix cache ``--disable-radix-cache`` / ``--radix-eviction-policy`` ask for; ``event_sink``
     receives the radix cache's events (``--cache-events-port``, the simulator's router); ``window``:
-    the model's whole-model sliding window (``ModelRunner.kv_window``: KV behind it is freed)."""
+    the model's whole-model sliding window (``ModelConfig.whole_window``: KV behind it is freed)."""
     r2t = pool_cls(max_reqs if max_reqs is not None else request_slots(args), context_len)
     allocator = TokenToKVPoolAllocator(total_tokens, args.page_size)
     cache: BasePrefixCache = (
