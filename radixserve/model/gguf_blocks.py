@@ -22,8 +22,8 @@ type and writes each segment's columns of the output.
 Which of the two bf16 kernels a row takes changes its numbers (the VNNI kernel quantizes the
 activations; each kernel alone computes a row the same way whatever the number of rows). A step
 that verifies drafted tokens has more rows than requests; ``decode_rows(n)`` makes its rows take
-the kernel a decode step of ``n`` requests takes, so that verifying a token computes what decoding
-it would have.
+the kernel a decode step of ``n`` requests takes (the row kernels or the GEMM too), so that verifying
+a token computes what decoding it would have.
 """
 
 from __future__ import annotations
@@ -167,11 +167,13 @@ class GGUFWeight(QuantizedWeight):
         return [s.qtype for s in self.segments]
 
     def _segment(self, rows: torch.Tensor, s: GGUFBlocks) -> torch.Tensor:
-        if self._vnni is not None and rows.dtype == torch.bfloat16 and rows.shape[0] <= self.small_rows:
-            requests = _decode_requests.get()
-            if (rows.shape[0] if requests is None else requests) <= self.vnni_rows:
-                return self._vnni.linear(rows, s.data, s.qtype)
-        return self._ext.linear(rows, s.data, s.qtype, self.small_rows)
+        requests = _decode_requests.get()
+        n = rows.shape[0] if requests is None else requests
+        if n > self.small_rows:
+            return self._ext.linear(rows, s.data, s.qtype, 0)  # tiles and the GEMM
+        if self._vnni is not None and rows.dtype == torch.bfloat16 and n <= self.vnni_rows:
+            return self._vnni.linear(rows, s.data, s.qtype)
+        return self._ext.linear(rows, s.data, s.qtype, max(self.small_rows, rows.shape[0]))
 
     @property
     def integer_kernel(self) -> bool:

@@ -99,14 +99,50 @@ def test_gguf_weight_picks_the_kernel_by_dtype_and_rows() -> None:
     assert mixed.vnni_rows == VNNI_MAX_ROWS  # a part without the K scheme: the smaller limit for all
 
 
-def test_bf16_models_default_rows_follow_the_kernel() -> None:
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_models_default_rows_follow_the_kernel(monkeypatch: pytest.MonkeyPatch, amx: bool) -> None:
+    import radixserve.model.host as host
     from radixserve.model.quant import (
         DEFAULT_BLOCK_ROWS,
+        DEFAULT_BLOCK_ROWS_AMX,
         DEFAULT_BLOCK_ROWS_BF16,
         DEFAULT_BLOCK_ROWS_BF16_NO_KERNEL,
         default_max_rows,
     )
 
-    want = DEFAULT_BLOCK_ROWS_BF16 if has_bf16_kernel() else DEFAULT_BLOCK_ROWS_BF16_NO_KERNEL
+    flags = {"avx512f", "avx512_bf16"} | ({"amx_tile", "amx_bf16"} if amx else set())
+    monkeypatch.setattr(host, "cpu_flags", lambda: flags)
+    if not has_bf16_kernel():
+        want = DEFAULT_BLOCK_ROWS_BF16_NO_KERNEL
+    else:
+        want = DEFAULT_BLOCK_ROWS_AMX if amx else DEFAULT_BLOCK_ROWS_BF16
     assert default_max_rows(torch.bfloat16, in_blocks=True) == want
     assert default_max_rows(torch.float32, in_blocks=True) == DEFAULT_BLOCK_ROWS
+
+
+def test_a_verify_step_takes_the_kernels_of_its_decode_step() -> None:
+    """Under ``decode_rows(n)`` the choice between the row kernels and the tiled GEMM follows the n
+    requests, not the rows: verifying drafted tokens computes what decoding them would."""
+    ext = linear_ext()
+    paths: list[str] = []
+
+    class Spy:  # which path the block extension's linear was asked to take
+        def linear(self, x: torch.Tensor, data: torch.Tensor, qtype: int, small_rows: int) -> torch.Tensor:
+            paths.append("rows" if x.shape[0] <= small_rows else "tiles")
+            return ext.linear(x, data, qtype, small_rows)
+
+    b = blocks_of("Q8_0", rows=16, cols=256)  # VNNI_MAX_ROWS: the rows past it are the bf16 row kernel's
+    weight = GGUFWeight([b], small_rows=VNNI_MAX_ROWS + 2)
+    weight._ext = Spy()
+    x = torch.randn(3 * (VNNI_MAX_ROWS + 1), 256, dtype=torch.bfloat16)
+    with decode_rows(VNNI_MAX_ROWS + 1):  # more rows than small_rows, requests within it: row kernels
+        weight(x)
+    with decode_rows(VNNI_MAX_ROWS + 3):  # requests past small_rows: the tiles, whatever the rows
+        weight(x[:2])
+    weight(x)  # no decode step: by its rows
+    weight(x[:VNNI_MAX_ROWS + 2])
+    assert paths == ["rows", "tiles", "tiles", "rows"]
+    if weight.integer_kernel:  # requests within the VNNI rows: the integer kernel for every row
+        with decode_rows(2):
+            assert torch.equal(weight(x), vnni_ext().linear(x, b.data, b.qtype))
+        assert len(paths) == 4

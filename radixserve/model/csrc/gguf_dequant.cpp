@@ -643,6 +643,18 @@ bool bf16_kernel(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, const u
 
 }  // namespace
 
+// float32 -> bfloat16, rounded to nearest even (as Tensor.to).
+inline void to_bf16(const float* x, int64_t k, at::BFloat16* o) {
+    int64_t c = 0;
+#ifdef __AVX512BF16__
+    for (; c + 16 <= k; c += 16) {
+        const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + c));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c), reinterpret_cast<const __m256i&>(v));
+    }
+#endif
+    for (; c < k; ++c) o[c] = c10::BFloat16(x[c]);
+}
+
 // x [M, K] (any float dtype) times the block weight [N, K] transposed -> [M, N] in x's dtype.
 // Up to `small_rows` rows (decode), bfloat16 inputs where the CPU has AVX512-BF16: the bf16 row
 // kernel above. Otherwise each weight row is dequantized once, straight into the dot
@@ -692,15 +704,27 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t sma
     torch::Tensor xc = x.contiguous();
     torch::Tensor y = torch::empty({m, n}, xc.options());
     const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(n, (1 << 20) / std::max<int64_t>(k, 1)));
-    torch::Tensor buf = torch::empty({tile, k}, torch::kFloat32);
-    float* bp = buf.data_ptr<float>();
+    const bool bf16 = xc.scalar_type() == torch::kBFloat16;
+    torch::Tensor buf = torch::empty({tile, k}, bf16 ? torch::kBFloat16 : torch::kFloat32);
     for (int64_t n0 = 0; n0 < n; n0 += tile) {
         const int64_t t = std::min(tile, n - n0);
-        at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
-            for (int64_t j = begin; j < end; ++j) dequant_row(f, wp + (n0 + j) * rb, nb, bp + j * k);
-        });
+        if (bf16) {  // each row through a float row in L1, rounded to bf16 as Tensor.to would
+            at::BFloat16* bp = buf.data_ptr<at::BFloat16>();
+            at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
+                std::vector<float> row(k);
+                for (int64_t j = begin; j < end; ++j) {
+                    dequant_row(f, wp + (n0 + j) * rb, nb, row.data());
+                    to_bf16(row.data(), k, bp + j * k);
+                }
+            });
+        } else {
+            float* bp = buf.data_ptr<float>();
+            at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
+                for (int64_t j = begin; j < end; ++j) dequant_row(f, wp + (n0 + j) * rb, nb, bp + j * k);
+            });
+        }
         torch::Tensor wt = buf.narrow(0, 0, t);
-        if (xc.scalar_type() != torch::kFloat32) wt = wt.to(xc.scalar_type());
+        if (wt.scalar_type() != xc.scalar_type()) wt = wt.to(xc.scalar_type());
         if (t == n) {
             at::mm_out(y, xc, wt.t());  // one tile: straight into the output
         } else {
