@@ -58,7 +58,8 @@ DEFAULT_MAX_ROWS_BF16: Final = 5
 # 5.3 ms), behind them at 512 (6.3 vs 5.7); without it the bf16 tiles win from a few rows.
 # With AMX the GEMM's bf16 tiles are several times faster and the tiles win from about a dozen rows:
 # every linear of the bundled model in its Q4_1, Q8_0 and Q4_K_M requantizations, bf16, best of 5
-# (Xeon with AMX, 2 threads): 33-38 vs 38-48 ms at 8 rows, 40-43 vs 36-37 at 12, 78 vs 42 at 32.
+# (Xeon with AMX, 2 threads; row kernels vs tiles): 33-38 vs 38-48 ms at 8 rows, 40-43 vs 36-37 at 12,
+# 78 vs 42 at 32 (scripts/bench_block_rows.py).
 DEFAULT_BLOCK_ROWS: Final = 64
 DEFAULT_BLOCK_ROWS_BF16: Final = 256
 DEFAULT_BLOCK_ROWS_AMX: Final = 10
