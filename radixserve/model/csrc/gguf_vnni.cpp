@@ -86,11 +86,9 @@ struct Act {
     std::vector<int8_t> hi, lo;
     std::vector<float> step, gsum;
     Act(int64_t m, int64_t k_)
-        : k(k_), groups(k_ / kGroup), spans((groups + 7) / 8), gstride(spans * 8), hi(m * k_), lo(m * k_),
-          step(m * spans), gsum(m * gstride, 0.f) {
-        hi.resize(m * k_ + kGroup, 0);  // a pair's load from a row's last odd group reads 32 bytes on
-        lo.resize(m * k_ + kGroup, 0);  // (against zero weights)
-    }
+        // hi / lo padded: a pair's load from the last row's odd last group reads 32 bytes on (against zero weights)
+        : k(k_), groups(k_ / kGroup), spans((groups + 7) / 8), gstride(spans * 8), hi(m * k_ + kGroup, 0),
+          lo(m * k_ + kGroup, 0), step(m * spans), gsum(m * gstride, 0.f) {}
 };
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -296,7 +294,7 @@ void row_buffered(const RowBuffer& w, int64_t groups, const Act& a, int64_t r0, 
         const int64_t n = std::min<int64_t>(8, groups - g0);
         for (int64_t g = g0; g < g0 + n; g += 2) {
             const __m512i u = _mm512_loadu_si512(&w.u[g * kGroup]);
-            accumulate<R>(a, r0, g, u, pair_scales(w.s[g], g + 1 < g0 + n ? w.s[g + 1] : 0.f), part);
+            accumulate<R>(a, r0, g, u, pair_scales(w.s[g], w.s[g + 1]), part);  // past the row: zeros
         }
         end_span<R>(a, r0, g0, _mm256_loadu_ps(&w.m[g0]), part, acc, macc);
     }
