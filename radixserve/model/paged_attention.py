@@ -135,13 +135,10 @@ class CpuPagedAttention(TorchNativeAttention):
         return self._decode_group(r2t, rows_rpi, lens, token_idx)  # the kernel starts each row at its window
 
     def _store(self, kv_pool: KVPool, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """A one-byte pool is written by the extension in one call (the same bytes as ``KVPool.write``,
-        which takes a dozen tensor ops)."""
-        fmt = kv_pool.format
-        if not fmt.quantized:
-            return super()._store(kv_pool, layer_id, loc, k, v)
+        """The extension writes the pool in one call, the same bytes as ``KVPool.write`` (which takes
+        two indexed copies, and for a one-byte pool a dozen tensor ops more)."""
         extension().store_kv(kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id], *kv_pool.scales(layer_id),
-                             loc, k, v, fmt.top)
+                             loc, k, v, kv_pool.format.top)
 
     def _decode(self, q: torch.Tensor, dec: _DecodeGroup, kv_pool: KVPool, layer_id: int) -> torch.Tensor:
         assert isinstance(dec, _PagedDecode)

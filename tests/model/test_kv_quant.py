@@ -160,11 +160,11 @@ def test_engine_serves_each_format(fp32_runner: Any, name: str) -> None:
 
 
 @needs_ext
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", [*FORMATS, "float32", "bfloat16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_kernels_store_writes_what_the_pool_writes(name: str, dtype: torch.dtype) -> None:
-    """``store_kv`` (the cpu_paged backend's write) stores the bytes and scales ``KVPool.write`` does:
-    rows of zeros, huge values and every sign included."""
+    """``store_kv`` (the cpu_paged backend's write) stores the bytes and scales ``KVPool.write`` does,
+    into every pool format from rows of either dtype: rows of zeros, huge values and every sign included."""
     fmt = kv_format(name, dtype)
     a, b = KVPool(300, 1, 1, 3, 64, fmt), KVPool(300, 1, 1, 3, 64, fmt)
     g = torch.Generator().manual_seed(4)

@@ -732,24 +732,33 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch
   const int64_t* rpi_p = rpi.data_ptr<int64_t>();
   const int64_t* lens_p = lens.data_ptr<int64_t>();
 
-  // the softmax scale is folded into q once, instead of into every score
-  auto q_raw = q.to(at::kFloat).contiguous();
-  auto qf = (q_raw * scale).contiguous();
-  auto out = at::zeros({B, H, D}, q.options().dtype(at::kFloat));
+  // Plain arrays for q, the output and the partials, not tensors: at batch 1 a handful of small
+  // tensor operations (convert, scale, zero, cast) took longer than attending a few hundred tokens.
+  // The softmax scale is folded into q once, instead of into every score.
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
+  const int64_t n = B * H * D;
+  const auto qc = q.contiguous();
+  std::vector<float> q_raw(n), qf(n), out_f(n, 0.f);
+  const float fscale = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat) {
+    std::copy(qc.data_ptr<float>(), qc.data_ptr<float>() + n, q_raw.begin());
+  } else {
+    const c10::BFloat16* src = qc.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) q_raw[i] = static_cast<float>(src[i]);
+  }
+  for (int64_t i = 0; i < n; ++i) qf[i] = q_raw[i] * fscale;
   const int64_t max_threads = std::max<int64_t>(1, at::get_num_threads());
   std::vector<Item> items;
   std::vector<int64_t> cuts;
   int64_t P = 0;
-  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
   const int64_t threads = plan(lens_p, rpi_p, B, window, max_threads, items, cuts, P);
   const int64_t G = H / KVH;
-  auto part_acc = at::empty({std::max<int64_t>(P, 1), H, D}, qf.options());
-  auto part_ml = at::empty({2, std::max<int64_t>(P, 1), H}, qf.options());
+  std::vector<float> part_acc(std::max<int64_t>(P, 1) * H * D), part_ml(2 * std::max<int64_t>(P, 1) * H);
 
-  Problem p{qf.data_ptr<float>(), k_buf.data_ptr(), v_buf.data_ptr(), req_to_token.data_ptr<int64_t>(),
-            req_to_token.stride(0), rpi_p, S, H, KVH, G, D, out.data_ptr<float>(),
-            part_acc.data_ptr<float>(), part_ml.data_ptr<float>(), part_ml.data_ptr<float>() + part_ml.size(1) * H,
-            q_raw.data_ptr<float>(), static_cast<float>(scale),
+  Problem p{qf.data(), k_buf.data_ptr(), v_buf.data_ptr(), req_to_token.data_ptr<int64_t>(),
+            req_to_token.stride(0), rpi_p, S, H, KVH, G, D, out_f.data(),
+            part_acc.data(), part_ml.data(), part_ml.data() + std::max<int64_t>(P, 1) * H,
+            q_raw.data(), fscale,
             k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr,
             v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr};
   ItemFn fn = nullptr;
@@ -805,7 +814,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_buf, torch
       }
     });
   }
-  return out.view({B, H * D}).to(q.scalar_type());
+  auto out = at::empty({B, H * D}, q.options());
+  if (q.scalar_type() == at::kFloat) {
+    std::copy(out_f.begin(), out_f.end(), out.data_ptr<float>());
+  } else {
+    c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();  // rounded to nearest even, as Tensor.to
+    for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(out_f[i]);
+  }
+  return out;
 }
 
 // Store new K/V rows into a one-byte pool, bit for bit what mem/kv_format.py's KVFormat.encode
@@ -846,10 +862,41 @@ void store_rows(const torch::Tensor& buf, const std::optional<torch::Tensor>& sc
   });
 }
 
+// Store new K/V rows into a float32 or bfloat16 pool: a copy, converted (rounded to nearest even, as
+// Tensor.to) where the rows' dtype is not the pool's.
+template <typename kv_t, typename x_t>
+void copy_rows(const torch::Tensor& buf, const torch::Tensor& x, const int64_t* loc) {
+  const int64_t T = x.size(0), row = x.size(1) * x.size(2);
+  const auto xc = x.contiguous();
+  const x_t* src = xc.data_ptr<x_t>();
+  kv_t* dst = static_cast<kv_t*>(buf.data_ptr());
+  at::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if constexpr (std::is_same_v<kv_t, x_t>) {
+        std::copy(src + t * row, src + (t + 1) * row, dst + loc[t] * row);
+      } else {
+        for (int64_t i = 0; i < row; ++i) dst[loc[t] * row + i] = kv_t(static_cast<float>(src[t * row + i]));
+      }
+    }
+  });
+}
+
+template <typename kv_t>
+void copy_kv(const torch::Tensor& k_buf, const torch::Tensor& v_buf, const torch::Tensor& k, const torch::Tensor& v,
+             const int64_t* loc) {
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
+  switch (k.scalar_type()) {
+    case at::kFloat: copy_rows<kv_t, float>(k_buf, k, loc), copy_rows<kv_t, float>(v_buf, v, loc); break;
+    case at::kBFloat16:
+      copy_rows<kv_t, c10::BFloat16>(k_buf, k, loc), copy_rows<kv_t, c10::BFloat16>(v_buf, v, loc);
+      break;
+    default: TORCH_CHECK(false, "store_kv: k and v must be float32 or bfloat16");
+  }
+}
+
 void store_kv(torch::Tensor k_buf, torch::Tensor v_buf, std::optional<torch::Tensor> k_scale,
               std::optional<torch::Tensor> v_scale, torch::Tensor loc, torch::Tensor k, torch::Tensor v, double top) {
   check_pool(k_buf, v_buf);
-  TORCH_CHECK(k_buf.element_size() == 1, "store_kv writes one-byte pools");
   TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "k_scale and v_scale come together");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_buf.size(1) && k.size(2) == k_buf.size(2),
               "k and v must be [T, KVH, D] like the pool's rows");
@@ -872,7 +919,15 @@ void store_kv(torch::Tensor k_buf, torch::Tensor v_buf, std::optional<torch::Ten
       store_rows<c10::Float8_e5m2>(k_buf, k_scale, k, lp, f);
       store_rows<c10::Float8_e5m2>(v_buf, v_scale, v, lp, f);
       break;
-    default: TORCH_CHECK(false, "store_kv: pool dtype ", k_buf.scalar_type(), " is not a one-byte format");
+    case at::kFloat:
+      TORCH_CHECK(!k_scale.has_value(), "only a one-byte pool has scales");
+      copy_kv<float>(k_buf, v_buf, k, v, lp);
+      break;
+    case at::kBFloat16:
+      TORCH_CHECK(!k_scale.has_value(), "only a one-byte pool has scales");
+      copy_kv<c10::BFloat16>(k_buf, v_buf, k, v, lp);
+      break;
+    default: TORCH_CHECK(false, "store_kv: pool dtype ", k_buf.scalar_type(), " has no store");
   }
 }
 
@@ -961,7 +1016,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_buf"), py::arg("v_buf"), py::arg("req_to_token"), py::arg("req_pool_indices"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
         py::arg("window") = 0);
-  m.def("store_kv", &store_kv, "Store new K/V rows into a one-byte pool (KVFormat.encode, in one call)");
+  m.def("store_kv", &store_kv, "Store new K/V rows into the pool (KVPool.write, KVFormat.encode included, in one call)");
   m.def("read_kv_rows", &read_kv_rows,
         "Read (and sum) every K/V row a decode call would read, computing nothing else: the memory floor",
         py::arg("k_buf"), py::arg("v_buf"), py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
