@@ -128,6 +128,16 @@ class CppOps(TorchOps):
         return out
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of float32 ``[B, V]`` rows, the same indices (first maximum, first NaN):
+    the extension's loop where it builds, else torch's (which costs ~0.1 ms a row over a 49k vocabulary)."""
+    ext = _load()[0]
+    if ext is None or x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] == 0:
+        return x.argmax(dim=-1)
+    out: torch.Tensor = ext.argmax_rows(x)
+    return out
+
+
 def make_small_ops(name: str) -> TorchOps:
     """``"torch"``, ``"cpp"`` (raises ``RuntimeError`` saying why if it cannot be built), or
     ``"auto"``: cpp where it builds, else torch with a warning."""

@@ -37,6 +37,7 @@ import torch
 from radixserve.grammar import advance, live_rows, mask_logits
 from radixserve.mem.forward_batch import PromptLogprobRows, SamplingBatchInfo
 from radixserve.mem.penalties import RowPenalties
+from radixserve.model.fused_ops import argmax_rows
 
 _GREEDY_EPS = 1e-6
 _CANDIDATES = 256  # top-k / top-p work on the best this-many tokens when the filters fit in them
@@ -82,7 +83,7 @@ class Sampler:
         if grammar_rows:
             scores, grammar_failed = mask_logits(scores, info.grammars, grammar_rows)  # type: ignore[arg-type]
         if info.is_all_greedy:
-            tokens = scores.argmax(dim=-1)
+            tokens = argmax_rows(scores)
         else:
             tokens = self._sample_mixed(scores, info)
         out = SampleOutput(next_token_ids=tokens.tolist())
@@ -108,7 +109,7 @@ class Sampler:
     # ------------------------------------------------------------------ sampling
     def _sample_mixed(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         B = logits.shape[0]
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         greedy = [t <= _GREEDY_EPS or k == 1 for t, k in zip(info.temperatures, info.top_ks, strict=True)]
         seeded = [i for i in range(B) if not greedy[i] and info.seeds[i] is not None]
         batched = [i for i in range(B) if not greedy[i] and info.seeds[i] is None]

@@ -104,6 +104,24 @@ def test_silu_mul_extremes(ops: Any) -> None:
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("n", [1, 15, 16, 49152, 1000003])
+def test_argmax_rows_picks_what_torch_picks(rows: int, n: int) -> None:
+    """Greedy sampling's argmax: the same index as torch's, ties (the first), -inf rows, NaN (the
+    first NaN) and maxima in the vector part or the tail of a row included."""
+    x = rand(rows, n, dtype=torch.float32, seed=n + rows)
+    x[0, n // 2] = x[0, n - 1] = 9.0  # a tie, across the vector part and the tail
+    if rows > 1:
+        x[1] = float("-inf")
+    if rows > 2:
+        x[2, n // 3] = float("nan")
+        x[2, n - 1] = float("nan")
+        x[2, 0] = float("inf")
+    assert torch.equal(fused_ops.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(fused_ops.argmax_rows(x[:, : max(1, n // 2)]), x[:, : max(1, n // 2)].argmax(dim=-1))
+    assert torch.equal(fused_ops.argmax_rows(torch.empty(0, n)), torch.empty(0, n).argmax(dim=-1))
+
+
 Steps = list[list[list[int]]]
 
 
