@@ -58,6 +58,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "gguf_unpack.h"
@@ -148,62 +149,128 @@ void quantize(const S* x, int64_t m, Act& a) {
 }
 
 // --- the weight side: each type's groups of 32 as (u, s, m) ----------------------------------------
+//
+// A type gives `bytes(b)`, the group at b as 32 unsigned bytes, and `pair(b)`, the groups at b and
+// b + kBytes side by side in a 512-bit vector; its scale d is the float16 at the group's start, its
+// offset m either kOffset * d or (kMin) the float16 after d. A whole span's 8 scales (and mins) are
+// converted by one vcvtph2ps, and a pair of 4-bit groups is unpacked in 512-bit operations (Q5's
+// fifth bits added under a byte mask). On an Intel Xeon with AVX-512, against unpacking each group in
+// 256 bits with its scale converted on its own: at one row, 0.73-0.79x the time with the weight in
+// cache, 0.85-0.93x streaming it from memory on two threads; 0.85-0.94x at 4 rows.
 
 inline __m128i iq4_table() {  // the IQ4 values + 128, as unsigned bytes
     return _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gguf::KVALUES_IQ4NL)), _mm_set1_epi8(char(0x80)));
 }
 
-struct Q4_0v {
+inline uint32_t load32(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// the 16 bytes at p and at p + stride as 64 values: p's low nibbles, p's high nibbles, then the
+// same of p + stride (nibbles32's order, twice)
+inline __m512i nibbles64(const uint8_t* p, int64_t stride) {
+    const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride)), 1);
+    const __m512i x = _mm512_shuffle_i64x2(_mm512_castsi256_si512(q), _mm512_castsi256_si512(q), _MM_SHUFFLE(1, 1, 0, 0));
+    // 128-bit lanes 1 and 3 (16-bit elements 8-15 and 24-31) take the high nibbles
+    return _mm512_and_si512(_mm512_mask_srli_epi16(x, 0xFF00FF00u, x, 4), _mm512_set1_epi8(0x0F));
+}
+
+// Q5_0 / Q5_1: 16 added to byte i where bit i of the fifth bits is set (qh: the pair's 64 bits)
+inline __m256i with_fifth(__m256i v, uint32_t qh) { return _mm256_mask_add_epi8(v, qh, v, _mm256_set1_epi8(0x10)); }
+inline __m512i with_fifth(__m512i v, uint64_t qh) { return _mm512_mask_add_epi8(v, qh, v, _mm512_set1_epi8(0x10)); }
+
+inline __m512i pair_bytes(__m256i u0, __m256i u1) { return _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1); }
+
+// a 4-bit type: kQs, where its 16 bytes of values start; kHigh, where Q5's 32 fifth bits start (0: none)
+template <int64_t kBytes, int64_t kQs, int64_t kHigh>
+struct Nibbles {
+    static __m256i bytes(const uint8_t* b) {
+        const __m256i v = gguf::nibbles32(b + kQs);
+        if constexpr (kHigh > 0) return with_fifth(v, load32(b + kHigh));
+        return v;
+    }
+    static __m512i pair(const uint8_t* b) {
+        const __m512i v = nibbles64(b + kQs, kBytes);
+        if constexpr (kHigh > 0) return with_fifth(v, load32(b + kHigh) | static_cast<uint64_t>(load32(b + kBytes + kHigh)) << 32);
+        return v;
+    }
+};
+
+struct Q4_0v : Nibbles<18, 2, 0> {
     static constexpr int64_t kValues = 32, kBytes = 18;
-    template <class Sink> static void run(const uint8_t* b, Sink& sink) {
-        const float d = f16(b);
-        sink(gguf::nibbles32(b + 2), d, -8.f * d);
-    }
+    static constexpr bool kMin = false;
+    static constexpr float kOffset = -8.f;
 };
 
-struct Q4_1v {
+struct Q4_1v : Nibbles<20, 4, 0> {
     static constexpr int64_t kValues = 32, kBytes = 20;
-    template <class Sink> static void run(const uint8_t* b, Sink& sink) {
-        sink(gguf::nibbles32(b + 4), f16(b), f16(b + 2));
-    }
+    static constexpr bool kMin = true;
+    static constexpr float kOffset = 0.f;
 };
 
-struct Q5_0v {
+struct Q5_0v : Nibbles<22, 6, 2> {
     static constexpr int64_t kValues = 32, kBytes = 22;
-    template <class Sink> static void run(const uint8_t* b, Sink& sink) {
-        uint32_t qh;
-        std::memcpy(&qh, b + 2, 4);
-        const float d = f16(b);
-        sink(_mm256_or_si256(gguf::nibbles32(b + 6), gguf::fifth_bits32(qh)), d, -16.f * d);
-    }
+    static constexpr bool kMin = false;
+    static constexpr float kOffset = -16.f;
 };
 
-struct Q5_1v {
+struct Q5_1v : Nibbles<24, 8, 4> {
     static constexpr int64_t kValues = 32, kBytes = 24;
-    template <class Sink> static void run(const uint8_t* b, Sink& sink) {
-        uint32_t qh;
-        std::memcpy(&qh, b + 4, 4);
-        sink(_mm256_or_si256(gguf::nibbles32(b + 8), gguf::fifth_bits32(qh)), f16(b), f16(b + 2));
-    }
+    static constexpr bool kMin = true;
+    static constexpr float kOffset = 0.f;
 };
 
 struct Q8_0v {
     static constexpr int64_t kValues = 32, kBytes = 34;
-    template <class Sink> static void run(const uint8_t* b, Sink& sink) {
-        const float d = f16(b);
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-        sink(_mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))), d, -128.f * d);
+    static constexpr bool kMin = false;
+    static constexpr float kOffset = -128.f;
+    static __m256i bytes(const uint8_t* b) {
+        return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), _mm256_set1_epi8(char(0x80)));
+    }
+    static __m512i pair(const uint8_t* b) {
+        const __m512i q = pair_bytes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
+                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kBytes + 2)));
+        return _mm512_xor_si512(q, _mm512_set1_epi8(char(0x80)));
     }
 };
 
 struct IQ4_NLv {
     static constexpr int64_t kValues = 32, kBytes = 18;
-    template <class Sink> static void run(const uint8_t* b, Sink& sink) {
+    static constexpr bool kMin = false;
+    static constexpr float kOffset = -128.f;
+    static __m256i bytes(const uint8_t* b) {
         const __m128i t = iq4_table();
-        const float d = f16(b);
-        sink(_mm256_shuffle_epi8(_mm256_set_m128i(t, t), gguf::nibbles32(b + 2)), d, -128.f * d);
+        return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), gguf::nibbles32(b + 2));
+    }
+    static __m512i pair(const uint8_t* b) {
+        return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(iq4_table()), nibbles64(b + 2, kBytes));
     }
 };
+
+// group b's (u, s, m) into sink
+template <class T, class Sink>
+inline void unpack(const uint8_t* b, Sink& sink) {
+    const float d = f16(b);
+    sink(T::bytes(b), d, T::kMin ? f16(b + 2) : T::kOffset * d);
+}
+
+// the float16 at byte `at` of each of the 8 groups from b, as floats
+template <class T, size_t... I>
+inline __m256 halves8(const uint8_t* b, int64_t at, std::index_sequence<I...>) {
+    __m128i v = _mm_setzero_si128();
+    ((v = _mm_insert_epi16(v, static_cast<int>(load32(b + I * T::kBytes + at) & 0xFFFFu), I)), ...);
+    return _mm256_cvtph_ps(v);
+}
+
+// a whole span's scales s and offsets m, 8 lanes each
+template <class T>
+inline void span_scales(const uint8_t* b, __m256* s, __m256* m) {
+    *s = halves8<T>(b, 0, std::make_index_sequence<8>{});
+    *m = T::kMin ? halves8<T>(b, 2, std::make_index_sequence<8>{}) : _mm256_mul_ps(*s, _mm256_set1_ps(T::kOffset));
+}
 
 // --- the dot products -------------------------------------------------------------------------------
 using gguf::hsum8;
@@ -221,7 +288,6 @@ inline void accumulate(const Act& a, int64_t r0, int64_t g, __m512i u, __m512 s,
     }
 }
 
-inline __m512i pair_bytes(__m256i u0, __m256i u1) { return _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1); }
 inline __m512 pair_scales(float s0, float s1) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(s0)), _mm256_castps_pd(_mm256_set1_ps(s1)), 1));
 }
@@ -246,31 +312,42 @@ inline void finish(const __m512* acc, const __m256* macc, O* out, int64_t ldo) {
     }
 }
 
+// the lanes of a span's 8-lane scales that pair p (groups 2p, 2p + 1) takes: 8 of each
+inline __m512i pair_lanes(int p) {
+    return _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
+}
+
 // one weight row against R <= kDirectRows rows of x, unpacking each pair of groups straight into the products
 template <class T, int R, class O>
 void row_direct(const uint8_t* row, int64_t groups, const Act& a, int64_t r0, O* out, int64_t ldo) {
     __m512 acc[R], part[R];
     __m256 macc[R];
     for (int r = 0; r < R; ++r) acc[r] = part[r] = _mm512_setzero_ps(), macc[r] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
-        __m256 mg = _mm256_setzero_ps();  // the 8 groups' offsets, built in a register
-        const auto pair = [&](int i, bool second) {
+    const __m512i lanes[4] = {pair_lanes(0), pair_lanes(1), pair_lanes(2), pair_lanes(3)};
+    int64_t g0 = 0;
+    for (; g0 + 8 <= groups; g0 += 8) {  // whole spans
+        const uint8_t* span = row + g0 * T::kBytes;
+        __m256 s8, m8;
+        span_scales<T>(span, &s8, &m8);
+        const __m512 s16 = _mm512_castps256_ps512(s8);
+#pragma GCC unroll 4
+        for (int i = 0; i < 8; i += 2)
+            accumulate<R>(a, r0, g0 + i, T::pair(span + i * T::kBytes), _mm512_permutexvar_ps(lanes[i / 2], s16), part);
+        end_span<R>(a, r0, g0, m8, part, acc, macc);
+    }
+    if (g0 < groups) {  // the row's last span, shorter: group by group, the rest zeros
+        const int64_t n = groups - g0;
+        __m256 mg = _mm256_setzero_ps();  // the groups' offsets, built in a register
+        for (int i = 0; i < n; i += 2) {
             __m256i u0, u1 = _mm256_setzero_si256();
             float s0, s1 = 0.f, m0, m1 = 0.f;
             auto first = [&](__m256i u, float s, float m) { u0 = u, s0 = s, m0 = m; };
             auto next = [&](__m256i u, float s, float m) { u1 = u, s1 = s, m1 = m; };
-            T::run(row + (g0 + i) * T::kBytes, first);
-            if (second) T::run(row + (g0 + i + 1) * T::kBytes, next);
+            unpack<T>(row + (g0 + i) * T::kBytes, first);
+            if (i + 1 < n) unpack<T>(row + (g0 + i + 1) * T::kBytes, next);
             accumulate<R>(a, r0, g0 + i, pair_bytes(u0, u1), pair_scales(s0, s1), part);
             mg = _mm256_mask_mov_ps(mg, static_cast<__mmask8>(1u << i), _mm256_set1_ps(m0));
             mg = _mm256_mask_mov_ps(mg, static_cast<__mmask8>(2u << i), _mm256_set1_ps(m1));
-        };
-        const int64_t n = std::min<int64_t>(8, groups - g0);
-        if (n == 8) {
-#pragma GCC unroll 4
-            for (int i = 0; i < 8; i += 2) pair(i, true);
-        } else {
-            for (int i = 0; i < n; i += 2) pair(i, i + 1 < n);
         }
         end_span<R>(a, r0, g0, mg, part, acc, macc);
     }
@@ -340,7 +417,7 @@ void run_linear(const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t 
                     w.s[g] = s;
                     w.m[g] = mm;
                 };
-                T::run(row + g * T::kBytes, store);
+                unpack<T>(row + g * T::kBytes, store);
             }
             int64_t r = 0;
             for (; r + 4 <= m; r += 4) row_buffered<4, O>(w, groups, a, r, yp + r * n + j, n);
