@@ -536,6 +536,7 @@ void fused_linear(const uint8_t* wp, int64_t rb, int64_t n, int64_t nb, const fl
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
         for (int64_t j = begin; j < end; ++j) {
             const uint8_t* row = wp + j * rb;
+            gguf::prefetch_ahead(row, rb, wp + end * rb);
             for (int64_t i = 0, g = groups; i < m; --g) {  // m rows in `groups` passes of near-equal size
                 const int64_t rows = (m - i + g - 1) / g;
                 const float* xi = xp + i * k;
@@ -625,7 +626,10 @@ void linear_bf16_rows(const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* 
         const uint16_t* rows[4] = {buf.data(), buf.data() + k, buf.data() + 2 * k, buf.data() + 3 * k};
         int64_t j = begin;
         for (; j + 4 <= end; j += 4) {  // weight rows in fours
-            for (int c = 0; c < 4; ++c) expand_bf16<T>(wp + (j + c) * rb, nb, buf.data() + c * k);
+            for (int c = 0; c < 4; ++c) {
+                gguf::prefetch_ahead(wp + (j + c) * rb, rb, wp + end * rb);
+                expand_bf16<T>(wp + (j + c) * rb, nb, buf.data() + c * k);
+            }
             dot_rows_bf16<4>(xp, m, k, rows, yp, n, j);
         }
         for (; j < end; ++j) {
@@ -713,6 +717,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t sma
             at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
                 std::vector<float> row(k);
                 for (int64_t j = begin; j < end; ++j) {
+                    gguf::prefetch_ahead(wp + (n0 + j) * rb, rb, wp + (n0 + end) * rb);
                     dequant_row(f, wp + (n0 + j) * rb, nb, row.data());
                     to_bf16(row.data(), k, bp + j * k);
                 }

@@ -393,18 +393,6 @@ void row_chunk(const uint8_t* row, int64_t groups, const Act& a, int64_t r0, int
     }
 }
 
-// Software prefetch of the weight bytes kPrefetchAhead past a row, issued as the row starts (into
-// L1): a thread's rows are consecutive in memory, and the hardware prefetcher stops at each 4 KiB
-// page of the file's mapping. On an AMX Xeon, two threads streaming one layer's weights at one row:
-// Q5_0 7.5-7.9 -> 9.3-10.4 GB/s, Q8_0 10.3-11.1 -> 15.0-16.0, Q4_K 7.1-8.3 -> 8.2-10.1, Q6_K +2-4%
-// (1, 2, 4 and 8 KiB ahead tried: 2 and 3 the best, into L2 no better).
-constexpr int64_t kPrefetchAhead = 2048;
-inline void prefetch_ahead(const uint8_t* row, int64_t rb, const uint8_t* end) {
-    const uint8_t* p = row + kPrefetchAhead;
-    const uint8_t* stop = std::min(p + rb, end);
-    for (; p < stop; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
-
 template <class T, class O>
 void run_linear(const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t m, O* yp) {
     const int64_t groups = a.groups;
@@ -412,7 +400,7 @@ void run_linear(const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t 
         if (m <= kDirectRows * kDirectChunks) {  // chunks of at most kDirectRows rows, as even as they go
             const int64_t chunks = (m + kDirectRows - 1) / kDirectRows;
             for (int64_t j = begin; j < end; ++j) {
-                prefetch_ahead(wp + j * rb, rb, wp + end * rb);
+                gguf::prefetch_ahead(wp + j * rb, rb, wp + end * rb);
                 for (int64_t c = 0, r0 = 0; c < chunks; ++c) {
                     const int64_t rows = (m - r0) / (chunks - c);
                     row_chunk<T, O>(wp + j * rb, groups, a, r0, rows, yp + r0 * n + j, n);
@@ -424,7 +412,7 @@ void run_linear(const uint8_t* wp, int64_t rb, int64_t n, const Act& a, int64_t 
         RowBuffer w(a.k, a.gstride);
         for (int64_t j = begin; j < end; ++j) {
             const uint8_t* row = wp + j * rb;
-            prefetch_ahead(row, rb, wp + end * rb);
+            gguf::prefetch_ahead(row, rb, wp + end * rb);
             for (int64_t g = 0; g < groups; ++g) {
                 auto store = [&](__m256i u, float s, float mm) {
                     _mm256_storeu_si256(reinterpret_cast<__m256i*>(&w.u[g * kGroup]), u);
@@ -569,7 +557,7 @@ void run_units(const uint8_t* wp, int64_t rb, int64_t n, const UnitAct& a, int64
         for (int64_t j = begin; j < end; ++j) {
             std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
             std::fill(macc.begin(), macc.end(), _mm256_setzero_ps());
-            prefetch_ahead(wp + j * rb, rb, wp + end * rb);
+            gguf::prefetch_ahead(wp + j * rb, rb, wp + end * rb);
             for (int64_t ui = 0; ui < a.units; ++ui) {
                 T::unit(wp + j * rb + ui * T::kBytes, u);
                 for (int64_t r = 0; r < m; ++r) accumulate_unit<T>(u, a, r, ui, acc[r], macc[r]);
