@@ -182,6 +182,8 @@ class GGUFWeight(QuantizedWeight):
         return self._vnni is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and len(self.segments) == 1:  # a layer's input as the model passes it: no reshapes
+            return self._segment(x, self.segments[0])
         rows = x.reshape(-1, x.shape[-1])
         if len(self.segments) == 1:
             y = self._segment(rows, self.segments[0])
