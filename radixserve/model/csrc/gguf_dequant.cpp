@@ -643,6 +643,23 @@ bool bf16_kernel(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, const u
     if (k % 32) return false;
     return with_expander(type, [&](auto t) { linear_bf16_rows<decltype(t)>(wp, rb, n, xp, m, k, yp); });
 }
+
+// Weight rows [first, first + count) into a bf16 tile, each row expanded straight to bfloat16 (the
+// values dequant_row + to_bf16 give, without the float row and the call per block between them);
+// false for a type without an expander.
+bool bf16_tile(int64_t type, const uint8_t* wp, int64_t rb, int64_t first, int64_t count, int64_t k, at::BFloat16* out) {
+    if (k % 32) return false;
+    return with_expander(type, [&](auto e) {
+        using T = decltype(e);
+        at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
+            for (int64_t j = begin; j < end; ++j) {
+                const uint8_t* row = wp + (first + j) * rb;
+                gguf::prefetch_ahead(row, rb, wp + (first + end) * rb);
+                expand_bf16<T>(row, k / T::kValues, reinterpret_cast<uint16_t*>(out + j * k));
+            }
+        });
+    });
+}
 #endif
 
 }  // namespace
@@ -712,7 +729,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t sma
     torch::Tensor buf = torch::empty({tile, k}, bf16 ? torch::kBFloat16 : torch::kFloat32);
     for (int64_t n0 = 0; n0 < n; n0 += tile) {
         const int64_t t = std::min(tile, n - n0);
-        if (bf16) {  // each row through a float row in L1, rounded to bf16 as Tensor.to would
+        bool tiled = false;
+#ifdef RADIXSERVE_GGUF_BF16
+        tiled = bf16 && bf16_tile(type, wp, rb, n0, t, k, buf.data_ptr<at::BFloat16>());
+#endif
+        if (tiled) {
+        } else if (bf16) {  // each row through a float row in L1, rounded to bf16 as Tensor.to would
             at::BFloat16* bp = buf.data_ptr<at::BFloat16>();
             at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
                 std::vector<float> row(k);
