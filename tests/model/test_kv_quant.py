@@ -177,5 +177,11 @@ def test_the_kernels_store_writes_what_the_pool_writes(name: str, dtype: torch.d
     paged.extension().store_kv(b.k_buffers[0], b.v_buffers[0], *scales, loc, k, v, fmt.top)
     for x, y in zip(a.gather(range(300)), b.gather(range(300)), strict=True):
         assert torch.equal(x, y)
+    # k and v as the model passes them: views into one wider row per token (the fused qkv output)
+    c = KVPool(300, 1, 1, 3, 64, fmt)
+    kv = torch.cat([k, v], dim=1)
+    paged.extension().store_kv(c.k_buffers[0], c.v_buffers[0], *c.scales(0), loc, kv[:, :3], kv[:, 3:], fmt.top)
+    for x, y in zip(a.gather(range(300)), c.gather(range(300)), strict=True):
+        assert torch.equal(x, y)
     with pytest.raises(RuntimeError, match="slot outside the KV pool"):
         paged.extension().store_kv(b.k_buffers[0], b.v_buffers[0], *scales, loc + 1000, k, v, fmt.top)

@@ -168,6 +168,12 @@ inline uint32_t load32(const uint8_t* p) {
     return v;
 }
 
+inline int load16(const uint8_t* p) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+}
+
 // the 16 bytes at p and at p + stride as 64 values: p's low nibbles, p's high nibbles, then the
 // same of p + stride (nibbles32's order, twice)
 inline __m512i nibbles64(const uint8_t* p, int64_t stride) {
@@ -184,9 +190,13 @@ inline __m512i with_fifth(__m512i v, uint64_t qh) { return _mm512_mask_add_epi8(
 
 inline __m512i pair_bytes(__m256i u0, __m256i u1) { return _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1); }
 
-// a 4-bit type: kQs, where its 16 bytes of values start; kHigh, where Q5's 32 fifth bits start (0: none)
-template <int64_t kBytes, int64_t kQs, int64_t kHigh>
+// a 4-bit type of kSize bytes a group: kQs, where its 16 bytes of values start; kHigh, where Q5's 32
+// fifth bits start (0: none); kMinAfterD, or else its offset is kTimesD * d
+template <int64_t kSize, int64_t kQs, int64_t kHigh, bool kMinAfterD, int kTimesD>
 struct Nibbles {
+    static constexpr int64_t kValues = 32, kBytes = kSize;
+    static constexpr bool kMin = kMinAfterD;
+    static constexpr float kOffset = static_cast<float>(kTimesD);
     static __m256i bytes(const uint8_t* b) {
         const __m256i v = gguf::nibbles32(b + kQs);
         if constexpr (kHigh > 0) return with_fifth(v, load32(b + kHigh));
@@ -199,29 +209,10 @@ struct Nibbles {
     }
 };
 
-struct Q4_0v : Nibbles<18, 2, 0> {
-    static constexpr int64_t kValues = 32, kBytes = 18;
-    static constexpr bool kMin = false;
-    static constexpr float kOffset = -8.f;
-};
-
-struct Q4_1v : Nibbles<20, 4, 0> {
-    static constexpr int64_t kValues = 32, kBytes = 20;
-    static constexpr bool kMin = true;
-    static constexpr float kOffset = 0.f;
-};
-
-struct Q5_0v : Nibbles<22, 6, 2> {
-    static constexpr int64_t kValues = 32, kBytes = 22;
-    static constexpr bool kMin = false;
-    static constexpr float kOffset = -16.f;
-};
-
-struct Q5_1v : Nibbles<24, 8, 4> {
-    static constexpr int64_t kValues = 32, kBytes = 24;
-    static constexpr bool kMin = true;
-    static constexpr float kOffset = 0.f;
-};
+using Q4_0v = Nibbles<18, 2, 0, false, -8>;
+using Q4_1v = Nibbles<20, 4, 0, true, 0>;
+using Q5_0v = Nibbles<22, 6, 2, false, -16>;
+using Q5_1v = Nibbles<24, 8, 4, true, 0>;
 
 struct Q8_0v {
     static constexpr int64_t kValues = 32, kBytes = 34;
@@ -261,7 +252,7 @@ inline void unpack(const uint8_t* b, Sink& sink) {
 template <class T, size_t... I>
 inline __m256 halves8(const uint8_t* b, int64_t at, std::index_sequence<I...>) {
     __m128i v = _mm_setzero_si128();
-    ((v = _mm_insert_epi16(v, static_cast<int>(load32(b + I * T::kBytes + at) & 0xFFFFu), I)), ...);
+    ((v = _mm_insert_epi16(v, load16(b + I * T::kBytes + at), I)), ...);
     return _mm256_cvtph_ps(v);
 }
 

@@ -864,18 +864,23 @@ void store_rows(const torch::Tensor& buf, const std::optional<torch::Tensor>& sc
 
 // Store new K/V rows into a float32 or bfloat16 pool: a copy, converted (rounded to nearest even, as
 // Tensor.to) where the rows' dtype is not the pool's.
+// A token's K (or V) row is read where it is when its heads are contiguous (a view into the
+// fused qkv output, as the model passes it), else from a contiguous copy.
 template <typename kv_t, typename x_t>
 void copy_rows(const torch::Tensor& buf, const torch::Tensor& x, const int64_t* loc) {
   const int64_t T = x.size(0), row = x.size(1) * x.size(2);
-  const auto xc = x.contiguous();
+  const bool rows_whole = x.stride(2) == 1 && x.stride(1) == x.size(2);
+  const auto xc = rows_whole ? x : x.contiguous();
+  const int64_t stride = rows_whole ? x.stride(0) : row;
   const x_t* src = xc.data_ptr<x_t>();
   kv_t* dst = static_cast<kv_t*>(buf.data_ptr());
   at::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
+      const x_t* s = src + t * stride;
       if constexpr (std::is_same_v<kv_t, x_t>) {
-        std::copy(src + t * row, src + (t + 1) * row, dst + loc[t] * row);
+        std::copy(s, s + row, dst + loc[t] * row);
       } else {
-        for (int64_t i = 0; i < row; ++i) dst[loc[t] * row + i] = kv_t(static_cast<float>(src[t * row + i]));
+        for (int64_t i = 0; i < row; ++i) dst[loc[t] * row + i] = kv_t(static_cast<float>(s[i]));
       }
     }
   });
