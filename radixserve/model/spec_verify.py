@@ -43,6 +43,7 @@ from radixserve.grammar import advance, masks_along
 from radixserve.mem.draft_tree import chain, children, depths, is_chain, path_to, walk
 from radixserve.mem.forward_batch import SamplingBatchInfo, VerifyRows
 from radixserve.mem.penalties import RowPenalties
+from radixserve.model.fused_ops import argmax_rows
 from radixserve.model.sampler import _CANDIDATES, _GREEDY_EPS, _inverse_cdf, apply_penalties, seed_for_step
 
 
@@ -127,7 +128,7 @@ def _pick(logits: torch.Tensor, draft: list[int], parents: list[int], row: int, 
     on there. Returns the tokens and the children walked into."""
     t, top_k = info.temperatures[row], info.top_ks[row]
     if t <= _GREEDY_EPS or top_k == 1:
-        best = logits.argmax(dim=-1).tolist()
+        best = argmax_rows(logits).tolist()
         return walk(parents, draft, lambda j, _: best[j])
     n = logits.shape[0]
     probs = filtered_probs(logits, t, top_k, info.top_ps[row], info.min_ps[row])

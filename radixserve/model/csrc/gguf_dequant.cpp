@@ -733,8 +733,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t sma
 #ifdef RADIXSERVE_GGUF_BF16
         tiled = bf16 && bf16_tile(type, wp, rb, n0, t, k, buf.data_ptr<at::BFloat16>());
 #endif
-        if (tiled) {
-        } else if (bf16) {  // each row through a float row in L1, rounded to bf16 as Tensor.to would
+        if (!tiled && bf16) {  // each row through a float row in L1, rounded to bf16 as Tensor.to would
             at::BFloat16* bp = buf.data_ptr<at::BFloat16>();
             at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
                 std::vector<float> row(k);
@@ -744,10 +743,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t sma
                     to_bf16(row.data(), k, bp + j * k);
                 }
             });
-        } else {
+        } else if (!tiled) {
             float* bp = buf.data_ptr<float>();
             at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
-                for (int64_t j = begin; j < end; ++j) dequant_row(f, wp + (n0 + j) * rb, nb, bp + j * k);
+                for (int64_t j = begin; j < end; ++j) {
+                    gguf::prefetch_ahead(wp + (n0 + j) * rb, rb, wp + (n0 + end) * rb);
+                    dequant_row(f, wp + (n0 + j) * rb, nb, bp + j * k);
+                }
             });
         }
         torch::Tensor wt = buf.narrow(0, 0, t);

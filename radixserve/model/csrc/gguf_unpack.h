@@ -22,8 +22,9 @@ inline float f16(const uint8_t* p) {
 // Software prefetch of the weight bytes kPrefetchAhead past a row, issued as the row starts (into
 // L1): a thread's rows are consecutive in memory, and the hardware prefetcher stops at each 4 KiB
 // page of the file's mapping. Every kernel that walks weight rows calls it. On an AMX Xeon, two
-// threads streaming one layer's weights through the VNNI kernel at one row: Q5_0 7.5-7.9 -> 9.3-10.4 GB/s, Q8_0 10.3-11.1 -> 15.0-16.0, Q4_K 7.1-8.3 -> 8.2-10.1, Q6_K +2-4%
-// (1, 2, 4 and 8 KiB ahead tried: 2 and 3 the best, into L2 no better).
+// threads streaming one layer's weights through the VNNI kernel at one row: Q5_0 7.5-7.9 -> 9.3-10.4
+// GB/s, Q8_0 10.3-11.1 -> 15.0-16.0, Q4_K 7.1-8.3 -> 8.2-10.1, Q6_K +2-4% (1, 2, 3, 4 and 8 KiB ahead
+// tried: 2 and 3 the best; into L2 no better).
 constexpr int64_t kPrefetchAhead = 2048;
 inline void prefetch_ahead(const uint8_t* row, int64_t rb, const uint8_t* end) {
     const uint8_t* p = row + kPrefetchAhead;
