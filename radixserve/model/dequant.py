@@ -42,6 +42,13 @@ def has_bf16_kernel() -> bool:
     return ext is not None and bool(ext.has_bf16_kernel())
 
 
+def has_amx_kernel() -> bool:
+    """Whether ``linear`` multiplies bfloat16 inputs of a few to a few hundred rows by AMX tiles
+    (gguf_dequant.cpp, built on a CPU with AMX-BF16, the kernel allowed its tile registers)."""
+    ext, _ = _ext()
+    return ext is not None and bool(ext.has_amx_kernel())
+
+
 @functools.lru_cache(maxsize=1)
 def vnni_ext() -> Any | None:
     """csrc/gguf_vnni.cpp (integer dot products on the blocks) where it builds with AVX512-VNNI."""

@@ -170,7 +170,9 @@ class GGUFWeight(QuantizedWeight):
         requests = _decode_requests.get()
         n = rows.shape[0] if requests is None else requests
         if n > self.small_rows:
-            return self._ext.linear(rows, s.data, s.qtype, 0)  # tiles and the GEMM
+            # tiles (AMX or the GEMM); a verify step's rows keep the AMX kernel its decode rows took,
+            # however many drafted rows it has (small_rows -1)
+            return self._ext.linear(rows, s.data, s.qtype, 0 if requests is None else -1)
         if self._vnni is not None and rows.dtype == torch.bfloat16 and n <= self.vnni_rows:
             return self._vnni.linear(rows, s.data, s.qtype)
         return self._ext.linear(rows, s.data, s.qtype, max(self.small_rows, rows.shape[0]))

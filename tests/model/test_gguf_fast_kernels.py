@@ -1,7 +1,7 @@
 """The AVX-512 kernels a bfloat16 model's decode batches take on GGUF blocks: the VNNI integer
-kernel (csrc/gguf_vnni.cpp, up to ``VNNI_MAX_ROWS`` rows) and the bf16 row kernel
-(csrc/gguf_dequant.cpp), each against the dequantized matrix for every type it reads, each row
-the same whatever the batch, and ``GGUFWeight`` choosing between them and the tiles."""
+kernel (csrc/gguf_vnni.cpp, up to ``VNNI_MAX_ROWS`` rows), the bf16 row kernel and the AMX tile
+kernel (csrc/gguf_dequant.cpp), each against the dequantized matrix for every type it reads, each
+row the same whatever the batch, and ``GGUFWeight`` choosing between them and the tiles."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from radixserve.model.dequant import has_bf16_kernel, linear_ext, vnni_ext
+from radixserve.model.dequant import has_amx_kernel, has_bf16_kernel, linear_ext, vnni_ext
 from radixserve.model.gguf_blocks import VNNI_MAX_ROWS, VNNI_MAX_ROWS_K, GGUFWeight, decode_rows
 from tests.model.test_gguf_blocks import blocks_of
 
@@ -18,6 +18,7 @@ BF16_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "I
 
 needs_vnni = pytest.mark.skipif(vnni_ext() is None, reason="no AVX512-VNNI on this CPU")
 needs_bf16 = pytest.mark.skipif(not has_bf16_kernel(), reason="no AVX512-BF16 on this CPU")
+needs_amx = pytest.mark.skipif(not has_amx_kernel(), reason="no AMX-BF16 on this CPU")
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -79,6 +80,30 @@ def test_bf16_kernel_equals_the_bf16_weights_matmul(name: str) -> None:
         assert torch.equal(ext.linear(x[:rows], b.data, b.qtype, 256), full[:rows])
 
 
+@needs_amx
+@pytest.mark.parametrize("name", BF16_TYPES)
+def test_amx_kernel_equals_the_bf16_weights_matmul(name: str) -> None:
+    """Weight rows expanded to bf16 32 at a time into AMX tiles: within bf16 output rounding of the
+    same matmul in float64, for weight and input counts that fill no tile exactly, and each input
+    row's result the same whatever the other rows of the call (small_rows -1: the AMX kernel at any
+    number of rows, as a verify step asks)."""
+    ext = linear_ext()
+    cols = 768 if name.endswith("_K") else 544  # 17 chunks of 32: an odd count
+    b = blocks_of(name, rows=45, cols=cols)  # one full block of 32 weight rows, one of 13
+    w = b.dequantize().to(torch.bfloat16).double()
+    x = torch.randn(300, cols, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x[7] = 0.0
+    many = ext.linear(x, b.data, b.qtype, -1)  # past the kernel's own row limit, asked for anyway
+    assert many.dtype == torch.bfloat16 and many.shape == (300, 45)
+    assert rel_err(many, x.double() @ w.t()) < 8e-3  # measured 1-3e-3: the output's own bf16 rounding
+    assert torch.equal(many[7], torch.zeros(45, dtype=torch.bfloat16))
+    for rows in (5, 16, 17, 33):
+        assert torch.equal(ext.linear(x[:rows], b.data, b.qtype, 0), many[:rows])
+    assert torch.equal(ext.linear(x[40:41], b.data, b.qtype, -1), many[40:41])
+    tiles = ext.linear(x, b.data, b.qtype, 0)  # 300 rows: the GEMM on dequantized tiles
+    assert rel_err(tiles, x.double() @ w.t()) < 8e-3
+
+
 @needs_vnni
 @needs_bf16
 def test_gguf_weight_picks_the_kernel_by_dtype_and_rows() -> None:
@@ -108,6 +133,7 @@ def test_bf16_models_default_rows_follow_the_kernel(monkeypatch: pytest.MonkeyPa
     from radixserve.model.quant import (
         DEFAULT_BLOCK_ROWS,
         DEFAULT_BLOCK_ROWS_AMX,
+        DEFAULT_BLOCK_ROWS_AMX_KERNEL,
         DEFAULT_BLOCK_ROWS_BF16,
         DEFAULT_BLOCK_ROWS_BF16_NO_KERNEL,
         default_max_rows,
@@ -117,6 +143,8 @@ def test_bf16_models_default_rows_follow_the_kernel(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(host, "cpu_flags", lambda: flags)
     if not has_bf16_kernel():
         want = DEFAULT_BLOCK_ROWS_BF16_NO_KERNEL
+    elif has_amx_kernel():  # the extension's own AMX kernel: built only where the CPU has AMX
+        want = DEFAULT_BLOCK_ROWS_AMX_KERNEL
     else:
         want = DEFAULT_BLOCK_ROWS_AMX if amx else DEFAULT_BLOCK_ROWS_BF16
     assert default_max_rows(torch.bfloat16, in_blocks=True) == want
