@@ -43,7 +43,7 @@ def has_bf16_kernel() -> bool:
 
 
 def has_amx_kernel() -> bool:
-    """Whether ``linear`` multiplies bfloat16 inputs of a few to a few hundred rows by AMX tiles
+    """Whether ``linear`` multiplies bfloat16 inputs of up to a thousand rows by AMX tiles
     (gguf_dequant.cpp, built on a CPU with AMX-BF16, the kernel allowed its tile registers)."""
     ext, _ = _ext()
     return ext is not None and bool(ext.has_amx_kernel())

@@ -15,6 +15,8 @@ with AVX-512 takes two faster kernels for its decode batches: up to ``VNNI_MAX_R
 (``VNNI_MAX_ROWS_K`` for the K-quants), csrc/gguf_vnni.cpp (activations quantized to ~15 bits per
 256 values, integer dot products against the blocks; AVX512-VNNI), and past that the bf16 row kernel
 of gguf_dequant.cpp (each weight row expanded to bf16 once, vdpbf16ps dot products; AVX512-BF16).
+With AMX, inputs past ``small_rows`` (default 4 there) take gguf_dequant.cpp's AMX kernel (weights
+expanded to bf16 tiles in cache, tdpbf16ps) up to about a thousand rows, the tiles and GEMM past it.
 float32 models keep the float kernel, their exact reference. A fused linear whose parts have
 different types (Q4_K_M files keep some ``attn_v`` / ``ffn_down`` in Q6_K) holds one segment per
 type and writes each segment's columns of the output.

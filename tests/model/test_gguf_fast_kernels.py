@@ -91,16 +91,16 @@ def test_amx_kernel_equals_the_bf16_weights_matmul(name: str) -> None:
     cols = 768 if name.endswith("_K") else 544  # 17 chunks of 32: an odd count
     b = blocks_of(name, rows=45, cols=cols)  # one full block of 32 weight rows, one of 13
     w = b.dequantize().to(torch.bfloat16).double()
-    x = torch.randn(300, cols, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x = torch.randn(1100, cols, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     x[7] = 0.0
     many = ext.linear(x, b.data, b.qtype, -1)  # past the kernel's own row limit, asked for anyway
-    assert many.dtype == torch.bfloat16 and many.shape == (300, 45)
+    assert many.dtype == torch.bfloat16 and many.shape == (1100, 45)
     assert rel_err(many, x.double() @ w.t()) < 8e-3  # measured 1-3e-3: the output's own bf16 rounding
     assert torch.equal(many[7], torch.zeros(45, dtype=torch.bfloat16))
-    for rows in (5, 16, 17, 33):
+    for rows in (5, 16, 17, 33, 300):
         assert torch.equal(ext.linear(x[:rows], b.data, b.qtype, 0), many[:rows])
     assert torch.equal(ext.linear(x[40:41], b.data, b.qtype, -1), many[40:41])
-    tiles = ext.linear(x, b.data, b.qtype, 0)  # 300 rows: the GEMM on dequantized tiles
+    tiles = ext.linear(x, b.data, b.qtype, 0)  # 1100 rows: the GEMM on dequantized tiles
     assert rel_err(tiles, x.double() @ w.t()) < 8e-3
 
 

@@ -706,7 +706,7 @@ bool bf16_tile(int64_t type, const uint8_t* wp, int64_t rb, int64_t first, int64
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define RADIXSERVE_GGUF_AMX 1
-// bfloat16 inputs of five rows and more on a CPU with AMX: the weights are expanded to bf16 32
+// bfloat16 inputs of five to a thousand rows on a CPU with AMX: the weights are expanded to bf16 32
 // rows at a time into a buffer that stays in L1/L2 and multiplied there by the tile unit, so no
 // weight tile is written to memory and no GEMM library re-packs it. The expanded weight rows are
 // the A operand (16 rows x 32 bf16 a tile, read in place), the inputs the B operand, packed once a
@@ -802,63 +802,74 @@ void linear_amx(const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* xp, in
     std::unique_ptr<uint32_t[]> storage(new uint32_t[blocks * chunks * 256 + 16]);
     uint32_t* packed = aligned64(storage.get());
     amx_pack_inputs(xp, m, k, packed);
+    // A thread's weight blocks are expanded a group at a time (as many as fit in ~256 KiB of L2) and
+    // each pair of input blocks is multiplied by every block of the group in turn: the packed inputs
+    // are read once per group, not once per block, which is what large inputs are bound by.
+    const int64_t group = std::clamp<int64_t>((256 << 10) / (32 * k * 2), 1, 8);
     at::parallel_for(0, (n + 31) / 32, 1, [&](int64_t begin, int64_t end) {
         amx_configure();
-        std::unique_ptr<uint16_t[]> abuf(new uint16_t[32 * k + 32]);
-        uint16_t* a = aligned64(abuf.get());
+        std::unique_ptr<uint16_t[]> abuf(new uint16_t[group * 32 * k + 32]);
+        uint16_t* const abase = aligned64(abuf.get());
         alignas(64) float c[4][256];
         const uint8_t* wend = wp + std::min(n, end * 32) * rb;
-        for (int64_t wb = begin; wb < end; ++wb) {
-            const int64_t j0 = wb * 32, wrows = std::min<int64_t>(32, n - j0);
-            for (int64_t r = 0; r < wrows; ++r) {
-                const uint8_t* row = wp + (j0 + r) * rb;
-                gguf::prefetch_ahead(row, rb, wend);
-                for (int64_t b = 0; b < nb; ++b) {
-                    ChunkStore store{a, r, b * (T::kValues / 32)};
-                    T::run(row + b * T::kBytes, store);
+        for (int64_t g0 = begin; g0 < end; g0 += group) {
+            const int64_t g1 = std::min(end, g0 + group);
+            for (int64_t wb = g0; wb < g1; ++wb) {
+                uint16_t* a = abase + (wb - g0) * 32 * k;
+                const int64_t j0 = wb * 32, wrows = std::min<int64_t>(32, n - j0);
+                for (int64_t r = 0; r < wrows; ++r) {
+                    const uint8_t* row = wp + (j0 + r) * rb;
+                    gguf::prefetch_ahead(row, rb, wend);
+                    for (int64_t b = 0; b < nb; ++b) {
+                        ChunkStore store{a, r, b * (T::kValues / 32)};
+                        T::run(row + b * T::kBytes, store);
+                    }
                 }
+                for (int64_t r = wrows; r < 32; ++r)
+                    for (int64_t kc = 0; kc < chunks; ++kc) std::fill_n(a + (kc * 32 + r) * 32, 32, uint16_t{0});
             }
-            for (int64_t r = wrows; r < 32; ++r)
-                for (int64_t kc = 0; kc < chunks; ++kc) std::fill_n(a + (kc * 32 + r) * 32, 32, uint16_t{0});
-            const uint16_t* a0 = a;
-            const uint16_t* a1 = a + 512;
             for (int64_t b = 0; b < blocks; b += 2) {
                 const uint32_t* b0 = packed + b * chunks * 256;
                 const bool two = b + 1 < blocks;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                if (two) {
-                    for (int64_t kc = 0; kc < chunks; ++kc) {
-                        _tile_loadd(4, a0 + kc * 1024, 64);
-                        _tile_loadd(5, a1 + kc * 1024, 64);
-                        _tile_loadd(6, b0 + kc * 256, 64);
-                        _tile_loadd(7, b0 + (chunks + kc) * 256, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
+                for (int64_t wb = g0; wb < g1; ++wb) {
+                    const uint16_t* a0 = abase + (wb - g0) * 32 * k;
+                    const uint16_t* a1 = a0 + 512;
+                    const int64_t j0 = wb * 32, wrows = std::min<int64_t>(32, n - j0);
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    if (two) {
+                        for (int64_t kc = 0; kc < chunks; ++kc) {
+                            _tile_loadd(4, a0 + kc * 1024, 64);
+                            _tile_loadd(5, a1 + kc * 1024, 64);
+                            _tile_loadd(6, b0 + kc * 256, 64);
+                            _tile_loadd(7, b0 + (chunks + kc) * 256, 64);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_dpbf16ps(1, 4, 7);
+                            _tile_dpbf16ps(2, 5, 6);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    } else {
+                        for (int64_t kc = 0; kc < chunks; ++kc) {
+                            _tile_loadd(4, a0 + kc * 1024, 64);
+                            _tile_loadd(5, a1 + kc * 1024, 64);
+                            _tile_loadd(6, b0 + kc * 256, 64);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_dpbf16ps(2, 5, 6);
+                        }
                     }
-                } else {
-                    for (int64_t kc = 0; kc < chunks; ++kc) {
-                        _tile_loadd(4, a0 + kc * 1024, 64);
-                        _tile_loadd(5, a1 + kc * 1024, 64);
-                        _tile_loadd(6, b0 + kc * 256, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(2, 5, 6);
-                    }
-                }
-                _tile_stored(0, c[0], 64);
-                _tile_stored(1, c[1], 64);
-                _tile_stored(2, c[2], 64);
-                _tile_stored(3, c[3], 64);
-                for (int h = 0; h < 2; ++h) {
-                    const int64_t rows_h = std::min<int64_t>(16, wrows - h * 16);
-                    if (rows_h <= 0) continue;
-                    for (int s = 0; s < (two ? 2 : 1); ++s) {
-                        const int64_t first = (b + s) * 16, inputs = std::min<int64_t>(16, m - first);
-                        amx_store(c[h * 2 + s], inputs, rows_h, yp + first * n + j0 + h * 16, n);
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(1, c[1], 64);
+                    _tile_stored(2, c[2], 64);
+                    _tile_stored(3, c[3], 64);
+                    for (int h = 0; h < 2; ++h) {
+                        const int64_t rows_h = std::min<int64_t>(16, wrows - h * 16);
+                        if (rows_h <= 0) continue;
+                        for (int s = 0; s < (two ? 2 : 1); ++s) {
+                            const int64_t first = (b + s) * 16, inputs = std::min<int64_t>(16, m - first);
+                            amx_store(c[h * 2 + s], inputs, rows_h, yp + first * n + j0 + h * 16, n);
+                        }
                     }
                 }
             }
@@ -867,10 +878,10 @@ void linear_amx(const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* xp, in
     });
 }
 
-// Up to this many rows: past it each weight chunk's inputs no longer stay in L2, and oneDNN's GEMM on
-// dequantized tiles wins (every block linear of a Q4_K_M SmolLM2, 2 threads, against the tiles:
-// 0.39x the time at 8 rows, 0.45x at 32, 0.72x at 128, 0.85x at 256, 0.93x at 384, 1.5x at 512).
-constexpr int64_t kAmxMaxRows = 256;
+// Up to this many rows: past it oneDNN's GEMM on dequantized tiles is as fast (Q4_K_M SmolLM2 q /
+// down / gate projections together, 2 threads, best of 6 against the tiles: 0.85x the time at 512
+// rows, 0.81x at 1024, 1.05x at 2048; every block linear: 0.39x at 8 rows, 0.45x at 32).
+constexpr int64_t kAmxMaxRows = 1024;
 
 bool amx_kernel(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* xp, int64_t m, int64_t k,
                 at::BFloat16* yp, bool any_rows) {
@@ -1027,5 +1038,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("linear", &linear, "x [M, K] @ block weight [N, K].T");
     m.def("rows", &rows, "float32 rows of a block weight");
     m.def("has_bf16_kernel", &has_bf16_kernel, "whether bfloat16 inputs have the AVX512-BF16 row kernel");
-    m.def("has_amx_kernel", &has_amx_kernel, "whether bfloat16 inputs of a few to a few hundred rows take the AMX kernel");
+    m.def("has_amx_kernel", &has_amx_kernel, "whether bfloat16 inputs of 5 to 1024 rows take the AMX kernel");
 }
