@@ -68,8 +68,8 @@ class ModelOptions:
         None, "Most rows (tokens) of a forward that uses the int8/int4 copies (above it the float weights "
         "run), or that GGUF blocks read row by row (above it: dequantized tiles and the GEMM). Default: "
         "int8/int4 5 when the float weights are bfloat16, 8 when float32; GGUF blocks 64 in float32, in "
-        "bfloat16 256 with AVX512-BF16 (its bf16 row kernel), 10 where the CPU also has AMX (its bf16 "
-        "GEMMs), else 8 (where each stopped paying: "
+        "bfloat16 256 with AVX512-BF16 (its bf16 row kernel), 4 where the CPU also has AMX (the AMX "
+        "kernel; 10 if it was not built), else 8 (where each stopped paying: "
         "docs/benchmarks.md, quant.py).", group="model")
     random_seed: int = option(0, "Seed of the global sampler generator.", group="model")
     num_threads: int | None = option(None, "torch intra-op threads (default: torch's choice).", group="model")
