@@ -53,6 +53,9 @@ class GGUFTensor(NamedTuple):
     data: np.ndarray  # plain types: elements, torch's shape; block types: uint8 rows of blocks
 
 
+_U64 = struct.Struct("<Q")
+
+
 class GGUFFile:
     """The header of a GGUF file and views of its tensors (the file stays mapped while they live)."""
 
@@ -110,6 +113,32 @@ class GGUFFile:
         except UnicodeDecodeError as e:
             self._refuse(f"a string that is not UTF-8 at offset {self._pos - n}: {e.reason}")
 
+    def _strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary, a merge list: ~50k each) in one tight loop, with
+        ``_string``'s checks: half the time of reading them one by one."""
+        mv, pos, size = self._mv, self._pos, len(self._mv)
+        length = _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > size:
+                self._pos = pos
+                self._take(8)  # refuses: the file ends here
+            (n,) = length(mv, pos)
+            pos += 8
+            if n > _MAX_STRING:
+                self._refuse(f"a string of {n} bytes at offset {pos - 8}")
+            if pos + n > size:
+                self._pos = pos
+                self._take(n)  # refuses
+            try:
+                append(str(mv[pos : pos + n], "utf-8"))
+            except UnicodeDecodeError as e:
+                self._refuse(f"a string that is not UTF-8 at offset {pos}: {e.reason}")
+            pos += n
+        self._pos = pos
+        return out
+
     def _value(self, vtype: int) -> Any:
         fmt = _SCALARS.get(vtype)
         if fmt is not None:
@@ -124,6 +153,8 @@ class GGUFFile:
                 dtype = np.dtype("<" + fmt) if fmt != "?" else np.dtype(np.bool_)
                 raw = self._take(count * dtype.itemsize)
                 return np.frombuffer(raw, dtype=dtype).tolist()
+            if etype == _STRING:
+                return self._strings(count)
             return [self._value(etype) for _ in range(count)]
         self._refuse(f"unknown value type {vtype} at offset {self._pos - 4}")
 

@@ -121,6 +121,15 @@ def _header(version: int = 3, n_tensors: int = 0, n_kv: int = 0) -> bytes:
         (_header(n_kv=1) + struct.pack("<Q", 1 << 40), "a string of"),
         (_header(n_kv=1) + struct.pack("<Q", 3) + b"key" + struct.pack("<I", 8) + struct.pack("<Q", 10) + b"short", "ends inside"),
         (_header(n_kv=1) + struct.pack("<Q", 2) + b"\xff\xfe" + struct.pack("<IB", 0, 1), "not UTF-8"),
+        # the same inside an array of strings (a vocabulary), which is read in one loop
+        (_header(n_kv=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 3) + struct.pack("<Q", 1) + b"a",
+         "ends inside"),
+        (_header(n_kv=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 2) + struct.pack("<Q", 1) + b"a"
+         + struct.pack("<Q", 5) + b"ab", "ends inside"),
+        (_header(n_kv=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 2) + struct.pack("<Q", 1 << 40),
+         "a string of"),
+        (_header(n_kv=1) + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 8, 2) + struct.pack("<Q", 1) + b"a"
+         + struct.pack("<Q", 2) + b"\xff\xfe", "not UTF-8"),
     ],
 )
 def test_refuses_a_broken_header_with_one_line(tmp_path: Path, content: bytes, why: str) -> None:
