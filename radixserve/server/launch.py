@@ -26,18 +26,22 @@ import sys
 import threading
 from collections.abc import Callable, Generator
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import uvicorn
 from tqdm import tqdm
 
 from radixserve.config import ServerArgs
 from radixserve.model.loader import load_config, resolve_model_path
-from radixserve.model.tokenizer import Tokenizer
-from radixserve.server.detokenizer_proc import run_detokenizer_process
-from radixserve.server.frontend.http_server import create_app, pid_map
-from radixserve.server.frontend.tokenizer_manager import TokenizerManager
 from radixserve.server.procs import IpcNames, run_entry, setup_logging
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from radixserve.server.frontend.tokenizer_manager import TokenizerManager
+
+# NOTE: the HTTP side (FastAPI, uvicorn, the tokenizer manager: ~1 s of imports) is imported after the
+# children are started, so the scheduler's own imports and model load, the long pole of start-up,
+# begin at once.
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +50,16 @@ HARD_EXIT_S = 10.0
 LOAD_STAGES = 6  # tokenizer, 3 scheduler stages, scheduler ready, detokenizer ready
 
 
-class _Server(uvicorn.Server):
+def _http_server(config: uvicorn.Config) -> uvicorn.Server:
     """uvicorn without its own signal handling: ``launch_server`` owns SIGINT/SIGTERM."""
+    import uvicorn
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            yield
+
+    return _Server(config)
 
 
 def served_model_name(args: ServerArgs) -> tuple[str, str]:
@@ -168,7 +176,7 @@ class _Shutdown:
         self.procs = procs
         self.loop = loop
         self.grace = grace
-        self.server: _Server | None = None
+        self.server: uvicorn.Server | None = None
         self.tm: TokenizerManager | None = None
         self.interrupted = False
         self.exit_code = 0
@@ -187,7 +195,7 @@ class _Shutdown:
             self.server.force_exit = True
         self.server.should_exit = True
 
-    async def _drain_then_stop(self, tm: TokenizerManager, server: _Server) -> None:
+    async def _drain_then_stop(self, tm: TokenizerManager, server: uvicorn.Server) -> None:
         deadline = self.loop.time() + self.grace
         if tm.groups:
             logger.info("draining: %d request(s) in flight, up to %.0f s (a second Ctrl-C exits at once)",
@@ -220,6 +228,10 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
         loop.add_signal_handler(sig, end.on_signal)
     name, model_path = served_model_name(args)
     tm = await _start_processes(args, ipc, procs, name, lambda: end.interrupted)
+    import uvicorn
+
+    # imported while the children loaded (_start_processes)
+    from radixserve.server.frontend.http_server import create_app, pid_map
 
     app = create_app(tm, model_path, pid_map(procs))
     # NOTE: h11 always, not httptools when it happens to be installed: how an HTTP/2 preface is
@@ -227,7 +239,7 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.log_level == "debug", timeout_graceful_shutdown=3,
                             timeout_keep_alive=5, http="h11")
-    server = end.server = _Server(config)
+    server = end.server = _http_server(config)
     end.tm = tm
     tm.on_fatal = end.on_fatal
     tm.start()
@@ -268,13 +280,19 @@ async def _start_processes(args: ServerArgs, ipc: IpcNames, procs: dict[str, Bas
             bar.refresh()
 
     try:
-        # the children first: loading the model is the long pole, the tokenizer loads meanwhile
-        tm = TokenizerManager(args, ipc, name)  # binds its socket before the children connect
+        # the children first: loading the model is the long pole, the rest of this process's imports
+        # and the tokenizer load meanwhile (the children's sockets connect to the tokenizer
+        # manager's once it binds: zmq retries every few milliseconds, and queues what they send)
         parent = os.getpid()
         for pname, target, pargs in _children(args, ipc, parent):
             p = ctx.Process(target=target, args=pargs, name=f"radixserve-{pname}", daemon=True)
             p.start()
             procs[pname] = p
+        from radixserve.model.tokenizer import Tokenizer
+        from radixserve.server.frontend.tokenizer_manager import TokenizerManager
+
+        tm = TokenizerManager(args, ipc, name)
+        import radixserve.server.frontend.http_server  # noqa: F401  (FastAPI: ~0.4 s, while the children load)
         tokenizer = await asyncio.to_thread(
             lambda: Tokenizer.from_model_path(args.model_path).use_chat_template(args.chat_template)
         )
@@ -293,6 +311,7 @@ def _children(args: ServerArgs, ipc: IpcNames, parent: int) -> list[tuple[str, A
     process never needs."""
     run_dp_controller_process = functools.partial(run_entry, "radixserve.server.scheduler.dp_controller:run_dp_controller_process")
     run_scheduler_process = functools.partial(run_entry, "radixserve.server.scheduler.scheduler_proc:run_scheduler_process")
+    run_detokenizer_process = functools.partial(run_entry, "radixserve.server.detokenizer_proc:run_detokenizer_process")
 
     detok = ("detokenizer", run_detokenizer_process, (args, ipc, parent))
     if args.dp_size == 1:
