@@ -13,9 +13,18 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 bash scripts/setup.sh
 . .venv/bin/activate
+# the attention kernel's test-only variants (a minute of compiling each) build while the linters run;
+# a variant that fails to build fails its tests, which say why
+mkdir -p .build
+python -m radixserve.model.paged_attention --variant avx2 --variant widen > .build/variants-1.log 2>&1 &
+lane1=$!
+python -m radixserve.model.paged_attention --variant plain > .build/variants-2.log 2>&1 &
+lane2=$!
 ruff check radixserve tests examples scripts
 mypy
 lint-imports
+wait "$lane1" || cat .build/variants-1.log >&2
+wait "$lane2" || cat .build/variants-2.log >&2
 if [ "$fast" = 1 ]; then
     python -m pytest -m "not slow" "$@"
 else

@@ -75,8 +75,11 @@ def load_extension(stem: str, source: Path, extra_cflags: list[str] | None = Non
         directory = build_dir() / name
         directory.mkdir(parents=True, exist_ok=True)
         with _build_lock(directory):
-            ext = load(name=name, sources=[str(source)], extra_cflags=CFLAGS + (extra_cflags or []),
-                       extra_ldflags=LDFLAGS, build_directory=str(directory), verbose=False)
+            # NOTE: fresh lists: torch appends its libraries to extra_ldflags in place, and a flag list
+            # that grew changes the next load's hash, so a second load of one extension in a process
+            # would be renamed (name_v1) and recompiled, and the next process would recompile it back
+            ext = load(name=name, sources=[str(source)], extra_cflags=[*CFLAGS, *(extra_cflags or [])],
+                       extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
         return ext, None
     except Exception as e:  # any build failure means "unavailable", with its reason
         return None, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"

@@ -45,6 +45,21 @@ def _load() -> tuple[Any, str | None]:
     return load_extension("radixserve_paged_attention", _SOURCE)
 
 
+# Builds of the same source with a vector path switched off: what CPUs without AVX512-BF16 / AVX-512 /
+# AVX2 run, built here so the tests can check each against the main build (scripts/test.sh builds
+# them in the background while the linters run).
+VARIANTS: dict[str, list[str]] = {
+    "widen": ["-DRADIXSERVE_NO_BF16_DOT"],
+    "avx2": ["-DRADIXSERVE_NO_AVX512"],
+    "plain": ["-DRADIXSERVE_NO_AVX512", "-DRADIXSERVE_NO_AVX2"],
+}
+
+
+def variant(name: str) -> tuple[Any, str | None]:
+    """(the ``VARIANTS[name]`` build of the extension, None), or (None, why it could not be built)."""
+    return load_extension(f"radixserve_paged_attention_{name}", _SOURCE, VARIANTS[name])
+
+
 def extension() -> Any:
     """The compiled extension; raises ``RuntimeError`` saying why if it cannot be built."""
     ext, err = _load()
@@ -150,9 +165,18 @@ class CpuPagedAttention(TorchNativeAttention):
         )
 
 
-if __name__ == "__main__":  # python -m radixserve.model.paged_attention: build it now (scripts/setup.sh)
+if __name__ == "__main__":
+    # python -m radixserve.model.paged_attention: build it now (scripts/setup.sh);
+    # ... --variant NAME [--variant NAME]: build those test variants instead (scripts/test.sh)
+    import argparse
     import sys
 
-    err = extension_error()
-    print(f"cpu_paged extension: {'built in ' + str(build_dir()) if err is None else 'unavailable: ' + err}")
-    sys.exit(0 if err is None else 1)
+    ap = argparse.ArgumentParser(description="Build the cpu_paged attention extension.")
+    ap.add_argument("--variant", action="append", choices=sorted(VARIANTS), default=[],
+                    help="build this variant of it (for the tests) instead; may be repeated")
+    names = ap.parse_args().variant
+    failed = False
+    for label, err in ([(f"variant {n}", variant(n)[1]) for n in names] if names else [("extension", extension_error())]):
+        print(f"cpu_paged {label}: {'built in ' + str(build_dir()) if err is None else 'unavailable: ' + err}")
+        failed = failed or err is not None
+    sys.exit(1 if failed else 0)

@@ -30,3 +30,21 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path: Pat
         pytest.fail("the load waited on the stale lock")
     assert out.returncode == 0 and out.stdout.strip() == "None", out.stdout + out.stderr
     assert not (tmp_path / name / "lock").exists()
+
+
+def test_loading_an_extension_again_keeps_its_build() -> None:
+    """torch appends its libraries to the link flags it is given; were those the module's own list,
+    every later load in the process would hash differently, and a second load of one extension
+    (two test files checking one variant) would rename and recompile it, in every process."""
+    from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
+
+    from radixserve.model import cpp_build, fused_ops
+
+    if extension_error() is not None:
+        pytest.skip(f"the fused ops extension is unavailable here: {extension_error()}")
+    flags = list(cpp_build.LDFLAGS)
+    for _ in range(2):
+        ext, err = cpp_build.load_extension("radixserve_fused_ops", fused_ops._SOURCE, fused_ops._CFLAGS)
+        assert ext is not None, err
+    assert cpp_build.LDFLAGS == flags
+    assert JIT_EXTENSION_VERSIONER.entries[f"radixserve_fused_ops_{cpu_tag()}"].version == 0

@@ -92,10 +92,7 @@ def test_mixed_prefill_and_decode(name: str) -> None:
 def test_every_vector_path_reads_quantized_pools_alike(variant: str) -> None:
     """The AVX2 build (what CPUs without AVX-512 run) and the plain loops give the main build's
     outputs on each one-byte format, ragged rows and a short last block included."""
-    from radixserve.model.cpp_build import load_extension
-
-    flags = ["-DRADIXSERVE_NO_AVX512"] + (["-DRADIXSERVE_NO_AVX2"] if variant == "plain" else [])
-    other, err = load_extension(f"radixserve_paged_attention_{variant}", paged._SOURCE, flags)
+    other, err = paged.variant(variant)
     assert other is not None, err
     lens = [1, 3, 16, 17, 255, 1333, 40]
     for name in ["bf16", *FORMATS]:

@@ -284,11 +284,9 @@ def test_bf16_dot_products_match_the_widening_path() -> None:
     """Where the CPU has AVX512-BF16 a bfloat16 pool is read with bfloat16 dot products; the build
     without them (what other CPUs run) gives the same outputs to bfloat16's tolerance, on a ragged
     batch with odd lengths (a lone last token in the pairwise P x V)."""
-    from radixserve.model.cpp_build import load_extension
-
     if not paged.extension().has_bf16_dot():
         pytest.skip("this CPU has no AVX512-BF16: only the widening path is built")
-    other, err = load_extension("radixserve_paged_attention_widen", paged._SOURCE, ["-DRADIXSERVE_NO_BF16_DOT"])
+    other, err = paged.variant("widen")
     assert other is not None, err
     assert not other.has_bf16_dot()
     pool = Pool(16, 3, 64, torch.bfloat16, pages=400, seed=5)
@@ -308,10 +306,7 @@ def test_plain_loops_match_the_vector_path() -> None:
     """The build without AVX-512 or AVX2 intrinsics (what other CPUs run, and any head shape the
     vector paths are not specialised on) gives the same outputs to float32 rounding, on a ragged
     batch with split rows and a short last block."""
-    from radixserve.model.cpp_build import load_extension
-
-    plain, err = load_extension("radixserve_paged_attention_plain", paged._SOURCE,
-                                ["-DRADIXSERVE_NO_AVX512", "-DRADIXSERVE_NO_AVX2"])
+    plain, err = paged.variant("plain")
     assert plain is not None, err
     pool = Pool(16, 3, 64, torch.float32, pages=400, seed=6)
     lens = [1, 3, 16, 17, 255, 1333, 40]
