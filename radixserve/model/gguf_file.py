@@ -88,6 +88,14 @@ class GGUFFile:
         start = -(-self._pos // alignment) * alignment
         self.tensors = [self._tensor(start, *info) for info in infos]
 
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's mapping; they stay in the page cache. The parts
+        the loader copied (fused q/k/v and gate/up, permuted q/k) are never read again, and would
+        otherwise count in the resident memory twice, as mapped file pages and as the copies;
+        tensors read in place map their pages back on first use."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._buf.madvise(mmap.MADV_DONTNEED)
+
     # ------------------------------------------------------------------ reading
     def _refuse(self, why: str) -> NoReturn:
         raise ValueError(f"{self.path} is not a readable GGUF file: {why}")

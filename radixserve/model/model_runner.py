@@ -168,8 +168,12 @@ class ModelRunner:
             self.model.cast_(self.dtype)
         self.packed_linears = self.model.pack_linears(drop_plain_weights=True) if pack_weights else 0
         self.tokenizer = Tokenizer.from_model_path(model_path)
-        from radixserve.model.gguf_file import clear_gguf_cache
+        from radixserve.model.gguf_file import clear_gguf_cache, open_gguf
+        from radixserve.model.loader import resolve_model_path
 
+        kind, path = resolve_model_path(model_path)
+        if kind == "gguf":
+            open_gguf(path).release_pages()  # the copied parts' pages leave the resident memory
         clear_gguf_cache()  # the loader and the tokenizer shared one parse of the file; done with it
         self.sampler = Sampler(seed)
         self.kv_pool: KVPool | None = None

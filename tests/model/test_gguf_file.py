@@ -169,3 +169,35 @@ def test_the_front_end_processes_never_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def _mapped_rss_kb(path: str) -> int:
+    """This process's resident kB of its mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's first line
+                inside = head[-1] == path
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
+def test_released_pages_leave_the_resident_memory_and_map_back_on_use(tmp_path: Path) -> None:
+    values = np.arange(512 * 512, dtype=np.float32).reshape(512, 512)  # 1 MiB: 256 pages
+
+    def fill(w: Any) -> None:
+        w.add_tensor("w", values)
+
+    path = _write(tmp_path / "pages.gguf", fill)
+    f = GGUFFile(path)
+    data = f.tensors[0].data
+    assert float(data.sum()) == float(values.sum())  # every page read
+    before = _mapped_rss_kb(path)
+    assert before >= 1024
+    f.release_pages()
+    assert _mapped_rss_kb(path) < before - 900
+    np.testing.assert_array_equal(data, values)  # read again: mapped back, the same bytes
+    assert _mapped_rss_kb(path) >= 1024
