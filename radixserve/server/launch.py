@@ -282,7 +282,7 @@ async def _start_processes(args: ServerArgs, ipc: IpcNames, procs: dict[str, Bas
     try:
         # the children first: loading the model is the long pole, the rest of this process's imports
         # and the tokenizer load meanwhile (the children's sockets connect to the tokenizer
-        # manager's once it binds: zmq retries every few milliseconds, and queues what they send)
+        # manager's once it binds: zmq retries within 100 ms, and queues what they send)
         parent = os.getpid()
         for pname, target, pargs in _children(args, ipc, parent):
             p = ctx.Process(target=target, args=pargs, name=f"radixserve-{pname}", daemon=True)

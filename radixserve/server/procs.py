@@ -113,9 +113,10 @@ def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
     s = ctx.socket(zmq.PUSH)
     s.setsockopt(zmq.LINGER, 0)
     # a peer that has not bound yet (the HTTP process binds after starting its children): retry
-    # after 10 ms, backing off to 1 s, instead of zmq's fixed 100 ms; what is sent meanwhile queues
+    # after 10 ms, doubling up to 100 ms, instead of zmq's fixed 100 ms from the start; what is sent
+    # meanwhile queues
     s.setsockopt(zmq.RECONNECT_IVL, 10)
-    s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    s.setsockopt(zmq.RECONNECT_IVL_MAX, 100)
     s.connect(addr)
     return s
 

@@ -612,6 +612,9 @@ bool fused(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, int64_t nb, c
 // products per instruction accumulated in float32, four weight rows against four input rows at a
 // time. The block scales are folded into the expanded row, so the inner loop is loads and dot
 // products only; every output element sums in the same order whatever M is.
+
+// The expanders' sink for one bf16 row: each vector rounded to bfloat16 (to nearest even, as
+// Tensor.to) where its values go.
 struct Bf16Store {
     uint16_t* y;
     void operator()(int off, int, __m256 v) {
