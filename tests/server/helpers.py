@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,11 +29,40 @@ API_KEY = "sk-radixserve-test"
 _issued: set[int] = set()  # ports handed out in this test process, and the port after each
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel picks by itself (a bind to port 0, an outgoing connection's source
+    port); Linux's default where its setting cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A port nothing listens on now and this process has not handed out yet: a port is closed
-    again when this returns, so two calls could otherwise name the same one to two servers that
-    start together (a prefill worker's data-parallel ranks also take the port after its base)."""
-    while True:
+    """A port that, with the port after it (a prefill worker's data-parallel ranks take the ports
+    after its base), nothing uses now and this process has not handed out yet. Drawn below the
+    kernel's ephemeral range: a port drawn from it (a bind to port 0) and left closed until a server
+    binds it could meanwhile become the source port of one of the many short connections the tests
+    make (an address-in-use failure seen in CI); below it, only a server naming it can take it."""
+    floor = _ephemeral_floor()
+    for _ in range(1000):
+        if floor <= 10_002:
+            break
+        port = random.randrange(10_000, floor - 1)
+        if not {port, port + 1} & _issued and _bindable(port) and _bindable(port + 1):
+            _issued.update((port, port + 1))
+            return port
+    while True:  # no room below the ephemeral range: let the kernel pick
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
