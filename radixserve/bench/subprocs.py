@@ -88,12 +88,13 @@ def free_ports(n: int, consecutive: bool = False) -> list[int]:
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(20000, 60000 - n)
-        if all(_port_free(base + i) for i in range(n)):
+        if all(port_free(base + i) for i in range(n)):
             return list(range(base, base + n))
     raise BenchError(f"found no {n} free consecutive ports")
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether a socket can bind ``port`` on 127.0.0.1 now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from radixserve.bench.subprocs import port_free
 from radixserve.config import ServerArgs
 from radixserve.server.frontend.recent_requests import RecentRequests
 from radixserve.server.scheduler.dashboard_state import rank_snapshot
@@ -39,15 +40,6 @@ def _ephemeral_floor() -> int:
         return 32768
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port() -> int:
     """A port that, with the port after it (a prefill worker's data-parallel ranks take the ports
     after its base), nothing uses now and this process has not handed out yet. Drawn below the
@@ -55,11 +47,9 @@ def free_port() -> int:
     binds it could meanwhile become the source port of one of the many short connections the tests
     make (an address-in-use failure seen in CI); below it, only a server naming it can take it."""
     floor = _ephemeral_floor()
-    for _ in range(1000):
-        if floor <= 10_002:
-            break
+    for _ in range(1000 if floor > 10_002 else 0):
         port = random.randrange(10_000, floor - 1)
-        if not {port, port + 1} & _issued and _bindable(port) and _bindable(port + 1):
+        if not {port, port + 1} & _issued and port_free(port) and port_free(port + 1):
             _issued.update((port, port + 1))
             return port
     while True:  # no room below the ephemeral range: let the kernel pick
