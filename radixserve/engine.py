@@ -354,6 +354,20 @@ class Engine:
         return out
 
 
+def local_window(args: ServerArgs, runner: ModelRunner) -> int | None:
+    """The window of the model's sliding layers when it also has global ones, and they can have KV
+    slots of their own (mem/window_kv.py): not where KV leaves the pool by slot for every layer at
+    once (the KV tier, prefill/decode transfers), nor under tensor parallelism or with a draft model
+    (whose tables are not kept in those slots), nor with ``--disable-hybrid-swa-memory``. Elsewhere
+    they share the global layers' slots and read only their window."""
+    c = runner.model_config
+    if not c.sliding_layers or c.whole_window or runner.draft or args.tp_size > 1:
+        return None
+    if args.disable_hybrid_swa_memory or args.enable_hierarchical_cache or args.disaggregation_mode != "null":
+        return None
+    return c.sliding_window
+
+
 def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,
                     event_sink: Callable[[CacheEvent], None] | None = None, dp_rank: int | None = None) -> SchedulerCore:
     """Size the pools, attach them to the runner, and build the scheduler over them (``event_sink``:
@@ -380,8 +394,13 @@ def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,
         file=sys.stderr,
     )
     # other TP ranks replay this table's writes; KV behind a whole-model window is freed (not for a draft)
+    local = local_window(args, runner)
     kv = build_kv(args, total, context_len, pool_cls=JournaledReqToTokenPool if args.tp_size > 1 else ReqToTokenPool,
-                  event_sink=event_sink, window=None if runner.draft else runner.model_config.whole_window)
+                  event_sink=event_sink, window=None if runner.draft else runner.model_config.whole_window,
+                  local_window=local)
+    if local:
+        print(f"[radixserve] KV cache: the sliding-window layers keep a window ({local}) per request and per "
+              "cached prefix end, in slots of their own", file=sys.stderr)
     pool = runner.make_kv_pool(total, args.page_size)
     runner.attach_pools(pool, kv.req_to_token_pool)
     if args.enable_hierarchical_cache:

@@ -103,13 +103,15 @@ def make_scheduler(
     radix: bool = True,
     runner: Callable[[ReqToTokenPool], EchoRunner] = EchoRunner,
     window: int | None = None,
+    local_window: int | None = None,
     **kw: object,
 ) -> tuple[SchedulerCore, EchoRunner, KVManager]:
     """A scheduler over ``runner(request-slot pool)`` (an ``EchoRunner`` or a subclass); ``window``:
-    the model's whole-model sliding window (``KVManager`` frees KV behind it)."""
+    the model's whole-model sliding window (``KVManager`` frees KV behind it); ``local_window``: the
+    window of sliding layers among global ones (their own slots: mem/window_kv.py)."""
     args = ServerArgs.from_kwargs(page_size=page_size, disable_radix_cache=not radix, **kw)  # type: ignore[arg-type]
     # built as the engine and the simulator build theirs (sched/build.py), over a pool of max_reqs slots
-    kv = build_kv(args, pool_tokens, context_len, max_reqs=max_reqs, window=window)
+    kv = build_kv(args, pool_tokens, context_len, max_reqs=max_reqs, window=window, local_window=local_window)
     model = runner(kv.req_to_token_pool)
     sched = build_scheduler(args, model, kv, context_len=context_len, vocab_size=VOCAB, eos_token_ids=[0])
     return sched, model, kv

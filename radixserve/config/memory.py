@@ -23,6 +23,11 @@ class MemoryOptions:
     disable_radix_cache: bool = option(False, "Use a ChunkCache that shares nothing instead of the RadixCache.", group="memory")
     radix_eviction_policy: str = option("lru", "Order in which unlocked radix leaves are evicted; queue-aware: leaves no waiting request "
         "is about to reuse first, then LRU.", RADIX_EVICTION_POLICIES, group="memory")
+    disable_hybrid_swa_memory: bool = option(
+        False, "Keep every position's K/V in the sliding-window layers of a model that mixes them with global "
+        "layers (Gemma 2, 3), as in the global ones. Default: those layers keep only the windows they can still "
+        "read, in KV pages of their own (docs/model.md); always so with --enable-hierarchical-cache, "
+        "disaggregation, tensor parallelism or a draft model.", group="memory")
 
     enable_hierarchical_cache: bool = option(
         False, "Keep KV that leaves the pool in a second tier (docs/kv_tiers.md): a prefix evicted from the pool "

@@ -11,6 +11,10 @@ page-aligned prefixes.
 
 Exact accounting: every slot is either free here, held by a request, or held by the cache.
 
+A model with sliding-window layers among global ones has the window KV's pages follow these
+(``window_kv``, mem/window_kv.py): each page taken here takes one there, each page freed here
+frees its one there.
+
 Freeing is bulk: a large free (an eviction's slots, one int64 ``array`` from the radix cache, read
 in place) checks and marks its pages with array operations and is kept as one block until the free
 stack runs dry; only a small free (a request's last few slots) takes the per-slot loop.
@@ -20,8 +24,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from radixserve.mem.window_kv import WindowKV
 
 SMALL_FREE = 64  # slots; fewer are freed one by one (an array's set-up costs more than the loop)
 
@@ -37,9 +45,17 @@ class TokenToKVPoolAllocator:
         self.size = size
         self.page_size = page_size
         self.num_pages = size // page_size
+        self.window_kv: WindowKV | None = None  # the sliding-window layers' slots, which follow these
         self.clear()
 
+    def attach_window_kv(self, window_kv: WindowKV) -> None:
+        if window_kv.num_pages != self.num_pages or window_kv.page_size != self.page_size:
+            raise ValueError("the window KV must have the main pool's pages")
+        self.window_kv = window_kv
+
     def clear(self) -> None:
+        if self.window_kv is not None:
+            self.window_kv.clear()
         # Descending, so pop() from the end hands out the smallest page id first (deterministic).
         self._free_pages: list[int] = list(range(self.num_pages, 0, -1))
         self._released: list[int] = []  # freed one by one since the stack was last refilled
@@ -63,6 +79,12 @@ class TokenToKVPoolAllocator:
         self._n_released = 0
         free.sort(reverse=True)
 
+    def handed_out_pages(self) -> np.ndarray:
+        """A flag per page id (0 .. num_pages): whether it is allocated (the padding page's is 0)."""
+        out = self._is_free_view == 0
+        out[0] = False
+        return out
+
     def is_handed_out(self, slot: int) -> bool:
         """Whether ``slot``'s page is allocated (not free, not the padding page)."""
         page = slot // self.page_size
@@ -78,6 +100,8 @@ class TokenToKVPoolAllocator:
         pages.reverse()
         for p in pages:
             self._is_free[p] = 0
+        if self.window_kv is not None:
+            self.window_kv.take(pages)
         return pages
 
     def take_pages_in_turn(self, n: int, evict: Callable[[int], int]) -> list[int]:
@@ -101,6 +125,8 @@ class TokenToKVPoolAllocator:
         is_free = self._is_free
         for p in out:
             is_free[p] = 0
+        if self.window_kv is not None:
+            self.window_kv.take(out)
         return out
 
     def alloc(self, need: int) -> list[int]:
@@ -157,6 +183,8 @@ class TokenToKVPoolAllocator:
             if is_free[p]:
                 raise RuntimeError(f"page {p} freed twice")
             is_free[p] = 1
+        if self.window_kv is not None:
+            self.window_kv.release(pages)
         self._released.extend(pages)
         self._n_released += len(pages)
 
@@ -178,5 +206,7 @@ class TokenToKVPoolAllocator:
         if taken.any():
             raise RuntimeError(f"page {int(pages[int(taken.argmax())])} freed twice")
         flags[pages] = 1
+        if self.window_kv is not None:
+            self.window_kv.release(pages)
         self._released_blocks.append(pages if pages is not slots else pages.copy())
         self._n_released += len(pages)

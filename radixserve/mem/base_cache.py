@@ -14,7 +14,8 @@ Contract:
   ``dec_lock_ref(node)`` undoes exactly one inc.
 - ``insert(key, value)`` adds a path and returns how many leading tokens were already cached: the
   caller still owns ``value[:that]`` (duplicates of what the tree has) and must free the part it
-  does not already hold through a lock. New nodes start unlocked (evictable).
+  does not already hold through a lock. New nodes start unlocked (evictable). (With sliding-window
+  layers' own slots, a duplicate's window page moves to the cached slot that lacks one: window_kv.py.)
 - ``evict(n)`` frees at least ``n`` slots if it can, unlocked leaves first, in the order of the
   eviction strategy; it returns what it freed.
 - ``cache_finished_req`` / ``cache_unfinished_req`` hand a request's KV to the cache at the end of

@@ -5,7 +5,9 @@ Slot ids come from ``TokenToKVPoolAllocator``; the first page (slots ``0 .. page
 reserved as a padding target and is never handed out, so a padded gather never touches live KV.
 
 ``ReqToTokenPool`` maps a request slot (one row per running request) to the KV slot of each of its
-tokens: ``req_to_token[req_pool_idx, pos]`` is where token ``pos`` of that request lives.
+tokens: ``req_to_token[req_pool_idx, pos]`` is where token ``pos`` of that request lives. For a
+model with sliding-window layers among global ones it keeps a twin table of the sliding layers' own
+slots (``window``, written through ``window_kv``: mem/window_kv.py) with each write.
 
 The K/V buffers ask Linux for transparent huge pages (2 MiB) before they are first touched. A decode
 step reads each running request's pages, scattered over buffers of tens of MB per layer (GBs in
@@ -31,6 +33,7 @@ import torch
 
 from radixserve.mem.forward_batch import int64_tensor
 from radixserve.mem.kv_format import KVFormat, raw
+from radixserve.mem.window_kv import WindowKV
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
@@ -181,6 +184,13 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int64, device=device)
         self._free: list[int] = list(range(size - 1, -1, -1))  # pop() hands out 0 first
+        self.window_kv: WindowKV | None = None
+        self.window: ReqToTokenPool | None = None  # the twin table, in the sliding layers' slots
+
+    def attach_window_kv(self, window_kv: WindowKV) -> None:
+        """Keep the twin table of ``window_kv``'s slots from now on (before any request is admitted)."""
+        self.window_kv = window_kv
+        self.window = ReqToTokenPool(self.size, self.max_context_len, self.req_to_token.device)
 
     def available_size(self) -> int:
         return len(self._free)
@@ -195,7 +205,10 @@ class ReqToTokenPool:
 
     def write(self, idx: int, start: int, slots: Sequence[int]) -> None:
         if slots:
-            self.req_to_token[idx, start : start + len(slots)] = int64_tensor(slots)
+            t = int64_tensor(slots)
+            self.req_to_token[idx, start : start + len(slots)] = t
+            if self.window is not None and self.window_kv is not None:
+                self.window.req_to_token[idx, start : start + len(slots)] = self.window_kv.translate(t)
 
     def write_many(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
         """``req_to_token[rows[i], cols[i]] = slots[i]`` for every i, as one indexed assignment
@@ -203,7 +216,10 @@ class ReqToTokenPool:
         if slots:
             t = self.req_to_token
             dev = t.device
-            t[int64_tensor(rows).to(dev), int64_tensor(cols).to(dev)] = int64_tensor(slots).to(dev)
+            r, c, v = int64_tensor(rows).to(dev), int64_tensor(cols).to(dev), int64_tensor(slots).to(dev)
+            t[r, c] = v
+            if self.window is not None and self.window_kv is not None:
+                self.window.req_to_token[r, c] = self.window_kv.translate(v)
 
 
 class JournaledReqToTokenPool(ReqToTokenPool):
@@ -234,6 +250,9 @@ class JournaledReqToTokenPool(ReqToTokenPool):
             self.journal += rows
             self.journal += cols
             self.journal += slots
+
+    def attach_window_kv(self, window_kv: WindowKV) -> None:
+        raise ValueError("sliding-window layers' own slots are not journaled for tensor parallelism")
 
     def take_journal(self) -> list[int]:
         out, self.journal = self.journal, []

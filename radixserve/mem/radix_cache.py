@@ -235,6 +235,8 @@ class RadixCache(BasePrefixCache):
             child.last_access_time = now
             if n < len(child.key):
                 child = self._split(child, n)
+            if self.allocator.window_kv is not None:  # the duplicates' sliding-window pages, kept
+                self.allocator.window_kv.adopt(child.value, value[pos : pos + n])
             node = child
             pos += n
         return pos

@@ -329,13 +329,19 @@ class LlamaForCausalLM(nn.Module):
         sin = self.sin_cache.index_select(0, positions)
         # what each layer attends with: the sliding-window layers (Gemma) have their own backend,
         # and their own RoPE tables where the model has them
-        full = local = (backend, cos, sin)
+        full = local = (backend, cos, sin, fb, req_to_token_pool)
         if self.local_attn_backend is not None:
-            self.local_attn_backend.init_forward_metadata(fb, req_to_token_pool)
-            local = (self.local_attn_backend, cos, sin)
+            # where the sliding layers have KV slots of their own (mem/window_kv.py), they write and
+            # read there: the same batch with their slots, and the twin table
+            local_fb, local_r2t = fb, req_to_token_pool
+            wkv, twin = req_to_token_pool.window_kv, req_to_token_pool.window
+            if wkv is not None and twin is not None:
+                local_fb, local_r2t = replace(fb, out_cache_loc=wkv.translate(fb.out_cache_loc)), twin
+            self.local_attn_backend.init_forward_metadata(local_fb, local_r2t)
+            local = (self.local_attn_backend, cos, sin, local_fb, local_r2t)
         if self.local_cos_cache is not None and self.local_sin_cache is not None:
             local = (local[0], self.local_cos_cache.index_select(0, positions),
-                     self.local_sin_cache.index_select(0, positions))
+                     self.local_sin_cache.index_select(0, positions), local[3], local[4])
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         if self.embed_blocks is not None:
             h = self.embed_blocks.lookup(fb.input_ids).to(self.dtype)
@@ -348,16 +354,16 @@ class LlamaForCausalLM(nn.Module):
         ops = self.small_ops
         if not ops.fused or self.config.norm_layout != "pre":  # the reference: each layer as HF writes it
             for layer in layers:
-                b, c, s = local if layer.sliding else full
-                h = layer(h, c, s, b, fb, kv_pool, req_to_token_pool)
+                b, c, s, lfb, r2t = local if layer.sliding else full
+                h = layer(h, c, s, b, lfb, kv_pool, r2t)
             return h
         norms = [layer.attn_norm for layer in layers if layer.attn_norm is not None]
         assert len(norms) == len(layers)  # pre-norm layers (the others took the branch above)
         x = ops.rms_norm(h, norms[0].weight, norms[0].eps)  # h: a fresh tensor, the residual stream from here
         for i, layer in enumerate(layers):
             nxt = norms[i + 1] if i + 1 < len(layers) else None
-            b, c, s = local if layer.sliding else full
-            x = layer.forward_fused(x, h, nxt, ops, c, s, b, fb, kv_pool, req_to_token_pool)
+            b, c, s, lfb, r2t = local if layer.sliding else full
+            x = layer.forward_fused(x, h, nxt, ops, c, s, b, lfb, kv_pool, r2t)
         return h
 
     def set_small_ops(self, name: str) -> None:

@@ -16,6 +16,7 @@ from radixserve.mem.cache_events import CacheEvent
 from radixserve.mem.forward_batch import Runner
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
+from radixserve.mem.window_kv import WindowKV
 from radixserve.sched.core import SchedulerCore
 from radixserve.sched.grammar_queue import Compiler
 from radixserve.sched.kv_manager import KVManager
@@ -36,18 +37,22 @@ def build_kv(
     args: ServerArgs, total_tokens: int, context_len: int, *,
     pool_cls: Callable[[int, int], ReqToTokenPool] = ReqToTokenPool, max_reqs: int | None = None,
     event_sink: Callable[[CacheEvent], None] | None = None, window: int | None = None,
+    local_window: int | None = None,
 ) -> KVManager:
     """The request-slot pool (``pool_cls``), the allocator over ``total_tokens`` KV slots and the
     prefix cache ``--disable-radix-cache`` / ``--radix-eviction-policy`` ask for; ``event_sink``
     receives the radix cache's events (``--cache-events-port``, the simulator's router); ``window``:
-    the model's whole-model sliding window (``ModelConfig.whole_window``: KV behind it is freed)."""
+    the model's whole-model sliding window (``ModelConfig.whole_window``: KV behind it is freed);
+    ``local_window``: the window of sliding layers among global ones, which then get slots of their
+    own (``mem/window_kv.py``)."""
     r2t = pool_cls(max_reqs if max_reqs is not None else request_slots(args), context_len)
     allocator = TokenToKVPoolAllocator(total_tokens, args.page_size)
     cache: BasePrefixCache = (
         ChunkCache(r2t, allocator) if args.disable_radix_cache
         else RadixCache(r2t, allocator, args.radix_eviction_policy, event_sink)
     )
-    return KVManager(r2t, allocator, cache, window)
+    window_kv = WindowKV(allocator.num_pages, args.page_size, local_window) if local_window else None
+    return KVManager(r2t, allocator, cache, window, window_kv)
 
 
 def build_scheduler(

@@ -16,6 +16,12 @@ than strictly needed (a step still in flight in the overlap loop reads its own w
 prefix (the prompt, shared) is not touched: it stays for the prefix hits of later requests. When
 the request ends, only the KV before the freed span is whole: that part goes to the cache as
 usual, the rest is freed (a later request reuses the prompt, not this request's output).
+
+A model with sliding-window layers among global ones (``window_kv``: Gemma 2 and 3) keeps the
+sliding layers' KV at slots of their own (mem/window_kv.py). Every position stays for the global
+layers; the sliding layers' pages are given back, the same way, as a request's own KV falls more
+than a window behind it, and when KV goes to the prefix cache, for all but the last window before
+where it ends. A cached prefix is matched only as far as the window before its end is whole.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from radixserve.mem.allocator import OutOfKVSlots, TokenToKVPoolAllocator
 from radixserve.mem.base_cache import BasePrefixCache, RadixKey
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
+from radixserve.mem.window_kv import WindowKV
 from radixserve.sched.req import Req
 
 if TYPE_CHECKING:
@@ -47,7 +54,7 @@ class Hold:
 class KVManager:
     def __init__(
         self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, tree_cache: BasePrefixCache,
-        window: int | None = None,
+        window: int | None = None, window_kv: WindowKV | None = None,
     ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
@@ -59,6 +66,10 @@ class KVManager:
         self._holds = 0  # live Holds
         self.tier: HiCache | None = None
         self.window = window  # a whole-model sliding window: own slots behind it are freed
+        self.window_kv = window_kv  # the sliding layers' own slots, beside global layers
+        if window_kv is not None:
+            allocator.attach_window_kv(window_kv)
+            req_to_token_pool.attach_window_kv(window_kv)
 
     def attach_tier(self, tier: HiCache | None) -> None:
         """The KV tier behind the prefix cache (``tier_setup.build_hicache``), once the pool exists."""
@@ -141,7 +152,13 @@ class KVManager:
         if req.kv_indices:  # a chunked request continuing: its prefix is its own KV
             req.extend_input_len = req.num_tokens - req.num_computed_tokens
             return
-        req.set_match(self.tree_cache.match_prefix(req.match_key()))
+        key = req.match_key()
+        m = self.tree_cache.match_prefix(key)
+        if self.window_kv is not None and len(m.device_indices):
+            usable = self.window_kv.usable_prefix(m.device_indices)
+            if usable < len(m.device_indices):  # the sliding layers' window before the end is not whole
+                m = self.tree_cache.match_prefix(RadixKey(key.token_ids[:usable], key.extra_key))
+        req.set_match(m)
 
     def lock_match(self, req: Req) -> None:
         """Pin ``req``'s matched prefix so this step's evictions cannot take it."""
@@ -153,7 +170,12 @@ class KVManager:
     def cache_unfinished(self, req: Req) -> None:
         """Insert ``req``'s computed KV into the cache now (a finished chunk or prompt), keeping it locked."""
         assert req.kv_freed_to <= req.cache_protected_len, "a prompt being cached has no slots freed behind a window"
+        if self.window_kv is None:
+            self.tree_cache.cache_unfinished_req(req)
+            return
+        start, own, end = req.cache_protected_len, req.kv_indices[req.cache_protected_len :], len(req.kv_indices)
         self.tree_cache.cache_unfinished_req(req)
+        self._drop_cached_windows(req, start, own, end)
 
     def uncached_tokens(self, req: Req) -> int:
         """Prompt tokens ``req`` still has to prefill: exact once admitted, else a read-only match."""
@@ -241,6 +263,8 @@ class KVManager:
         """KV slots for the next ``n`` tokens of ``req``, evicting cache leaves if needed."""
         if self.window is not None:
             self._free_behind_window(req)
+        if self.window_kv is not None:
+            self._drop_behind_window(req)
         last = req.kv_indices[-1] if req.kv_indices else None
         cur = len(req.kv_indices)
         need = self.allocator.pages_needed(cur, n) * self.page_size
@@ -263,6 +287,9 @@ class KVManager:
         if self.window is not None:
             for req in reqs:
                 self._free_behind_window(req)
+        if self.window_kv is not None:
+            for req in reqs:
+                self._drop_behind_window(req)
         kvs = list(map(_get_kv_indices, reqs))  # (C passes: this runs for every running request)
         cols = list(map(len, kvs))
         if ps == 1:  # every request takes the next free slot
@@ -286,6 +313,31 @@ class KVManager:
         if end > start:
             self.allocator.free(req.kv_indices[start:end])
             req.kv_freed_to = end
+
+    def _drop_behind_window(self, req: Req) -> None:
+        """Give back the sliding layers' pages of ``req``'s own slots more than a window behind its
+        next token (whole pages, one position late, as ``_free_behind_window``)."""
+        wkv = self.window_kv
+        assert wkv is not None
+        end = (len(req.kv_indices) - wkv.window) // self.page_size * self.page_size
+        start = max(req.window_dropped_to, req.cache_protected_len)
+        if end > start:
+            wkv.drop(req.kv_indices[start:end])
+            req.window_dropped_to = end
+
+    def _drop_cached_windows(self, req: Req, start: int, own: list[int], end: int) -> None:
+        """``req``'s KV of positions ``start .. end`` (its slots were ``own``) went to the prefix
+        cache: give back the sliding layers' pages of those more than a window (and a page) before
+        ``end``. Only its own slots: where the cache had the tokens already, its slots were freed (a
+        no-op here) and the cache's, which other requests may be reading, are left alone."""
+        wkv = self.window_kv
+        assert wkv is not None
+        lo = max(start, req.window_dropped_to)
+        # the last page before the end stays too: the same prompt again matches up to its last token
+        # but one (the page before, paged), and still finds a whole window before that
+        hi = (end - wkv.window - self.page_size) // self.page_size * self.page_size
+        if hi > lo:
+            wkv.drop(own[lo - start : hi - start])
 
     def _whole_prefix(self, req: Req) -> None:
         """Before ``req``'s KV is cached or freed: with slots freed behind a window, cut its KV back
@@ -313,6 +365,9 @@ class KVManager:
         if n < req.cache_protected_len:
             raise ValueError(f"truncating request {req.rid} to {n} slots would cut its cached prefix "
                              f"({req.cache_protected_len})")
+        if n < req.window_dropped_to:
+            raise ValueError(f"truncating request {req.rid} to {n} slots would reach KV its sliding window "
+                             f"no longer has ({req.window_dropped_to})")
         ps = self.page_size
         keep_pages = -(-n // ps) * ps
         if keep_pages < len(kv):
@@ -342,7 +397,13 @@ class KVManager:
                 self.tier.unhold(req)
             return
         self._whole_prefix(req)
+        if self.window_kv is None:
+            self.tree_cache.cache_finished_req(req)
+            return
+        start, own, end = req.cache_protected_len, req.kv_indices[req.cache_protected_len :], len(req.kv_indices)
         self.tree_cache.cache_finished_req(req)
+        self._drop_cached_windows(req, start, own, end)
+        req.window_dropped_to = 0
 
     def discard(self, req: Req) -> None:
         """A request whose forward failed: the KV allocated for that step was never written, so none
@@ -356,6 +417,7 @@ class KVManager:
             self.tree_cache.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
+        req.window_dropped_to = 0
         req.kv_indices = []
         req.cache_protected_len = 0
         req.last_node = None
@@ -375,6 +437,8 @@ class KVManager:
                 f"request slot leak: {self.req_to_token_pool.size - self.req_to_token_pool.available_size()} in use at idle"
             )
         self.tree_cache.check_integrity()
+        if self.window_kv is not None:
+            self.window_kv.check(self.allocator.handed_out_pages())
         if self.tier is not None:
             self.tier.check()
 

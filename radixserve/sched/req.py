@@ -58,6 +58,9 @@ class Req:
         # a whole-model sliding window (KVManager): its own slots [cache_protected_len, kv_freed_to)
         # were freed, no later token reading them; their kv_indices entries are stale until it ends
         self.kv_freed_to = 0
+        # sliding-window layers among global ones (KVManager): the window pages of its own slots
+        # [cache_protected_len, window_dropped_to) were given back, the main slots kept
+        self.window_dropped_to = 0
         self.last_node: TreeNode | None = None  # where its cached prefix ends in the radix tree
         # the prefix the KV tier loaded for it, locked until it is admitted (KVManager.admit) or leaves
         self.tier_hold: TreeNode | None = None

@@ -12,7 +12,8 @@ import pytest
 import torch
 from kvharness import Harness
 
-from radixserve.engine import Engine
+from radixserve.config import ServerArgs
+from radixserve.engine import Engine, local_window
 from radixserve.model.config import ModelConfig
 from radixserve.model.model_runner import ModelRunner, windowed
 from tests.model.tiny_models import FAMILIES, make_tiny_model, write_gguf
@@ -180,8 +181,8 @@ def test_engine_serves_each_family_greedy_as_transformers(family: tuple[str, str
         eng.check_memory_invariant()
 
 
-def _greedy_as_transformers(eng: Engine, hf: Any, prompts: list[str], n: int) -> None:
-    """The engine's greedy ``n`` tokens of each prompt are transformers' own."""
+def _greedy_as_transformers(eng: Engine, hf: Any, prompts: list[str], n: int) -> list[dict[str, Any]]:
+    """The engine's greedy ``n`` tokens of each prompt are transformers' own; returns its outputs."""
     outs = eng.generate(prompts, {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True})
     assert isinstance(outs, list)
     for prompt, o in zip(prompts, outs, strict=True):
@@ -190,6 +191,7 @@ def _greedy_as_transformers(eng: Engine, hf: Any, prompts: list[str], n: int) ->
             want = hf.generate(torch.tensor([tokens]), max_new_tokens=n, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, len(tokens):].tolist()
         assert o["output_ids"] == want
+    return outs
 
 
 def test_a_whole_model_window_frees_kv_behind_it_through_the_engine(tmp_path: Any) -> None:
@@ -213,6 +215,47 @@ def test_a_whole_model_window_frees_kv_behind_it_through_the_engine(tmp_path: An
         _greedy_as_transformers(eng, hf, ["a short one", "another prompt, a little longer"], 40)
         assert sum(freed) >= 2 * 30
         eng.check_memory_invariant()
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_sliding_layers_keep_only_windows_in_slots_of_their_own(tmp_path: Any, page: int) -> None:
+    """Gemma 3 (a sliding layer with a window of 8, a global one) generating far past its window,
+    in chunks of 16, then again with prefix hits (the same prompts, and prompts leaving them
+    after or before their end): every token is transformers' own, the sliding layer's pages behind each window and
+    inside each cached stretch are given back while the global layer keeps every position, and
+    every page comes back."""
+    d = make_tiny_model(str(tmp_path), "gemma3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with Engine(d, dtype="float32", max_total_tokens=2048, page_size=page, chunked_prefill_size=16) as eng:
+        kv = eng.scheduler.kv
+        wkv = kv.window_kv
+        assert wkv is not None and wkv.window == 8 and kv.window is None
+        first = ["a short one", "another prompt, a little longer than the window of eight tokens"]
+        _greedy_as_transformers(eng, hf, first, 40)
+        eng.check_memory_invariant()
+        cached = kv.evictable_size()
+        assert cached > 100 and wkv.used_pages() * page < cached / 2
+        # the same prompts, one going on from its prompt, one leaving it where its sliding layer's
+        # pages were given back (its prefix hit stops where the window before it is whole)
+        again = first + [first[1] + " and on, past it", first[1][:40] + " and then elsewhere"]
+        outs = _greedy_as_transformers(eng, hf, again, 30)
+        assert all(o["meta_info"]["cached_tokens"] > 0 for o in outs)
+        assert outs[3]["meta_info"]["cached_tokens"] < 40
+        eng.check_memory_invariant()
+
+
+def test_sliding_layers_have_slots_of_their_own_only_where_no_kv_moves_by_slot(tmp_path: Any) -> None:
+    """Gemma's local layers get their own slots by default; not with --disable-hybrid-swa-memory, the
+    KV tier, disaggregation or tensor parallelism (which move a token's KV of every layer at one
+    slot), nor for a model whose every layer, or none, has a window."""
+    runner = ModelRunner(make_tiny_model(str(tmp_path / "g"), "gemma3"), dtype="float32", progress=False)
+    assert local_window(ServerArgs(), runner) == 8
+    for kw in ({"disable_hybrid_swa_memory": True}, {"enable_hierarchical_cache": True},
+               {"disaggregation_mode": "prefill"}, {"tp_size": 2}):
+        assert local_window(ServerArgs().replace(**kw), runner) is None, kw
+    for family in ("mistral", "olmo2"):
+        other = ModelRunner(make_tiny_model(str(tmp_path / family), family), dtype="float32", progress=False)
+        assert local_window(ServerArgs(), other) is None
 
 
 def test_the_language_model_of_an_image_text_gemma3_checkpoint(tmp_path: Any) -> None:

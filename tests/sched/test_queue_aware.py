@@ -34,6 +34,7 @@ class StubModelRunner(EchoRunner):
     class _Cfg:
         vocab_size = VOCAB
         whole_window = None  # no sliding window
+        sliding_layers = ()  # nor sliding layers
 
     tokenizer = _Tok()
     model_config = _Cfg()
