@@ -243,6 +243,8 @@ def _bench_offline_parser(bsub: Any) -> None:
                          "512-token system prompt + 64-token question, 128 out; multi-turn: 16 conversations x 4 turns.")
     bo.add_argument("--num-prompts", type=int, default=None,
                     help="Override the workload's prompt count (per group for shared-prefix).")
+    bo.add_argument("--input-len", type=int, default=None, help="random workload: prompt tokens (default 256).")
+    bo.add_argument("--output-len", type=int, default=None, help="random workload: output tokens (default 128).")
     bo.add_argument("--seed", type=int, default=0, help="Workload seed.")
     bo.add_argument("--model-path", default=None, help="Model (default: the bundled SmolLM2).")
     bo.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="Model dtype.")
@@ -254,6 +256,9 @@ def _bench_offline_parser(bsub: Any) -> None:
                          "(see radixserve serve --help; docs/model.md).")
     bo.add_argument("--scheduler", default="sglang", choices=["sglang", "unified"], help="Scheduler.")
     bo.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens.")
+    bo.add_argument("--disable-hybrid-swa-memory", action="store_true",
+                    help="Sliding-window layers keep every position's K/V as the global ones do (see radixserve "
+                         "serve --help); the KV memory the run touched is printed either way.")
     bo.add_argument("--max-running-requests", type=int, default=None,
                     help="Most requests decoding at once (default: the engine's own limit).")
     bo.add_argument("--compare-hf", action="store_true",

@@ -4,13 +4,16 @@
 
     python scripts/make_random_gguf.py /tmp/llama-1b-q4_k_m.gguf                 # ~1.1B Llama, Q4_K_M mix
     python scripts/make_random_gguf.py /tmp/qwen3moe-1b.gguf --arch qwen3moe     # ~1B, 8 experts, top 2
+    python scripts/make_random_gguf.py /tmp/gemma3-1b.gguf --arch gemma3         # Gemma 3 1B's shape
 
 The tokenizer, chat template and special tokens are the bundled SmolLM2's (so both servers load and
 tokenize it alike); the matrices are random blocks with scales chosen so activations stay near 1
 (nothing here is meant to produce text). The mix is Q4_K_M's: Q4_K matrices, ``attn_v`` and
 ``ffn_down`` in Q6_K, the embedding in Q8_0 and tied to the output; norms F32. Shapes default to
 Llama-3.2-1B's (hidden 2048, 16 layers, 32 / 8 heads, FFN 8192) and, for ``qwen3moe``, to a
-Qwen3-MoE cut down to ~1B total (hidden 1024, 16 layers, 8 experts of FFN 2048, top 2).
+Qwen3-MoE cut down to ~1B total (hidden 1024, 16 layers, 8 experts of FFN 2048, top 2), for
+``gemma3`` to Gemma 3 1B's (hidden 1152, 26 layers, 4 / 1 heads of 256, FFN 6912, five local
+layers with a window of 512 to one global).
 """
 
 from __future__ import annotations
@@ -68,11 +71,12 @@ def copy_tokenizer(w: Any, source: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("output")
-    ap.add_argument("--arch", default="llama", choices=["llama", "qwen3moe"])
+    ap.add_argument("--arch", default="llama", choices=["llama", "qwen3moe", "gemma3"])
     ap.add_argument("--hidden", type=int, default=None)
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--heads", type=int, default=None)
-    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--window", type=int, default=512, help="gemma3: the local layers' sliding window.")
     ap.add_argument("--ffn", type=int, default=None, help="FFN width (per expert for qwen3moe).")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--experts-used", type=int, default=2)
@@ -83,11 +87,13 @@ def main() -> None:
 
     from radixserve.model.loader import default_model_path
 
-    moe = args.arch == "qwen3moe"
-    hidden = args.hidden or (1024 if moe else 2048)
-    heads = args.heads or (16 if moe else 32)
-    ffn = args.ffn or (2048 if moe else 8192)
-    head_dim = 128 if moe else hidden // heads
+    moe, gemma = args.arch == "qwen3moe", args.arch == "gemma3"
+    hidden = args.hidden or (1024 if moe else 1152 if gemma else 2048)
+    heads = args.heads or (16 if moe else 4 if gemma else 32)
+    ffn = args.ffn or (2048 if moe else 6912 if gemma else 8192)
+    head_dim = 128 if moe else 256 if gemma else hidden // heads
+    args.layers = args.layers or (26 if gemma else 16)
+    args.kv_heads = args.kv_heads or (1 if gemma else 8)
     src = default_model_path()
     vocab = len(gguf.GGUFReader(src).fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(args.seed)
@@ -104,6 +110,10 @@ def main() -> None:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    if gemma:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(args.window)
     if moe:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -118,6 +128,8 @@ def main() -> None:
         if kind == "F32":
             w.add_tensor(name, np.ones(cols, dtype=np.float32))
             return
+        if kind.endswith("_K") and cols % 256:  # rows that K-quant blocks do not tile: Q8_0, as llama.cpp falls back
+            kind = "Q8_0"
         n = max(stack, 1)
         raw, qtype = random_blocks(kind, rows * n, cols, rng, scale)
         w.add_tensor(name, raw.reshape(n, rows, -1) if stack else raw, raw_dtype=qtype)
@@ -134,6 +146,11 @@ def main() -> None:
         put(p + "attn_v.weight", "Q6_K" if i % 2 == 0 else "Q4_K", kv_out, hidden)
         put(p + "attn_output.weight", "Q4_K", hidden, q_out)
         down = "Q6_K" if i % 2 == 0 else "Q4_K"
+        if gemma:
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                put(p + norm + ".weight", "F32", 1, head_dim)
+            for norm in ("post_attention_norm", "post_ffw_norm"):
+                put(p + norm + ".weight", "F32", 1, hidden)
         if moe:
             put(p + "attn_q_norm.weight", "F32", 1, head_dim)
             put(p + "attn_k_norm.weight", "F32", 1, head_dim)

@@ -1,8 +1,9 @@
 """``radixserve bench offline``: the in-process engine on a fixed workload, optionally next to
 HF transformers ``generate`` (static batches) on the same prompts, same dtype, same run.
 
-Prints output tok/s, total tok/s, cache hit rate, TTFT P50/P95, and the decode step time at a
-given batch next to the time the model's matmuls alone take at that batch.
+Prints output tok/s, total tok/s, cache hit rate, TTFT P50/P95, the KV pool's memory the run
+touched (the sliding-window layers' share apart), and the decode step time at a given batch next
+to the time the model's matmuls alone take at that batch.
 """
 
 from __future__ import annotations
@@ -238,6 +239,24 @@ def compare_small_ops(engine: Engine, batch: int, rounds: int) -> dict[str, floa
     return {f"step_ms_{n}_ops": med[n] for n in names}
 
 
+def kv_memory(engine: Engine) -> tuple[str, dict[str, float]]:
+    """The KV pool's memory the run touched (written at least once) against what is mapped, and the
+    sliding-window layers' share where the model has them: a line to print, and the figures (MiB)."""
+    pool, cfg = engine.runner.kv_pool, engine.runner.model_config
+    assert pool is not None
+    mib = 2**20
+    touched, mapped = pool.resident_bytes()
+    figs = {"kv_touched_mib": touched / mib, "kv_mapped_mib": mapped / mib}
+    line = f"KV pool touched: {touched / mib:.1f} MiB of {mapped / mib:.1f} MiB mapped"
+    if cfg.sliding_layers:
+        lt, lm = pool.resident_bytes(cfg.sliding_layers)
+        figs["kv_sliding_touched_mib"] = lt / mib
+        own = "own pages" if engine.scheduler.kv.window_kv is not None else "every position"
+        line += (f" (the {len(cfg.sliding_layers)} sliding-window layers, {own}: {lt / mib:.1f} of {lm / mib:.1f} MiB; "
+                 f"the {cfg.num_layers - len(cfg.sliding_layers)} others: {(touched - lt) / mib:.1f} MiB)")
+    return line, figs
+
+
 def _median_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1000 if xs else float("nan")
 
@@ -253,10 +272,17 @@ def main(args: Any) -> int:
     kw["overlap_schedule"] = args.overlap_schedule
     kw["attention_backend"] = args.attention_backend
     kw["quantization"] = args.quantization
+    if args.disable_hybrid_swa_memory:
+        kw["disable_hybrid_swa_memory"] = True
     engine = Engine(args.model_path, dtype=args.dtype, schedule_policy=args.schedule_policy, **kw)
     wl_kw: dict[str, int] = {"seed": args.seed}
     if args.num_prompts:
         wl_kw["num_prompts" if args.workload != "shared-prefix" else "prompts_per_group"] = args.num_prompts
+    for name in ("input_len", "output_len"):
+        if getattr(args, name, None):
+            if args.workload != "random":
+                raise SystemExit(f"--{name.replace('_', '-')} is for the random workload")
+            wl_kw[name] = getattr(args, name)
     reqs = make_workload(args.workload, **wl_kw)
     # warm-up (one tiny request), so the first timed step does not pay lazy initialisation
     engine.generate(input_ids=reqs[0].input_ids[:16], sampling_params={"max_new_tokens": 2})
@@ -272,14 +298,15 @@ def main(args: Any) -> int:
         p95 = f"{r.ttft_p95_s:.2f}" if r.ttft_p95_s is not None else "-"
         print(f"{r.engine:<18}{r.output_throughput:>11.1f}{r.total_throughput:>13.1f}{hit:>10}{p50:>10}{p95:>10}"
               f"{r.duration_s:>8.1f}")
+    line, extra = kv_memory(engine)
+    print(line)
     if args.compare_hf:
         print(f"ratio radixserve / HF output throughput: {results[0].output_throughput / results[1].output_throughput:.2f}x")
-    extra: dict[str, float] = {}
     if args.decode_batch:
         engine.flush_cache()
         step, fwd = decode_step_ms(engine, args.decode_batch)
         mm = matmul_only_ms(engine, args.decode_batch)
-        extra = {"decode_step_ms": step, "decode_forward_ms": fwd, "matmul_only_ms": mm}
+        extra.update({"decode_step_ms": step, "decode_forward_ms": fwd, "matmul_only_ms": mm})
         loop = "overlap" if engine.scheduler.overlap_enabled() else "normal"
         print(f"decode step at batch {args.decode_batch} ({loop} loop): {step:.1f} ms (runner forward {fwd:.1f} ms); "
               f"model matmuls alone: {mm:.1f} ms (step / matmuls {step / mm:.2f}x)")

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixserve.mem.forward_batch import int64_tensor
@@ -54,6 +55,24 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return bool(libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0)
     except (OSError, AttributeError):
         return False
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s memory that physical pages back now (Linux ``mincore``; 0 elsewhere): of a
+    KV buffer, what its writes have touched."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux") or t.nbytes == 0:
+        return 0
+    page = mmap.PAGESIZE
+    start = t.data_ptr() & ~(page - 1)
+    n = (t.data_ptr() + t.nbytes - start + page - 1) // page
+    vec = (ctypes.c_ubyte * n)()
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * page), vec) != 0:
+            return 0
+    except (OSError, AttributeError):
+        return 0
+    return int((np.frombuffer(memoryview(vec), dtype=np.uint8) & 1).sum()) * page
 
 
 def _zeros(rows: int, heads: int, dim: int, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
@@ -167,6 +186,16 @@ class KVPool:
             d = raw(dst)
             d.index_copy_(0, idx, torch.frombuffer(mv, dtype=torch.uint8).view(d.dtype).view(len(slots), *d.shape[1:]))
         return sum(len(mv) for mv in views)
+
+    def resident_bytes(self, layers: Sequence[int] | None = None) -> tuple[int, int]:
+        """(bytes touched, bytes mapped) of the K/V buffers and scales of ``layers`` (all by default)."""
+        touched = mapped = 0
+        for i in range(self.num_layers) if layers is None else layers:
+            for t in (self.k_buffers[i], self.v_buffers[i], *((self.k_scales[i], self.v_scales[i])
+                                                              if self.format.scaled else ())):
+                touched += resident_bytes(t)
+                mapped += t.nbytes
+        return touched, mapped
 
     def bytes_per_token_here(self) -> int:
         """KV bytes one token takes in this pool (every layer's K and V row, and their scales)."""
