@@ -87,7 +87,7 @@ def test_reliability_benches_explain_every_option(command: str, capsys: pytest.C
 @pytest.mark.slow  # two CLI processes
 def test_an_unreadable_model_file_is_one_line_and_exit_1(tmp_path: Any) -> None:
     """A truncated GGUF (serve) and a file that is not one (generate): the reason on one line, no
-    traceback, exit code 1, before any model process starts."""
+    traceback, exit code 1, before any model process reads it."""
     import subprocess
     import sys
 

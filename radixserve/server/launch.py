@@ -71,6 +71,10 @@ def served_model_name(args: ServerArgs) -> tuple[str, str]:
     return name.removesuffix(".gguf"), path
 
 
+class _CannotStart(Exception):
+    """The model cannot be served (an unreadable file, an unknown architecture): one line, exit 1."""
+
+
 def launch_server(args: ServerArgs) -> int:
     setup_logging(args.log_level, "HTTP" if args.node_rank == 0 else f"node{args.node_rank}")
     try:
@@ -80,7 +84,6 @@ def launch_server(args: ServerArgs) -> int:
             return launch_tp_node(args)
         _check_port(args.host, args.port)  # fail before the model loads, not after
         served_model_name(args)
-        load_config(args.model_path)  # an unreadable file or an unknown architecture: one line, before any child
     except (OSError, ValueError, NotImplementedError) as e:
         logger.error("cannot start: %s", e)
         return 1
@@ -88,6 +91,9 @@ def launch_server(args: ServerArgs) -> int:
     procs: dict[str, BaseProcess] = {}
     try:
         return asyncio.run(_serve(args, ipc, procs))
+    except _CannotStart as e:
+        logger.error("cannot start: %s", e)
+        return 1
     except KeyboardInterrupt:
         logger.info("interrupted while starting")
         return 130
@@ -282,9 +288,17 @@ async def _start_processes(args: ServerArgs, ipc: IpcNames, procs: dict[str, Bas
     try:
         # the children first: loading the model is the long pole, the rest of this process's imports
         # and the tokenizer load meanwhile (the children's sockets connect to the tokenizer
-        # manager's once it binds: zmq retries within 100 ms, and queues what they send)
+        # manager's once it binds: zmq retries within 100 ms, and queues what they send). The
+        # schedulers start before the model file is checked (their first second is importing torch;
+        # a file that cannot be served stops them before they read it), the detokenizer, which
+        # reads it at once, after.
         parent = os.getpid()
         for pname, target, pargs in _children(args, ipc, parent):
+            if pname == "detokenizer":
+                try:  # an unreadable file or an unknown architecture: one line
+                    await asyncio.to_thread(load_config, args.model_path)
+                except (OSError, ValueError, NotImplementedError) as e:
+                    raise _CannotStart(str(e)) from e
             p = ctx.Process(target=target, args=pargs, name=f"radixserve-{pname}", daemon=True)
             p.start()
             procs[pname] = p
