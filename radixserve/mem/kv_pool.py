@@ -245,10 +245,11 @@ class ReqToTokenPool:
         if slots:
             t = self.req_to_token
             dev = t.device
-            r, c, v = int64_tensor(rows).to(dev), int64_tensor(cols).to(dev), int64_tensor(slots).to(dev)
-            t[r, c] = v
-            if self.window is not None and self.window_kv is not None:
-                self.window.req_to_token[r, c] = self.window_kv.translate(v)
+            v = int64_tensor(slots)
+            r, c = int64_tensor(rows).to(dev), int64_tensor(cols).to(dev)
+            t[r, c] = v.to(dev)
+            if self.window is not None and self.window_kv is not None:  # (its page map is on the CPU)
+                self.window.req_to_token[r, c] = self.window_kv.translate(v).to(dev)
 
 
 class JournaledReqToTokenPool(ReqToTokenPool):

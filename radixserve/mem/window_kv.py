@@ -107,9 +107,10 @@ class WindowKV:
         """The window slots of main ``slots`` (int64, any shape): the slot at the same offset in the
         page's window page; the padding page's slots for a page without one."""
         ps = self.page_size
+        page_of = self.page_of if slots.device == self.page_of.device else self.page_of.to(slots.device)
         if ps == 1:
-            return self.page_of[slots]
-        return self.page_of[slots // ps] * ps + slots % ps
+            return page_of[slots]
+        return page_of[slots // ps] * ps + slots % ps
 
     def usable_prefix(self, slots: Sequence[int] | array[int]) -> int:
         """The longest whole-page prefix of a cached prefix (its main ``slots``) whose last ``window``
