@@ -43,7 +43,7 @@ from radixserve.mem.cache_events import AllCleared, BlockRemoved, BlockStored, C
 from radixserve.mem.evict_policy import EvictionStrategy, QueueAwareStrategy, get_eviction_strategy
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.leaf_heap import LeafHeap
-from radixserve.mem.radix_walks import all_values, exclusive_locked_tokens, peek, pretty, tally
+from radixserve.mem.radix_walks import all_values, exclusive_locked_tokens, peek, pretty, tally, wanted_ids
 from radixserve.mem.tree_node import TreeNode, fire, fire_all, match_len, path_of
 
 
@@ -261,19 +261,8 @@ class RadixCache(BasePrefixCache):
         strategy = self._strategy
         if not isinstance(strategy, QueueAwareStrategy):
             return
-        wanted: set[int] = set()
-        for key in keys:
-            ids = key.token_ids
-            node, pos, length = self.peek_prefix(list(ids), key.extra_key)
-            if length > pos:
-                child = node.children.get(self.child_key(node, ids[pos:], key.extra_key))
-                if child is not None:
-                    wanted.add(child.id)
-            n: TreeNode | None = node
-            while n is not None and n.parent is not None and n.id not in wanted:
-                wanted.add(n.id)
-                n = n.parent
-        strategy.wanted = wanted
+        strategy.wanted = wanted_ids(self._root, ((k.token_ids, k.extra_key) for k in keys), self.child_key,
+                                     self.page_size)
 
     # --- locks ---------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode | None) -> int:

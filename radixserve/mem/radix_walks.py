@@ -5,7 +5,7 @@ so ``radix_cache.py`` stays the tree's own operations."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from radixserve.mem.tree_node import TreeNode, match_len
@@ -50,6 +50,24 @@ def peek(root: TreeNode, ids: list[int] | tuple[int, ...], extra_key: str | None
         n = match_len(child.key, ids[pos : min(pos + klen, end)])
         return node, pos, pos + n - n % ps
     return node, pos, pos
+
+
+def wanted_ids(root: TreeNode, keys: Iterable[tuple[Sequence[int], str | None]],
+               child_key: Callable[[TreeNode, list[int], str | None], Any], page_size: int) -> set[int]:
+    """The ids of the nodes on the cached paths of ``keys`` (token ids, extra key), and of the child
+    a match ends inside (``RadixCache.mark_wanted``)."""
+    wanted: set[int] = set()
+    for ids, extra_key in keys:
+        node, pos, length = peek(root, list(ids), extra_key, page_size)
+        if length > pos:
+            child = node.children.get(child_key(node, list(ids[pos:]), extra_key))
+            if child is not None:
+                wanted.add(child.id)
+        n: TreeNode | None = node
+        while n is not None and n.parent is not None and n.id not in wanted:
+            wanted.add(n.id)
+            n = n.parent
+    return wanted
 
 
 def live_ancestor(node: TreeNode, pos: int) -> tuple[TreeNode, int]:

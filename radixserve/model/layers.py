@@ -8,6 +8,8 @@ path (see ``DecoderLayer.forward_fused``): no hooks are used.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -79,6 +81,23 @@ def rope_attention_factor(config: ModelConfig) -> float:
     """What LongRoPE multiplies cos and sin by (1 for every other kind)."""
     sc = config.rope_scaling or {}
     return float(sc.get("attention_factor") or 1.0) if sc.get("rope_type") == "longrope" else 1.0
+
+
+def rope_tables(
+    config: ModelConfig, context_len: int | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """cos and sin per position (``[P, rotary_dim/2]``: only one half is kept), computed in float32
+    as HF does, then cast; and the sliding layers' own (Gemma 3's local RoPE base), or None where
+    they share the first two."""
+    positions = torch.arange(context_len or config.max_position, dtype=torch.float32)
+    freqs = torch.outer(positions, rope_inv_freq(config, context_len))
+    scale = rope_attention_factor(config)
+    cos, sin = (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
+    if config.local_rope_theta is None:
+        return cos, sin, None, None
+    local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None, rope_freq_factors=None)
+    local_freqs = torch.outer(positions, rope_inv_freq(local, context_len))
+    return cos, sin, local_freqs.cos().to(dtype), local_freqs.sin().to(dtype)
 
 
 class Attention(nn.Module):

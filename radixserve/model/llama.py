@@ -34,7 +34,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.decoder_layer import NORMS, DecoderLayer
 from radixserve.model.fused_ops import TorchOps, make_small_ops
 from radixserve.model.gguf_blocks import GGUFBlocks, GGUFWeight, decode_rows
-from radixserve.model.layers import MLP, RMSNorm, SparseMoE, rope_attention_factor, rope_inv_freq
+from radixserve.model.layers import MLP, RMSNorm, SparseMoE, rope_tables
 from radixserve.model.linear import Linear, empty_param
 from radixserve.model.parallel import TPGroup
 from radixserve.model.quant import DEFAULT_MAX_ROWS
@@ -117,21 +117,12 @@ class LlamaForCausalLM(nn.Module):
             )
         # the small per-layer ops go with the backend: the C++ ones where the backend is the C++ one
         self.small_ops: TorchOps = make_small_ops("auto" if attention_backend.fused_small_ops else "torch")
-        # cos/sin per position, computed in float32 as HF does, then cast; only one half is kept.
-        positions = torch.arange(context_len or config.max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(config, context_len))  # [P, rotary_dim/2]
-        scale = rope_attention_factor(config)
-        self.register_buffer("cos_cache", (freqs.cos() * scale).to(dtype), persistent=False)
-        self.register_buffer("sin_cache", (freqs.sin() * scale).to(dtype), persistent=False)
+        cos, sin, local_cos, local_sin = rope_tables(config, context_len, dtype)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
         # the sliding layers' own RoPE base (Gemma 3); None: they share the tables above
-        local_freqs = None
-        if config.local_rope_theta is not None:
-            local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None, rope_freq_factors=None)
-            local_freqs = torch.outer(positions, rope_inv_freq(local, context_len))
-        self.register_buffer("local_cos_cache", None if local_freqs is None else local_freqs.cos().to(dtype),
-                             persistent=False)
-        self.register_buffer("local_sin_cache", None if local_freqs is None else local_freqs.sin().to(dtype),
-                             persistent=False)
+        self.register_buffer("local_cos_cache", local_cos, persistent=False)
+        self.register_buffer("local_sin_cache", local_sin, persistent=False)
 
     # ------------------------------------------------------------------ weights
     @classmethod

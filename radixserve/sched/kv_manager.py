@@ -9,19 +9,7 @@ and the dashboard get a read-only view of the radix tree (``prefix_tree``), None
 With ``--enable-hierarchical-cache`` the KV tier behind the tree is here too (``attach_tier``): a
 request whose prefix the tier holds is loaded before it is queued (``prefetch`` / ``poll_loads``).
 
-A model whose every layer attends over a sliding window (``window``: Mistral 7B v0.1 and Phi-3-mini
-past their window) never reads a request's KV more than ``window`` positions behind its newest
-token. As a request grows, its own slots that far behind are freed, whole pages, one position later
-than strictly needed (a step still in flight in the overlap loop reads its own window). The cached
-prefix (the prompt, shared) is not touched: it stays for the prefix hits of later requests. When
-the request ends, only the KV before the freed span is whole: that part goes to the cache as
-usual, the rest is freed (a later request reuses the prompt, not this request's output).
-
-A model with sliding-window layers among global ones (``window_kv``: Gemma 2 and 3) keeps the
-sliding layers' KV at slots of their own (mem/window_kv.py). Every position stays for the global
-layers; the sliding layers' pages are given back, the same way, as a request's own KV falls more
-than a window behind it, and when KV goes to the prefix cache, for all but the last window before
-where it ends. A cached prefix is matched only as far as the window before its end is whole.
+Sliding windows let it give KV back before a request ends (``Windows``, kv_windows.py: the rule).
 """
 
 from __future__ import annotations
@@ -35,6 +23,7 @@ from radixserve.mem.base_cache import BasePrefixCache, RadixKey
 from radixserve.mem.kv_pool import ReqToTokenPool
 from radixserve.mem.radix_cache import RadixCache
 from radixserve.mem.window_kv import WindowKV
+from radixserve.sched.kv_windows import Windows
 from radixserve.sched.req import Req
 
 if TYPE_CHECKING:
@@ -65,11 +54,20 @@ class KVManager:
         self._reserved = 0  # slots reserved outside any request (KV on its way in)
         self._holds = 0  # live Holds
         self.tier: HiCache | None = None
-        self.window = window  # a whole-model sliding window: own slots behind it are freed
-        self.window_kv = window_kv  # the sliding layers' own slots, beside global layers
+        self.windows = Windows(allocator, window, window_kv)
         if window_kv is not None:
             allocator.attach_window_kv(window_kv)
             req_to_token_pool.attach_window_kv(window_kv)
+
+    @property
+    def window(self) -> int | None:
+        """A whole-model sliding window: own slots behind it are freed."""
+        return self.windows.window
+
+    @property
+    def window_kv(self) -> WindowKV | None:
+        """The sliding layers' own pages, beside global layers."""
+        return self.windows.window_kv
 
     def attach_tier(self, tier: HiCache | None) -> None:
         """The KV tier behind the prefix cache (``tier_setup.build_hicache``), once the pool exists."""
@@ -170,12 +168,7 @@ class KVManager:
     def cache_unfinished(self, req: Req) -> None:
         """Insert ``req``'s computed KV into the cache now (a finished chunk or prompt), keeping it locked."""
         assert req.kv_freed_to <= req.cache_protected_len, "a prompt being cached has no slots freed behind a window"
-        if self.window_kv is None:
-            self.tree_cache.cache_unfinished_req(req)
-            return
-        start, own, end = req.cache_protected_len, req.kv_indices[req.cache_protected_len :], len(req.kv_indices)
-        self.tree_cache.cache_unfinished_req(req)
-        self._drop_cached_windows(req, start, own, end)
+        self.windows.cache(req, self.tree_cache.cache_unfinished_req)
 
     def uncached_tokens(self, req: Req) -> int:
         """Prompt tokens ``req`` still has to prefill: exact once admitted, else a read-only match."""
@@ -261,10 +254,7 @@ class KVManager:
 
     def grow(self, req: Req, n: int) -> list[int]:
         """KV slots for the next ``n`` tokens of ``req``, evicting cache leaves if needed."""
-        if self.window is not None:
-            self._free_behind_window(req)
-        if self.window_kv is not None:
-            self._drop_behind_window(req)
+        self.windows.before_grow(req)
         last = req.kv_indices[-1] if req.kv_indices else None
         cur = len(req.kv_indices)
         need = self.allocator.pages_needed(cur, n) * self.page_size
@@ -284,12 +274,9 @@ class KVManager:
         evictions as the per-request calls, one request-table write. Returns ``(positions,
         slots)``: each request's computed length before the step, and its new slot."""
         ps = self.page_size
-        if self.window is not None:
+        if self.window is not None or self.window_kv is not None:
             for req in reqs:
-                self._free_behind_window(req)
-        if self.window_kv is not None:
-            for req in reqs:
-                self._drop_behind_window(req)
+                self.windows.before_grow(req)
         kvs = list(map(_get_kv_indices, reqs))  # (C passes: this runs for every running request)
         cols = list(map(len, kvs))
         if ps == 1:  # every request takes the next free slot
@@ -303,50 +290,6 @@ class KVManager:
         deque(map(list.append, kvs, slots), maxlen=0)
         self.req_to_token_pool.write_many(rows, cols, slots)
         return cols, slots
-
-    def _free_behind_window(self, req: Req) -> None:
-        """Free ``req``'s own slots more than ``window`` positions behind its next token (see the
-        module's docstring); its kv_indices keep their (stale) entries until ``_whole_prefix``."""
-        assert self.window is not None
-        end = (len(req.kv_indices) - self.window) // self.page_size * self.page_size
-        start = max(req.kv_freed_to, req.cache_protected_len)
-        if end > start:
-            self.allocator.free(req.kv_indices[start:end])
-            req.kv_freed_to = end
-
-    def _drop_behind_window(self, req: Req) -> None:
-        """Give back the sliding layers' pages of ``req``'s own slots more than a window behind its
-        next token (whole pages, one position late, as ``_free_behind_window``)."""
-        wkv = self.window_kv
-        assert wkv is not None
-        end = (len(req.kv_indices) - wkv.window) // self.page_size * self.page_size
-        start = max(req.window_dropped_to, req.cache_protected_len)
-        if end > start:
-            wkv.drop(req.kv_indices[start:end])
-            req.window_dropped_to = end
-
-    def _drop_cached_windows(self, req: Req, start: int, own: list[int], end: int) -> None:
-        """``req``'s KV of positions ``start .. end`` (its slots were ``own``) went to the prefix
-        cache: give back the sliding layers' pages of those more than a window (and a page) before
-        ``end``. Only its own slots: where the cache had the tokens already, its slots were freed (a
-        no-op here) and the cache's, which other requests may be reading, are left alone."""
-        wkv = self.window_kv
-        assert wkv is not None
-        lo = max(start, req.window_dropped_to)
-        # the last page before the end stays too: the same prompt again matches up to its last token
-        # but one (the page before, paged), and still finds a whole window before that
-        hi = (end - wkv.window - self.page_size) // self.page_size * self.page_size
-        if hi > lo:
-            wkv.drop(own[lo - start : hi - start])
-
-    def _whole_prefix(self, req: Req) -> None:
-        """Before ``req``'s KV is cached or freed: with slots freed behind a window, cut its KV back
-        to the part before them (freeing the slots after them)."""
-        a, b = req.cache_protected_len, req.kv_freed_to
-        if b > a:
-            self.allocator.free(req.kv_indices[b:])
-            del req.kv_indices[a:]
-        req.kv_freed_to = 0
 
     def decode_tokens_needed(self, reqs: list[Req], steps: int = 1) -> int:
         """Slots the running requests need for ``steps`` more decode steps."""
@@ -396,13 +339,8 @@ class KVManager:
             if req.tier_hold is not None and self.tier is not None:
                 self.tier.unhold(req)
             return
-        self._whole_prefix(req)
-        if self.window_kv is None:
-            self.tree_cache.cache_finished_req(req)
-            return
-        start, own, end = req.cache_protected_len, req.kv_indices[req.cache_protected_len :], len(req.kv_indices)
-        self.tree_cache.cache_finished_req(req)
-        self._drop_cached_windows(req, start, own, end)
+        self.windows.whole_prefix(req)
+        self.windows.cache(req, self.tree_cache.cache_finished_req)
         req.window_dropped_to = 0
 
     def discard(self, req: Req) -> None:
@@ -411,7 +349,7 @@ class KVManager:
         if req.req_pool_idx is None:
             self.release(req)
             return
-        self._whole_prefix(req)
+        self.windows.whole_prefix(req)
         self.allocator.free(req.kv_indices[req.cache_protected_len :])
         if req.last_node is not None:
             self.tree_cache.dec_lock_ref(req.last_node)

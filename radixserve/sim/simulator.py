@@ -146,7 +146,7 @@ def build_sim_scheduler(
     args: ServerArgs, cost: CostModel, context_len: int, clock: VirtualClock | None = None,
     skip_req_to_token_writes: bool = False, event_sink: Callable[[CacheEvent], None] | None = None,
 ) -> tuple[SchedulerCore, SimRunner, VirtualClock]:
-    """The engine's pools, cache and scheduler (as ``engine.build_scheduler``) without a model."""
+    """The engine's pools, cache and scheduler (as ``serving_build.build_scheduler``) without a model."""
     clock = clock or VirtualClock()
     if (args.speculative_algorithm or "").lower() in DRAFT_MODEL_ALGORITHMS and cost.draft is None:
         raise ValueError("--speculative-algorithm draft in the simulator needs a simulated draft model "

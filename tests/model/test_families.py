@@ -13,9 +13,10 @@ import torch
 from kvharness import Harness
 
 from radixserve.config import ServerArgs
-from radixserve.engine import Engine, local_window
+from radixserve.engine import Engine
 from radixserve.model.config import ModelConfig
 from radixserve.model.model_runner import ModelRunner, windowed
+from radixserve.serving_build import local_window
 from tests.model.tiny_models import FAMILIES, make_tiny_model, write_gguf
 
 transformers = pytest.importorskip("transformers")
@@ -204,14 +205,14 @@ def test_a_whole_model_window_frees_kv_behind_it_through_the_engine(tmp_path: An
         kv = eng.scheduler.kv
         assert kv.window == 8
         freed: list[int] = []
-        real = kv._free_behind_window
+        real = kv.windows.before_grow
 
         def spy(req: Any) -> None:
             before = req.kv_freed_to
             real(req)
             freed.append(req.kv_freed_to - before)
 
-        kv._free_behind_window = spy
+        kv.windows.before_grow = spy  # type: ignore[method-assign]
         _greedy_as_transformers(eng, hf, ["a short one", "another prompt, a little longer"], 40)
         assert sum(freed) >= 2 * 30
         eng.check_memory_invariant()

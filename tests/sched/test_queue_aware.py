@@ -23,7 +23,7 @@ CTX = 512
 
 
 class StubModelRunner(EchoRunner):
-    """What ``engine.build_scheduler`` needs of a ``ModelRunner``, with EchoRunner's tokens."""
+    """What ``serving_build.build_scheduler`` needs of a ``ModelRunner``, with EchoRunner's tokens."""
 
     class _Tok:
         stop_token_ids = (0,)
@@ -66,7 +66,7 @@ def build_fakes(policy: str) -> SchedulerCore:
 
 
 def build_engine(policy: str) -> SchedulerCore:
-    from radixserve.engine import build_scheduler  # the engine's own construction path
+    from radixserve.serving_build import build_scheduler  # the engine's own construction path
 
     return build_scheduler(_args(policy), StubModelRunner(), CTX)  # type: ignore[arg-type]
 

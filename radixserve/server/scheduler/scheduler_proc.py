@@ -26,7 +26,6 @@ from typing import Any
 import zmq
 
 from radixserve.config import ServerArgs
-from radixserve.engine import build_scheduler
 from radixserve.sched.core import SchedulerCore, calm_garbage_collector
 from radixserve.sched.io import BatchOut
 from radixserve.sched.req import Req
@@ -48,6 +47,7 @@ from radixserve.server.kv_events import EventPublishers, open_cache_events
 from radixserve.server.procs import IpcNames, child_init, parent_alive, pull_socket, push_socket
 from radixserve.server.scheduler.dashboard_state import rank_snapshot
 from radixserve.server.scheduler.pd_worker import PDWorker
+from radixserve.serving_build import build_scheduler
 
 logger = logging.getLogger(__name__)
 
