@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import threading
+import types
 from collections.abc import Callable, Generator
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
@@ -137,9 +138,7 @@ def launch_tp_node(args: ServerArgs) -> int:
                 args.nnodes, [n for n, _, _ in _tp_ranks(args, 0, None)], args.dist_init_addr)
     try:
         for pname, target, pargs in _tp_ranks(args, os.getpid(), None):
-            p = ctx.Process(target=target, args=pargs, name=f"radixserve-{pname}", daemon=True)
-            p.start()
-            procs[pname] = p
+            procs[pname] = _start(ctx, pname, target, pargs)
         while not stop.is_set() and any(p.is_alive() for p in procs.values()):
             stop.wait(0.2)
     finally:
@@ -233,13 +232,9 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, end.on_signal)
     name, model_path = served_model_name(args)
-    tm = await _start_processes(args, ipc, procs, name, lambda: end.interrupted)
+    tm, app = await _start_processes(args, ipc, procs, name, model_path, lambda: end.interrupted)
     import uvicorn
 
-    # imported while the children loaded (_start_processes)
-    from radixserve.server.frontend.http_server import create_app, pid_map
-
-    app = create_app(tm, model_path, pid_map(procs))
     # NOTE: h11 always, not httptools when it happens to be installed: how an HTTP/2 preface is
     # parsed (and so refused, see server/frontend/guard.py) must not depend on the environment
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -266,9 +261,9 @@ async def _serve(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess])
 
 
 async def _start_processes(args: ServerArgs, ipc: IpcNames, procs: dict[str, BaseProcess], name: str,
-                           interrupted: Callable[[], bool]) -> TokenizerManager:
-    """Start the child processes, load the tokenizer meanwhile, and wait until every child is ready,
-    with a progress bar of the loading stages."""
+                           model_path: str, interrupted: Callable[[], bool]) -> tuple[TokenizerManager, Any]:
+    """Start the child processes, load the tokenizer and build the HTTP app meanwhile, and wait
+    until every child is ready, with a progress bar of the loading stages."""
     ctx = mp.get_context("spawn")
     tqdm.set_lock(threading.RLock())  # NOTE: tqdm's default lock is a multiprocessing semaphore
     stages = LOAD_STAGES if args.dp_size == 1 else LOAD_STAGES + 4 * (args.dp_size - 1) + 1
@@ -286,36 +281,55 @@ async def _start_processes(args: ServerArgs, ipc: IpcNames, procs: dict[str, Bas
             bar.refresh()
 
     try:
-        # the children first: loading the model is the long pole, the rest of this process's imports
-        # and the tokenizer load meanwhile (the children's sockets connect to the tokenizer
-        # manager's once it binds: zmq retries within 100 ms, and queues what they send). The
-        # schedulers start before the model file is checked (their first second is importing torch;
-        # a file that cannot be served stops them before they read it), the detokenizer, which
-        # reads it at once, after.
+        # The schedulers first: loading the model is the long pole. They start before the model
+        # file is checked (their first second is importing torch; a file that cannot be served
+        # stops them before they read it). This process's imports and tokenizer load run
+        # meanwhile, and only then the detokenizer (the same imports and load again): with two
+        # cores, the schedulers keep one to themselves rather than share two with both of these.
+        # The children's sockets connect to the tokenizer manager's once it binds (zmq retries
+        # within 100 ms, and queues what they send).
         parent = os.getpid()
-        for pname, target, pargs in _children(args, ipc, parent):
-            if pname == "detokenizer":
-                try:  # an unreadable file or an unknown architecture: one line
-                    await asyncio.to_thread(load_config, args.model_path)
-                except (OSError, ValueError, NotImplementedError) as e:
-                    raise _CannotStart(str(e)) from e
-            p = ctx.Process(target=target, args=pargs, name=f"radixserve-{pname}", daemon=True)
-            p.start()
-            procs[pname] = p
+        children = _children(args, ipc, parent)
+        for pname, target, pargs in children:
+            if pname != "detokenizer":
+                procs[pname] = _start(ctx, pname, target, pargs)
+        try:  # an unreadable file or an unknown architecture: one line
+            await asyncio.to_thread(load_config, args.model_path)
+        except (OSError, ValueError, NotImplementedError) as e:
+            raise _CannotStart(str(e)) from e
         from radixserve.model.tokenizer import Tokenizer
         from radixserve.server.frontend.tokenizer_manager import TokenizerManager
 
         tm = TokenizerManager(args, ipc, name)
-        import radixserve.server.frontend.http_server  # noqa: F401  (FastAPI: ~0.4 s, while the children load)
+        from radixserve.server.frontend.http_server import create_app, pid_map  # FastAPI: ~0.4 s
         tokenizer = await asyncio.to_thread(
             lambda: Tokenizer.from_model_path(args.model_path).use_chat_template(args.chat_template)
         )
         progress("tokenizer loaded")
+        for pname, target, pargs in children:
+            if pname == "detokenizer":
+                procs[pname] = _start(ctx, pname, target, pargs)
         tm.tokenizer = tokenizer
+        app = create_app(tm, model_path, pid_map(procs))
         await tm.wait_ready(procs, progress, interrupted)
     finally:
         bar.close()
-    return tm
+    return tm, app
+
+
+def _start(ctx: Any, pname: str, target: Any, pargs: tuple[Any, ...]) -> BaseProcess:
+    """Start one child. "spawn" runs the parent's ``__main__`` again in every child (for radixserve,
+    the console script and so the command line's imports, ~50 ms) so that targets defined there
+    can be found; ours are ``run_entry`` partials named by module, so the children are started
+    with a bare ``__main__`` in its place."""
+    p = ctx.Process(target=target, args=pargs, name=f"radixserve-{pname}", daemon=True)
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        p.start()
+    finally:
+        sys.modules["__main__"] = main
+    return p
 
 
 def _children(args: ServerArgs, ipc: IpcNames, parent: int) -> list[tuple[str, Any, tuple[Any, ...]]]:
