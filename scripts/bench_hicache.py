@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 import httpx
@@ -34,6 +33,7 @@ import httpx
 from radixserve.bench.serving import ServingBenchmark, add_args
 from radixserve.bench.subprocs import free_ports
 from radixserve.results import write_result
+from radixserve.router.launch import StartFailed, wait_healthy
 
 
 def serve(port: int, pool: int, tier_dir: str | None, ratio: float) -> subprocess.Popen[bytes]:
@@ -42,18 +42,12 @@ def serve(port: int, pool: int, tier_dir: str | None, ratio: float) -> subproces
     if tier_dir is not None:
         cmd += ["--enable-hierarchical-cache", "--hicache-storage-dir", tier_dir, "--hicache-ratio", str(ratio)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    stop(proc)
-    raise RuntimeError("the server did not start in 300 s")
+    try:
+        wait_healthy({f"http://127.0.0.1:{port}": proc}, 300)
+    except StartFailed as e:
+        stop(proc)
+        raise RuntimeError(f"{e}: {' '.join(cmd)}") from None
+    return proc
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

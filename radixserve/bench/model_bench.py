@@ -26,12 +26,11 @@ import tempfile
 import time
 from typing import Any
 
-import httpx
-
 from radixserve.bench.serving import ServingBenchmark
 from radixserve.bench.serving import add_args as add_serving_args
 from radixserve.bench.subprocs import BenchError, free_ports
 from radixserve.results import write_result
+from radixserve.router.launch import StartFailed, wait_healthy
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -67,17 +66,12 @@ class Server:
         self.healthy_s = self._wait_healthy(t0)
 
     def _wait_healthy(self, t0: float) -> float:
-        while time.perf_counter() - t0 < STARTUP_TIMEOUT_S:
-            if self.proc.poll() is not None:
-                raise BenchError(f"{self.name} exited with {self.proc.returncode} while starting:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise BenchError(f"{self.name} is not healthy after {STARTUP_TIMEOUT_S:.0f} s:\n{self.tail()}")
+        try:
+            wait_healthy({self.url: self.proc}, STARTUP_TIMEOUT_S)
+        except StartFailed as e:
+            self.stop()
+            raise BenchError(f"{self.name}: {e}:\n{self.tail()}") from None
+        return time.perf_counter() - t0
 
     def tail(self, n: int = 2000) -> str:
         with open(self.log, "rb") as f:

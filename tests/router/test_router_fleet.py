@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from radixserve.router.launch import StartFailed, wait_healthy
 from tests.server.helpers import REPO, STARTUP_TIMEOUT_S, assert_memory_ok, free_port, pid_alive, wait_idle
 
 pytestmark = pytest.mark.slow  # real servers: the full tier only (scripts/test.sh --fast leaves it out)
@@ -46,17 +47,14 @@ class LaunchedFleet:
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"launch exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200 and \
-                        all(w["healthy"] for w in self.workers()):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"fleet not ready in {STARTUP_TIMEOUT_S}s:\n{self.log_text()[-4000:]}")
+        try:
+            wait_healthy({self.url: self.proc}, STARTUP_TIMEOUT_S)
+        except StartFailed as e:
+            raise RuntimeError(f"{e}:\n{self.log_text()[-4000:]}") from None
+        while not all(w["healthy"] for w in self.workers()):  # the router's own checks, a moment later
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fleet not ready in {STARTUP_TIMEOUT_S}s:\n{self.log_text()[-4000:]}")
+            time.sleep(0.1)
 
     def workers(self) -> list[dict[str, Any]]:
         return list(httpx.get(f"{self.url}/workers", timeout=5).json()["workers"])

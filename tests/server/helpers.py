@@ -18,6 +18,7 @@ import httpx
 
 from radixserve.bench.subprocs import port_free
 from radixserve.config import ServerArgs
+from radixserve.router.launch import StartFailed, wait_healthy
 from radixserve.server.frontend.recent_requests import RecentRequests
 from radixserve.server.scheduler.dashboard_state import rank_snapshot
 from tests.fakes import make_scheduler
@@ -95,20 +96,13 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    info = httpx.get(f"{self.url}/get_server_info", headers=self.headers, timeout=10).json()
-                    self.pids = info["pids"]
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.kill()
-        raise RuntimeError(f"server not ready in {STARTUP_TIMEOUT_S}s:\n{self.log_text()[-4000:]}")
+        try:
+            wait_healthy({self.url: self.proc}, STARTUP_TIMEOUT_S)
+        except StartFailed as e:
+            self.kill()
+            raise RuntimeError(f"{e}:\n{self.log_text()[-4000:]}") from None
+        info = httpx.get(f"{self.url}/get_server_info", headers=self.headers, timeout=10).json()
+        self.pids = info["pids"]
 
     def log_text(self) -> str:
         with open(self.log.name, errors="replace") as f:
