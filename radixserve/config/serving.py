@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from radixserve.config.kv_events import KVEventsConfig
 from radixserve.options import not_positive, option
 
+# set by ``radixserve launch`` for its workers: the socket of the zygote that forks their schedulers
+# (server/zygote.py)
+SCHEDULER_ZYGOTE_ENV = "RADIXSERVE_SCHEDULER_ZYGOTE"
+
 
 @dataclass(frozen=True)
 class ServingOptions:

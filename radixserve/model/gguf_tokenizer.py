@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from operator import methodcaller
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -66,14 +67,15 @@ def gpt2_backend(meta: dict[str, Any]) -> BackendTokenizer:
     """Byte-level BPE from the file's tokens and merges, pre-tokenized as ``tokenizer.ggml.pre`` says."""
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     token_types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    merges = list(map(tuple, map(methodcaller("split", " ", 1), meta.get("tokenizer.ggml.merges") or [])))
     alphabet = set(bytes_to_unicode().values())
     byte_map = bytes_to_unicode()
-    # A token spelled outside the byte alphabet is respelled byte-wise (as transformers does).
-    spelled = [
+    # A token spelled outside the byte alphabet is respelled byte-wise (as transformers does); most
+    # vocabularies have none, which one look at all their characters tells (a sixth of the time).
+    spelled = tokens if set("".join(tokens)) <= alphabet else [
         t if set(t) <= alphabet else "".join(byte_map[b] for b in t.encode("utf-8")) for t in tokens
     ]
-    vocab = {tok: i for i, tok in enumerate(spelled)}
+    vocab = dict(zip(spelled, range(len(spelled)), strict=True))
     backend = BackendTokenizer(
         models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
     )

@@ -5,7 +5,9 @@
 Workers listen on the ports after the router's (``--port`` + 1 ... + N), each a ``radixserve serve``
 process with its share of the CPU threads (``--num-threads``, default: the cores divided by N and
 by ``--dp-size``, at least 1). With ``--cache-events-port P`` worker i publishes on
-P + i * dp_size (and up). The router waits for the workers, then serves. Ctrl-C (or SIGTERM) stops
+P + i * dp_size (and up). Their schedulers are forked by one zygote process that has imported torch
+and the model code once for all of them (``radixserve/server/zygote.py``). The router waits for the
+workers, then serves. Ctrl-C (or SIGTERM) stops
 the router, then the workers (SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``). If a worker fails
 to start, the fleet is stopped and the command exits 1.
 """
@@ -16,13 +18,16 @@ import argparse
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
 from radixserve.config import ServerArgs
+from radixserve.config.serving import SCHEDULER_ZYGOTE_ENV
 from radixserve.router.config import RouterArgs
 
 logger = logging.getLogger("radixserve.launch")
@@ -81,7 +86,14 @@ def launch_fleet(ns: argparse.Namespace) -> int:
     ports = [sargs.port + 1 + i for i in range(n)]
     threads = max(1, (os.cpu_count() or 1) // (n * sargs.dp_size))
     procs: list[subprocess.Popen[bytes]] = []
+    zygote_dir = tempfile.mkdtemp(prefix="radixserve-zygote-")
     try:
+        # one process imports torch and the model code once and forks every worker's schedulers
+        # (server/zygote.py); the workers find it through the environment
+        socket_path = os.path.join(zygote_dir, "zygote")
+        procs.append(subprocess.Popen([sys.executable, "-m", "radixserve.server.zygote", socket_path,
+                                       str(os.getpid())]))
+        env = {**os.environ, SCHEDULER_ZYGOTE_ENV: socket_path}
         for p in ports:
             wargs = sargs.replace(host="127.0.0.1")
             if sargs.cache_events_port is not None:  # one publisher port per rank of each worker
@@ -90,15 +102,17 @@ def launch_fleet(ns: argparse.Namespace) -> int:
             logger.info("worker on :%d: %s", p, " ".join(masked(cmd[2:])))
             # NOTE: their own process group, so a terminal's Ctrl-C reaches the router alone and the
             # workers are stopped in order by us.
-            procs.append(subprocess.Popen(cmd, start_new_session=True))
+            procs.append(subprocess.Popen(cmd, start_new_session=True, env=env))
         # the router's modules load while the workers start (they are most of its own start-up)
         from radixserve.router.app import run_router
 
-        if not _wait_started(procs, rargs):
+        if not _wait_started(procs[1:], rargs):
             return 1
         return run_router(rargs)
     finally:
-        _stop(procs)
+        _stop(procs[1:])
+        _stop(procs[:1])
+        shutil.rmtree(zygote_dir, ignore_errors=True)
 
 
 def masked(cmd: list[str]) -> list[str]:

@@ -100,13 +100,17 @@ class DetokenizerManager:
         return out
 
 
-def run_detokenizer_process(args: ServerArgs, ipc: IpcNames, parent_pid: int) -> None:
+def run_detokenizer_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, tokenizer: Tokenizer | None = None) -> None:
+    """``tokenizer``: the HTTP process's, sent along (unpickling it takes half the time of loading
+    it from the model file again); None: load it."""
     child_init(args.log_level, "Detokenizer")
     ctx = zmq.Context()
     recv_sock = pull_socket(ctx, ipc.detokenizer)
     to_tm = push_socket(ctx, ipc.tokenizer)
     try:
-        manager = DetokenizerManager(Tokenizer.from_model_path(args.model_path), args.stream_interval)
+        if tokenizer is None:
+            tokenizer = Tokenizer.from_model_path(args.model_path)
+        manager = DetokenizerManager(tokenizer, args.stream_interval)
     except Exception as e:
         logger.error("detokenizer failed to start:\n%s", traceback.format_exc())
         to_tm.send(ENCODER.encode(ProcReady("detokenizer", error=f"{type(e).__name__}: {e}")))

@@ -27,13 +27,15 @@ import threading
 import types
 from collections.abc import Callable, Generator
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tqdm import tqdm
 
 from radixserve.config import ServerArgs
+from radixserve.config.serving import SCHEDULER_ZYGOTE_ENV as ZYGOTE_ENV
 from radixserve.model.loader import load_config, resolve_model_path
 from radixserve.server.procs import IpcNames, run_entry, setup_logging
+from radixserve.server.zygote import ZygoteChild
 
 if TYPE_CHECKING:
     import uvicorn
@@ -284,8 +286,8 @@ async def _start_processes(args: ServerArgs, ipc: IpcNames, procs: dict[str, Bas
         # The schedulers first: loading the model is the long pole. They start before the model
         # file is checked (their first second is importing torch; a file that cannot be served
         # stops them before they read it). This process's imports and tokenizer load run
-        # meanwhile, and only then the detokenizer (the same imports and load again): with two
-        # cores, the schedulers keep one to themselves rather than share two with both of these.
+        # meanwhile, and only then the detokenizer (given this tokenizer): with two cores, the
+        # schedulers keep one to themselves rather than share two with both of these.
         # The children's sockets connect to the tokenizer manager's once it binds (zmq retries
         # within 100 ms, and queues what they send).
         parent = os.getpid()
@@ -308,7 +310,7 @@ async def _start_processes(args: ServerArgs, ipc: IpcNames, procs: dict[str, Bas
         progress("tokenizer loaded")
         for pname, target, pargs in children:
             if pname == "detokenizer":
-                procs[pname] = _start(ctx, pname, target, pargs)
+                procs[pname] = _start(ctx, pname, target, (*pargs, tokenizer))
         tm.tokenizer = tokenizer
         app = create_app(tm, model_path, pid_map(procs))
         await tm.wait_ready(procs, progress, interrupted)
@@ -318,10 +320,14 @@ async def _start_processes(args: ServerArgs, ipc: IpcNames, procs: dict[str, Bas
 
 
 def _start(ctx: Any, pname: str, target: Any, pargs: tuple[Any, ...]) -> BaseProcess:
-    """Start one child. "spawn" runs the parent's ``__main__`` again in every child (for radixserve,
-    the console script and so the command line's imports, ~50 ms) so that targets defined there
-    can be found; ours are ``run_entry`` partials named by module, so the children are started
-    with a bare ``__main__`` in its place."""
+    """Start one child. A scheduler comes from the zygote that ``radixserve launch`` runs for its
+    workers (``zygote.py``) when there is one. "spawn" runs the parent's ``__main__`` again in
+    every child (for radixserve, the console script and so the command line's imports, ~50 ms) so
+    that targets defined there can be found; ours are ``run_entry`` partials named by module, so
+    the children are started with a bare ``__main__`` in its place."""
+    zygote = os.environ.get(ZYGOTE_ENV)
+    if zygote and pname.startswith("scheduler"):
+        return cast(BaseProcess, ZygoteChild(zygote, pname, target, pargs))
     p = ctx.Process(target=target, args=pargs, name=f"radixserve-{pname}", daemon=True)
     main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import select
 import shutil
 import signal
 import tempfile
@@ -105,7 +106,20 @@ def child_init(level: str, proc: str) -> None:
     tqdm.set_lock(threading.RLock())
 
 
+_requester_fd: int | None = None  # a pidfd of the process that asked a zygote for this one
+
+
+def watch_requester(pid: int) -> None:
+    """In a child forked by the zygote (``zygote.py``): ``parent_alive`` watches ``pid``, the
+    process that asked for it, through a pidfd opened now, while that process waits for the answer
+    (a pid number alone could be reused once it exits)."""
+    global _requester_fd
+    _requester_fd = os.pidfd_open(pid)
+
+
 def parent_alive(parent_pid: int) -> bool:
+    if _requester_fd is not None:  # readable once that process has exited
+        return not select.select([_requester_fd], [], [], 0)[0]
     return os.getppid() == parent_pid
 
 
