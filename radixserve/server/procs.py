@@ -106,20 +106,33 @@ def child_init(level: str, proc: str) -> None:
     tqdm.set_lock(threading.RLock())
 
 
-_requester_fd: int | None = None  # a pidfd of the process that asked a zygote for this one
+_requester: tuple[int, int | None] | None = None  # (pid, its pidfd) of who asked a zygote for this one
 
 
 def watch_requester(pid: int) -> None:
     """In a child forked by the zygote (``zygote.py``): ``parent_alive`` watches ``pid``, the
     process that asked for it, through a pidfd opened now, while that process waits for the answer
-    (a pid number alone could be reused once it exits)."""
-    global _requester_fd
-    _requester_fd = os.pidfd_open(pid)
+    (a pid number alone could be reused once it exits; without pidfds, Linux before 5.3, it is
+    all there is)."""
+    global _requester
+    try:
+        _requester = (pid, os.pidfd_open(pid))
+    except (OSError, AttributeError):
+        _requester = (pid, None)
 
 
 def parent_alive(parent_pid: int) -> bool:
-    if _requester_fd is not None:  # readable once that process has exited
-        return not select.select([_requester_fd], [], [], 0)[0]
+    if _requester is not None:
+        pid, fd = _requester
+        if fd is not None:  # readable once that process has exited
+            return not select.select([fd], [], [], 0)[0]
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
     return os.getppid() == parent_pid
 
 
