@@ -21,7 +21,6 @@ import asyncio
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from typing import Any
 import httpx
 
 from radixserve.bench.serving import ServingBenchmark, add_args
-from radixserve.bench.subprocs import free_ports
+from radixserve.bench.subprocs import free_ports, stop_group
 from radixserve.results import write_result
 from radixserve.router.launch import StartFailed, wait_healthy
 
@@ -51,13 +50,7 @@ def serve(port: int, pool: int, tier_dir: str | None, ratio: float) -> subproces
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    stop_group(proc)
 
 
 def bench(port: int, a: argparse.Namespace, turns: int) -> dict[str, Any]:

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
 
-from radixserve.bench.subprocs import free_ports
+from radixserve.bench.subprocs import free_ports, stop_group
 from radixserve.results import write_result
 from radixserve.router.launch import StartFailed, wait_healthy
 
@@ -34,13 +33,7 @@ def start_once(cmd: list[str], url: str) -> float:
         wait_healthy({url: proc}, 600)
         return time.perf_counter() - t0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc, 30)
 
 
 def commands(a: argparse.Namespace, port: int) -> dict[str, list[str]]:

@@ -74,6 +74,18 @@ class Procs:
                 self.stop(proc)
 
 
+def stop_group(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """SIGTERM to a server started in a session of its own, and to every process in its group; then
+    SIGKILL to the group if it has not exited after ``timeout`` seconds."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 def free_ports(n: int, consecutive: bool = False) -> list[int]:
     """``n`` ports nothing listens on now (``consecutive``: a block, as ``radixserve launch`` wants)."""
     if not consecutive:
