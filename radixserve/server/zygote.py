@@ -96,6 +96,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 def _fork_one(conn: socket.socket, listener: socket.socket, children: dict[int, socket.socket]) -> int:
     """Read one request from ``conn`` and fork its child: the child's pid here (0 if the request
     was unreadable); the child runs the entry point and never returns."""
+    fds: list[int] = []
     try:
         head, fds, _, _ = socket.recv_fds(conn, _LEN.size, 2)
         if len(head) < _LEN.size or len(fds) != 2:
@@ -104,6 +105,8 @@ def _fork_one(conn: socket.socket, listener: socket.socket, children: dict[int, 
         target, args, requester = pickle.loads(_recv_exact(conn, n))
     except Exception:
         traceback.print_exc()
+        for fd in fds:
+            os.close(fd)
         conn.close()
         return 0
     pid = os.fork()

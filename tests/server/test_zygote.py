@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from radixserve.server.procs import run_entry
-from radixserve.server.zygote import ZygoteChild
+from radixserve.server.zygote import ZygoteChild, _connect
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,6 +68,19 @@ def test_a_child_watches_its_requester_not_its_parent(zygote: str, tmp_path: Pat
     child.join(60)
     assert child.exitcode == 0, out.read_text() if out.exists() else "no report"
     assert out.read_text() == "True"
+
+
+def test_a_malformed_request_does_not_stop_the_zygote(zygote: str) -> None:
+    with _connect(zygote) as bad:  # (waits for the zygote to bind, as a worker does)
+        bad.sendall(b"not a request")  # no length, no descriptors
+        try:
+            answer = bad.recv(16)
+        except ConnectionResetError:  # closed with the bytes it did not read
+            answer = b""
+        assert answer == b""  # the zygote hung up on it, without forking anything
+    child = ZygoteChild(zygote, "after", entry("os:_exit"), (0,))
+    child.join(60)
+    assert child.exitcode == 0
 
 
 def test_the_zygote_leaves_when_its_parent_is_gone(tmp_path: Path) -> None:
