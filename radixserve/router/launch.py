@@ -7,9 +7,9 @@ process with its share of the CPU threads (``--num-threads``, default: the cores
 by ``--dp-size``, at least 1). With ``--cache-events-port P`` worker i publishes on
 P + i * dp_size (and up). Their schedulers are forked by one zygote process that has imported torch
 and the model code once for all of them (``radixserve/server/zygote.py``). The router waits for the
-workers, then serves. Ctrl-C (or SIGTERM) stops
-the router, then the workers (SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``). If a worker fails
-to start, the fleet is stopped and the command exits 1.
+workers, then serves. Ctrl-C (or SIGTERM) stops the router, then the workers (SIGTERM, then SIGKILL
+after ``STOP_TIMEOUT_S``), then the zygote. If a worker fails to start, the fleet is stopped and the
+command exits 1.
 """
 
 from __future__ import annotations
