@@ -126,14 +126,19 @@ def parent_alive(parent_pid: int) -> bool:
         pid, fd = _requester
         if fd is not None:  # readable once that process has exited
             return not select.select([fd], [], [], 0)[0]
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
+        return pid_alive(pid)
     return os.getppid() == parent_pid
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (ours to signal or not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:

@@ -32,6 +32,8 @@ import time
 import traceback
 from typing import Any
 
+from radixserve.server.procs import pid_alive
+
 PRELOAD = ("torch", "radixserve.server.scheduler.scheduler_proc")
 _LEN = struct.Struct("<Q")
 _MSG = struct.Struct("<cq")  # b"P" pid, or b"X" exit code (negative: the signal that ended it)
@@ -167,7 +169,7 @@ class ZygoteChild:
                 return
             part = self._sock.recv(64)
             if not part:  # the zygote is gone: judge the child by its pid
-                if self._pid is None or not _pid_alive(self._pid):
+                if self._pid is None or not pid_alive(self._pid):
                     self._exitcode = -signal.SIGKILL
                 return
             self._buf += part
@@ -226,16 +228,6 @@ def _connect(path: str, timeout: float = 30.0) -> socket.socket:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no scheduler zygote answers at {path}") from None
             time.sleep(0.02)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 if __name__ == "__main__":  # python -m radixserve.server.zygote SOCKET_PATH PARENT_PID (radixserve launch)
