@@ -104,6 +104,21 @@ def test_amx_kernel_equals_the_bf16_weights_matmul(name: str) -> None:
     assert rel_err(tiles, x.double() @ w.t()) < 8e-3
 
 
+@needs_bf16
+@pytest.mark.parametrize("name", BF16_TYPES)
+def test_bf16_expansion_is_the_rounded_dequantization(name: str) -> None:
+    """One-hot input rows read the expanded weights back exactly: both bf16 kernels expand every
+    value to what ``dequantize().to(bfloat16)`` gives."""
+    ext = linear_ext()
+    cols = 512 if name.endswith("_K") else 160
+    b = blocks_of(name, rows=37, cols=cols)
+    want = b.dequantize().to(torch.bfloat16).t()
+    eye = torch.eye(cols, dtype=torch.bfloat16)
+    assert torch.equal(ext.linear(eye, b.data, b.qtype, cols), want)  # the bf16 row kernel
+    if has_amx_kernel():
+        assert torch.equal(ext.linear(eye, b.data, b.qtype, -1), want)  # the AMX tiles
+
+
 @needs_vnni
 @needs_bf16
 def test_gguf_weight_picks_the_kernel_by_dtype_and_rows() -> None:
