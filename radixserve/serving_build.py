@@ -93,12 +93,12 @@ def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,
         assert kv.prefix_tree is not None  # the options refuse the tier without a radix cache
         kv.attach_tier(build_hicache(args, kv.prefix_tree, kv.allocator, pool, runner.kv_identity(),
                                      runner.kv_written, dp_rank))
-    tok = runner.tokenizer
     vocab = runner.model_config.vocab_size
-    grammars = GrammarCompiler(lambda: tok.backend.to_str(), vocab, list(tok.stop_token_ids))
+    stops = list(runner.stop_token_ids)
+    # the tokenizer itself is built by the warm-up, on the grammar compiler's thread
+    grammars = GrammarCompiler(lambda: runner.tokenizer.backend.to_str(), vocab, stops)
     grammars.warm_up()
     return build_sched(
-        args, runner, kv, context_len=context_len,
-        vocab_size=vocab, eos_token_ids=list(tok.stop_token_ids),
-        detokenize=lambda ids: tok.decode(ids, True), grammar_compiler=grammars,
+        args, runner, kv, context_len=context_len, vocab_size=vocab, eos_token_ids=stops,
+        detokenize=lambda ids: runner.tokenizer.decode(ids, True), grammar_compiler=grammars,
     )

@@ -17,6 +17,7 @@ the one the scheduler drives: ``attach_pools`` sends the pool sizes to the other
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -38,7 +39,7 @@ from radixserve.model.parallel import TPGroup, check_tp_size, send_step, send_st
 from radixserve.model.quant import check_quantization, default_max_rows
 from radixserve.model.sampler import Sampler, prompt_logprobs
 from radixserve.model.spec_verify import verified_logprobs, verify_drafts
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.model.tokenizer import Tokenizer, gguf_stop_token_ids
 
 if TYPE_CHECKING:
     from radixserve.config.model import ModelOptions
@@ -167,20 +168,35 @@ class ModelRunner:
         if self.model.dtype != self.dtype:
             self.model.cast_(self.dtype)
         self.packed_linears = self.model.pack_linears(drop_plain_weights=True) if pack_weights else 0
-        self.tokenizer = Tokenizer.from_model_path(model_path)
         from radixserve.model.gguf_file import clear_gguf_cache, open_gguf
         from radixserve.model.loader import resolve_model_path
 
+        # The tokenizer is built on first use (``tokenizer``): a scheduler starts with the stop ids
+        # alone, read from the file's metadata, and its grammar compiler's warm-up builds the
+        # tokenizer next, on that compiler's thread.
+        self._tokenizer: Tokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
         kind, path = resolve_model_path(model_path)
         if kind == "gguf":
+            self.stop_token_ids = gguf_stop_token_ids(open_gguf(path).metadata)
             open_gguf(path).release_pages()  # the copied parts' pages leave the resident memory
-        clear_gguf_cache()  # the loader and the tokenizer shared one parse of the file; done with it
+        else:
+            self.stop_token_ids = list(self.tokenizer.stop_token_ids)
+        clear_gguf_cache()  # done with the file's parse
         self.sampler = Sampler(seed)
         self.kv_pool: KVPool | None = None
         self.req_to_token_pool: ReqToTokenPool | None = None
         self.draft: DraftModel | None = None  # speculative decoding's draft model (use_draft)
         self.load_seconds = time.perf_counter() - t0
         self._log_loaded(config)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, built on first use (thread-safe)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = Tokenizer.from_model_path(self.model_path)
+            return self._tokenizer
 
     def _quantize(self, max_rows: int, kernel: str) -> int:
         """The linears in a quantized layout: GGUF blocks, or the int8/int4 copies ``--quantization``

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -56,6 +56,34 @@ _FALLBACK_CHAT_TEMPLATE = (
 
 class ChatTemplateError(Exception):
     pass
+
+
+def _turn_end_ids(template: str | None, token_to_id: Callable[[str], int | None]) -> list[int]:
+    """The end-of-turn tokens ``template`` writes: each is a stop token."""
+    ids = [token_to_id(tok) for tok in _END_OF_TURN_TOKENS if tok in (template or "")]
+    return [int(t) for t in ids if t is not None]
+
+
+def stop_token_ids(eos_token_id: int | None, template: str | None, extra: Iterable[int],
+                   token_to_id: Callable[[str], int | None]) -> list[int]:
+    """A model's stop tokens, each once: its EOS, the end-of-turn tokens its chat template writes,
+    and the further ones its files name (EOT, generation_config's EOS list)."""
+    stops: list[int] = [] if eos_token_id is None else [eos_token_id]
+    for tid in [*_turn_end_ids(template, token_to_id), *extra]:
+        if tid not in stops:
+            stops.append(int(tid))
+    return stops
+
+
+def gguf_stop_token_ids(meta: dict[str, Any]) -> list[int]:
+    """``Tokenizer.from_gguf_metadata(meta).stop_token_ids`` without building the tokenizer (a
+    scheduler needs only these to start). A token's id is its place in the file's vocabulary, the
+    last place if it is there twice, as the tokenizer's vocabulary has it."""
+    wanted = set(_END_OF_TURN_TOKENS)
+    places = {tok: i for i, tok in enumerate(meta.get("tokenizer.ggml.tokens") or []) if tok in wanted}
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    return stop_token_ids(opt_int(meta.get("tokenizer.ggml.eos_token_id")), meta.get("tokenizer.chat_template"),
+                          [int(eot)] if eot is not None else [], places.get)
 
 
 def _raise_exception(message: str) -> None:
@@ -108,11 +136,8 @@ class Tokenizer:
         self.byte_level = byte_level
         self.bos_token = backend.id_to_token(bos_token_id) if bos_token_id is not None else None
         self.eos_token = backend.id_to_token(eos_token_id) if eos_token_id is not None else None
-        stops: list[int] = [] if eos_token_id is None else [eos_token_id]
-        for tid in [*self._turn_ends(chat_template), *extra_stop_token_ids]:
-            if tid not in stops:
-                stops.append(int(tid))
-        self.stop_token_ids: list[int] = stops
+        self.stop_token_ids: list[int] = stop_token_ids(eos_token_id, chat_template, extra_stop_token_ids,
+                                                        backend.token_to_id)
         self.special_token_ids: frozenset[int] = frozenset(
             int(tid) for tid, added in backend.get_added_tokens_decoder().items() if added.special
         )
@@ -221,11 +246,6 @@ class Tokenizer:
             byte_level=byte_level,
         )
 
-    def _turn_ends(self, template: str | None) -> list[int]:
-        """The end-of-turn tokens ``template`` writes: each is a stop token."""
-        ids = [self.backend.token_to_id(tok) for tok in _END_OF_TURN_TOKENS if tok in (template or "")]
-        return [int(t) for t in ids if t is not None]
-
     def use_chat_template(self, template: str | None) -> Tokenizer:
         """Replace the model's chat template (``--chat-template``): a file's path, or the template
         text itself; checked by compiling it. None keeps the model's. Returns self."""
@@ -241,7 +261,8 @@ class Tokenizer:
         except Exception as e:  # jinja2's TemplateSyntaxError, with the line it failed on
             raise ValueError(f"--chat-template does not compile: {e}") from e
         self.chat_template = template
-        self.stop_token_ids += [t for t in self._turn_ends(template) if t not in self.stop_token_ids]
+        turn_ends = _turn_end_ids(template, self.backend.token_to_id)
+        self.stop_token_ids += [t for t in turn_ends if t not in self.stop_token_ids]
         return self
 
     # ------------------------------------------------------------------ basics

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from radixserve.model.detokenize import IncrementalDetokenizer
-from radixserve.model.tokenizer import Tokenizer
+from radixserve.model.tokenizer import Tokenizer, gguf_stop_token_ids
 
 spm = pytest.importorskip("sentencepiece")
 
@@ -167,3 +167,11 @@ def test_engine_serves_a_gguf_model_with_a_sentencepiece_tokenizer(tmp_path: Any
             assert len(out["output_ids"]) == 12
             assert out["text"] == sp.decode(out["output_ids"])
         eng.check_memory_invariant()
+
+
+def test_stop_ids_read_without_building_the_tokenizer(pair: tuple[Any, Tokenizer, dict[str, Any]]) -> None:
+    sp, tok, meta = pair
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    for variant in (meta, {**meta, "tokenizer.chat_template": template, "tokenizer.ggml.eot_token_id": 5}):
+        assert gguf_stop_token_ids(variant) == Tokenizer.from_gguf_metadata(variant).stop_token_ids
+    assert sp.piece_to_id("<|im_end|>") in gguf_stop_token_ids({**meta, "tokenizer.chat_template": template})

@@ -120,3 +120,22 @@ def test_chat_template_override(tmp_path: Any) -> None:
         Tokenizer.from_model_path(None).use_chat_template("{% for %}")
     with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
         ServerArgs(chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_a_runner_starts_with_the_stop_ids_and_builds_its_tokenizer_on_first_use() -> None:
+    """A scheduler needs only the stop ids to start: they come from the file's metadata, equal to
+    the tokenizer's, and the tokenizer is built when first asked for."""
+    from radixserve.model.gguf_file import read_gguf_metadata
+    from radixserve.model.loader import resolve_model_path
+    from radixserve.model.model_runner import ModelRunner
+    from radixserve.model.tokenizer import gguf_stop_token_ids
+
+    meta = dict(read_gguf_metadata(resolve_model_path(None)[1]))
+    template = "{% for m in messages %}<|endoftext|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    for variant in (meta, {**meta, "tokenizer.chat_template": template, "tokenizer.ggml.eot_token_id": 7},
+                    {**meta, "tokenizer.chat_template": None}):
+        assert gguf_stop_token_ids(variant) == Tokenizer.from_gguf_metadata(variant).stop_token_ids
+    assert len(gguf_stop_token_ids({**meta, "tokenizer.chat_template": template})) == 2  # EOS, then <|endoftext|>
+    runner = ModelRunner(dtype="float32", progress=False)
+    assert runner._tokenizer is None
+    assert runner.stop_token_ids == runner.tokenizer.stop_token_ids and runner.stop_token_ids

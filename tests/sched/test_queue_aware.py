@@ -26,8 +26,6 @@ class StubModelRunner(EchoRunner):
     """What ``serving_build.build_scheduler`` needs of a ``ModelRunner``, with EchoRunner's tokens."""
 
     class _Tok:
-        stop_token_ids = (0,)
-
         def decode(self, ids: list[int], skip_special: bool = True) -> str:
             return " ".join(map(str, ids))
 
@@ -37,6 +35,7 @@ class StubModelRunner(EchoRunner):
         sliding_layers = ()  # nor sliding layers
 
     tokenizer = _Tok()
+    stop_token_ids = (0,)
     model_config = _Cfg()
     draft = None
 
