@@ -54,11 +54,21 @@ def local_window(args: ServerArgs, runner: ModelRunner) -> int | None:
     return c.sliding_window
 
 
+def grammar_compiler(runner: ModelRunner) -> GrammarCompiler:
+    """The structured-output compiler for the runner's model. Its warm-up builds llguidance's
+    tokenizer from the model's (``ModelRunner.tokenizer``, built then if it was not yet)."""
+    return GrammarCompiler(lambda: runner.tokenizer.backend.to_str(), runner.model_config.vocab_size,
+                           list(runner.stop_token_ids))
+
+
 def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,
-                    event_sink: Callable[[CacheEvent], None] | None = None, dp_rank: int | None = None) -> SchedulerCore:
+                    event_sink: Callable[[CacheEvent], None] | None = None, dp_rank: int | None = None,
+                    grammars: GrammarCompiler | None = None) -> SchedulerCore:
     """Size the pools, attach them to the runner, and build the scheduler over them (``event_sink``:
     the radix cache's events, ``sched.build.build_kv``), with the KV tier behind the prefix cache if
-    ``--enable-hierarchical-cache`` (``dp_rank``: whose store it is).
+    ``--enable-hierarchical-cache`` (``dp_rank``: whose store it is). ``grammars``: a compiler whose
+    warm-up the caller starts (a scheduler process: once it has reported ready); by default one is
+    built and warmed up here.
 
     ``--overlap-schedule auto`` is the normal loop here: on a CPU the forward thread would share the
     cores with the model's own threads (the option's help has the figures)."""
@@ -93,12 +103,11 @@ def build_scheduler(args: ServerArgs, runner: ModelRunner, context_len: int,
         assert kv.prefix_tree is not None  # the options refuse the tier without a radix cache
         kv.attach_tier(build_hicache(args, kv.prefix_tree, kv.allocator, pool, runner.kv_identity(),
                                      runner.kv_written, dp_rank))
-    vocab = runner.model_config.vocab_size
-    stops = list(runner.stop_token_ids)
-    # the tokenizer itself is built by the warm-up, on the grammar compiler's thread
-    grammars = GrammarCompiler(lambda: runner.tokenizer.backend.to_str(), vocab, stops)
-    grammars.warm_up()
+    if grammars is None:
+        grammars = grammar_compiler(runner)
+        grammars.warm_up()
     return build_sched(
-        args, runner, kv, context_len=context_len, vocab_size=vocab, eos_token_ids=stops,
+        args, runner, kv, context_len=context_len, vocab_size=runner.model_config.vocab_size,
+        eos_token_ids=list(runner.stop_token_ids),
         detokenize=lambda ids: runner.tokenizer.decode(ids, True), grammar_compiler=grammars,
     )

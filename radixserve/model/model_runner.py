@@ -171,9 +171,8 @@ class ModelRunner:
         from radixserve.model.gguf_file import clear_gguf_cache, open_gguf
         from radixserve.model.loader import resolve_model_path
 
-        # The tokenizer is built on first use (``tokenizer``): a scheduler starts with the stop ids
-        # alone, read from the file's metadata, and its grammar compiler's warm-up builds the
-        # tokenizer next, on that compiler's thread.
+        # The tokenizer is built on first use (``tokenizer``): a scheduler process starts with the
+        # stop ids alone, read from the file's metadata, and builds it once it has reported ready.
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_lock = threading.Lock()
         kind, path = resolve_model_path(model_path)
@@ -193,9 +192,16 @@ class ModelRunner:
     @property
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer, built on first use (thread-safe)."""
+        return self.load_tokenizer()
+
+    def load_tokenizer(self) -> Tokenizer:
+        """Build the tokenizer unless it is built (``tokenizer``)."""
         with self._tokenizer_lock:
             if self._tokenizer is None:
+                from radixserve.model.gguf_file import clear_gguf_cache
+
                 self._tokenizer = Tokenizer.from_model_path(self.model_path)
+                clear_gguf_cache()  # the file's parse it read the vocabulary from
             return self._tokenizer
 
     def _quantize(self, max_rows: int, kernel: str) -> int:

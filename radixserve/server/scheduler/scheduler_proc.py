@@ -47,7 +47,7 @@ from radixserve.server.kv_events import EventPublishers, open_cache_events
 from radixserve.server.procs import IpcNames, child_init, parent_alive, pull_socket, push_socket
 from radixserve.server.scheduler.dashboard_state import rank_snapshot
 from radixserve.server.scheduler.pd_worker import PDWorker
-from radixserve.serving_build import build_scheduler
+from radixserve.serving_build import build_scheduler, grammar_compiler
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,9 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_r
         to_tm.send(ENCODER.encode(LoadProgress("model loaded")))
         context_len = runner.max_context_len
         publisher = open_cache_events(ctx, args, dp_rank or 0, args.page_size)
+        grammars = grammar_compiler(runner)
         scheduler = build_scheduler(args, runner, context_len, publisher.add if publisher is not None else None,
-                                    dp_rank)
+                                    dp_rank, grammars)
         to_tm.send(ENCODER.encode(LoadProgress("KV cache allocated")))
     except Exception as e:
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
@@ -101,6 +102,11 @@ def run_scheduler_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, dp_r
         "pid": os.getpid(),
     }
     to_tm.send(ENCODER.encode(ProcReady(name, info=info)))
+    # Off the path to a healthy server: the scheduler starts with the stop ids alone (read from the
+    # model file) and builds the tokenizer here, on its main thread, before the grammar compiler's
+    # warm-up (on the compiler's thread) asks for it.
+    runner.load_tokenizer()
+    grammars.warm_up()
     server = SchedulerServer(args, scheduler, recv_sock, to_detok, to_tm, parent_pid, dp_rank or 0, to_controller,
                              publisher)
     calm_garbage_collector()
