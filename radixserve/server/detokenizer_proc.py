@@ -103,7 +103,7 @@ class DetokenizerManager:
 def run_detokenizer_process(args: ServerArgs, ipc: IpcNames, parent_pid: int, tokenizer: Tokenizer | None = None) -> None:
     """``tokenizer``: the HTTP process's, sent along (unpickling it takes half the time of loading
     it from the model file again); None: load it."""
-    child_init(args.log_level, "Detokenizer")
+    child_init(args.log_level, "Detokenizer", progress_bars=False)
     ctx = zmq.Context()
     recv_sock = pull_socket(ctx, ipc.detokenizer)
     to_tm = push_socket(ctx, ipc.tokenizer)

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from tqdm import tqdm
 
 LOG_FORMAT = "[%(asctime)s %(proc)s] %(message)s"
 
@@ -95,15 +94,19 @@ def setup_logging(level: str, proc: str) -> None:
     root.setLevel(level.upper())
 
 
-def child_init(level: str, proc: str) -> None:
+def child_init(level: str, proc: str, progress_bars: bool = True) -> None:
     """Common start of a child process: logging, and Ctrl-C left to the HTTP process, which
     receives it too (same process group) and shuts the children down in order (SIGTERM).
+    ``progress_bars``: whether it may show tqdm's bars (a process that never does skips importing it).
 
     NOTE: tqdm's default lock is a multiprocessing semaphore, which a SIGTERM'd process would
     leave to the resource tracker to complain about; a thread lock does as well here."""
     setup_logging(level, proc)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    tqdm.set_lock(threading.RLock())
+    if progress_bars:
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())
 
 
 _requester: tuple[int, int | None] | None = None  # (pid, its pidfd) of who asked a zygote for this one
