@@ -31,12 +31,13 @@ from radixserve.mem.kv_pool import JournaledReqToTokenPool, KVPool, ReqToTokenPo
 from radixserve.model.config import ModelConfig
 from radixserve.model.draft import DraftModel
 from radixserve.model.gguf_blocks import GGUFWeight
-from radixserve.model.host import configure_threads, cpu_flags, tune_malloc
+from radixserve.model.host import configure_threads, tune_malloc
 from radixserve.model.linear import Linear
 from radixserve.model.llama import LlamaForCausalLM
-from radixserve.model.loader import load_model, model_identity, parse_dtype, resolve_model_path
+from radixserve.model.loader import load_model, model_identity, resolve_model_path
 from radixserve.model.parallel import TPGroup, check_tp_size, send_step, send_stop
 from radixserve.model.quant import check_quantization, default_max_rows
+from radixserve.model.run_options import resolve_dtype, resolve_quantization, windowed
 from radixserve.model.sampler import Sampler, prompt_logprobs
 from radixserve.model.spec_verify import verified_logprobs, verify_drafts
 from radixserve.model.tokenizer import Tokenizer, gguf_stop_token_ids
@@ -45,52 +46,6 @@ if TYPE_CHECKING:
     from radixserve.config.model import ModelOptions
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"auto"``: bfloat16 where the CPU has native bf16 GEMMs (AMX / AVX512-BF16), else float32.
-
-    Measured with scripts/bench_model_step.py (docs/model.md): on an AVX512-BF16 EPYC a batch-64
-    decode step is ~12% faster in bf16 (attention, memory-bound, gains nothing) and prefill ~21%;
-    on an AVX2-only CPU, where bf16 is emulated, a step costs ~6x more than float32. bf16 logits
-    depend on the batch shape; ``float32`` is the choice when outputs must not depend on batching.
-    """
-    if isinstance(dtype, str) and dtype.lower() == "auto":
-        flags = cpu_flags()
-        return torch.bfloat16 if {"amx_bf16", "avx512_bf16"} & flags else torch.float32
-    return parse_dtype(dtype)
-
-
-def resolve_quantization(name: str, model_path: str | None) -> str:
-    """``auto``: ``gguf`` for a GGUF model (its quantized matrices stay in their blocks and every
-    forward reads them there: gguf_blocks.py) where the block kernels build, else ``none`` (float
-    weights). ``gguf`` insists on that. Under tensor parallelism each rank keeps its shard's blocks
-    (llama.py ``load_weights``). Any other name is returned as it is."""
-    if name not in ("auto", "gguf"):
-        return name
-    from radixserve.model.dequant import block_types
-
-    is_gguf = resolve_model_path(model_path)[0] == "gguf"
-    if name == "gguf":
-        if not is_gguf:
-            raise ValueError("--quantization gguf needs a GGUF model (it keeps the file's own blocks)")
-        if not block_types():
-            raise RuntimeError("--quantization gguf needs the GGUF block kernels, which did not build here")
-        return name
-    return "gguf" if is_gguf and block_types() else "none"
-
-
-def windowed(config: ModelConfig, context_length: int | None) -> tuple[ModelConfig, int]:
-    """The config a model runs with, and its context (``context_length``, else the model's span).
-
-    A whole-model sliding window (Mistral 7B v0.1, Phi-3-mini: a window and no per-layer pattern)
-    becomes a window on every layer when the context is longer than the window; when it is not,
-    full causal attention gives the same outputs, and the layers keep the faster full path."""
-    context = context_length or config.max_position
-    window = config.sliding_window
-    if window is not None and not config.sliding_layers and window < context:
-        config = replace(config, sliding_layers=tuple(range(config.num_layers)))
-    return config, context
 
 
 def runner_from_args(args: ModelOptions, progress: bool = True, tp_group: TPGroup | None = None) -> ModelRunner:
@@ -169,7 +124,6 @@ class ModelRunner:
             self.model.cast_(self.dtype)
         self.packed_linears = self.model.pack_linears(drop_plain_weights=True) if pack_weights else 0
         from radixserve.model.gguf_file import clear_gguf_cache, open_gguf
-        from radixserve.model.loader import resolve_model_path
 
         # The tokenizer is built on first use (``tokenizer``): a scheduler process starts with the
         # stop ids alone, read from the file's metadata, and builds it once it has reported ready.

@@ -15,7 +15,8 @@ from kvharness import Harness
 from radixserve.config import ServerArgs
 from radixserve.engine import Engine
 from radixserve.model.config import ModelConfig
-from radixserve.model.model_runner import ModelRunner, windowed
+from radixserve.model.model_runner import ModelRunner
+from radixserve.model.run_options import windowed
 from radixserve.serving_build import local_window
 from tests.model.tiny_models import FAMILIES, make_tiny_model, write_gguf
 

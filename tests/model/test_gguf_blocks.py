@@ -105,7 +105,7 @@ def test_a_linear_keeps_blocks_instead_of_a_float_weight() -> None:
 
 
 def test_quantization_auto_keeps_a_gguf_models_blocks(tmp_path: Any) -> None:
-    from radixserve.model.model_runner import resolve_quantization
+    from radixserve.model.run_options import resolve_quantization
 
     assert resolve_quantization("auto", None) == "gguf"  # also under tensor parallelism: shards keep blocks
     assert resolve_quantization("int4", None) == "int4"
