@@ -24,6 +24,7 @@ from radixserve.model.cpp_build import load_extension
 
 _SOURCE = Path(__file__).with_name("csrc") / "gguf_dequant.cpp"
 _VNNI_SOURCE = Path(__file__).with_name("csrc") / "gguf_vnni.cpp"
+_AMX8_SOURCE = Path(__file__).with_name("csrc") / "gguf_amx8.cpp"
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,6 +35,19 @@ def _ext() -> tuple[Any, str | None]:
 @functools.lru_cache(maxsize=1)
 def _vnni() -> tuple[Any, str | None]:
     return load_extension("radixserve_gguf_vnni", _VNNI_SOURCE)
+
+
+@functools.lru_cache(maxsize=1)
+def _amx8() -> tuple[Any, str | None]:
+    return load_extension("radixserve_gguf_amx8", _AMX8_SOURCE)
+
+
+@functools.lru_cache(maxsize=1)
+def amx8_ext() -> Any | None:
+    """csrc/gguf_amx8.cpp (AMX int8 tiles whose result does not depend on the row count) where it
+    builds and the CPU lets it use the tile registers; None elsewhere."""
+    ext, _ = _amx8()
+    return ext if ext is not None and ext.available() else None
 
 
 def has_bf16_kernel() -> bool:
@@ -118,3 +132,6 @@ if __name__ == "__main__":  # python -m radixserve.model.dequant: build it now (
     vnni_, verr = _vnni()
     print(f"GGUF VNNI kernel: {'built' if vnni_ is not None else 'unavailable: ' + str(verr)}"
           f"{'' if vnni_ is None or vnni_ext() is not None else ' (no AVX512-VNNI on this CPU: not used)'}")
+    amx8_, aerr = _amx8()
+    print(f"GGUF AMX int8 kernel: {'built' if amx8_ is not None else 'unavailable: ' + str(aerr)}"
+          f"{'' if amx8_ is None or amx8_ext() is not None else ' (no AMX int8 on this CPU: not used)'}")
