@@ -16,7 +16,10 @@ with AVX-512 takes two faster kernels for its decode batches: up to ``VNNI_MAX_R
 256 values, integer dot products against the blocks; AVX512-VNNI), and past that the bf16 row kernel
 of gguf_dequant.cpp (each weight row expanded to bf16 once, vdpbf16ps dot products; AVX512-BF16).
 With AMX, inputs past ``small_rows`` (default 4 there) take gguf_dequant.cpp's AMX kernel (weights
-expanded to bf16 tiles in cache, tdpbf16ps) up to about a thousand rows, the tiles and GEMM past it.
+expanded to bf16 tiles in cache, tdpbf16ps) up to about a thousand rows, the tiles and GEMM past it;
+and with AMX int8, Q4_0 / Q4_1 / Q8_0 weights packed by ``pack_tiles`` take csrc/gguf_amx8.cpp in
+the VNNI kernel's place (integer tiles, each group's sum exact: a decode row costs what it did, a
+further row of a verify step a fifth of what it did).
 float32 models keep the float kernel, their exact reference. A fused linear whose parts have
 different types (Q4_K_M files keep some ``attn_v`` / ``ffn_down`` in Q6_K) holds one segment per
 type and writes each segment's columns of the output.
@@ -37,7 +40,7 @@ from typing import Any
 
 import torch
 
-from radixserve.model.dequant import block_shape, linear_ext, vnni_ext
+from radixserve.model.dequant import amx8_ext, block_shape, linear_ext, vnni_ext
 from radixserve.model.quant import QuantizedWeight
 
 # bfloat16 inputs of up to this many rows take the VNNI integer kernel: whole decode steps of the
@@ -163,12 +166,27 @@ class GGUFWeight(QuantizedWeight):
         self._vnni = vnni if vnni is not None and all(vnni.supported(s.qtype) for s in self.segments) else None
         k_quants = self._vnni is not None and all(self._vnni.integer_scaled(s.qtype) for s in self.segments)
         self.vnni_rows = VNNI_MAX_ROWS_K if k_quants else VNNI_MAX_ROWS
+        self._tiles: list[torch.Tensor] | None = None  # pack_tiles(): the segments for the AMX int8 kernel
+        self._amx8: Any = None
+
+    def pack_tiles(self) -> bool:
+        """Where the CPU has AMX int8 and every segment's type packs (Q4_0, Q4_1, Q8_0): keep the
+        segments also laid out for csrc/gguf_amx8.cpp, which then takes the bfloat16 inputs the VNNI
+        kernel would (a decode row costs the same, each further row of a speculative verify step a
+        fifth or less). The blocks stay for the larger inputs (their pages are the file's)."""
+        amx8 = amx8_ext()
+        if self._vnni is None or amx8 is None or not all(amx8.supported(s.qtype) for s in self.segments):
+            return False
+        self._tiles = [amx8.pack(s.data.reshape(-1, s.data.shape[-1]), s.qtype) for s in self.segments]
+        self._amx8 = amx8
+        return True
 
     @property
     def type_ids(self) -> list[int]:
         return [s.qtype for s in self.segments]
 
-    def _segment(self, rows: torch.Tensor, s: GGUFBlocks) -> torch.Tensor:
+    def _segment(self, rows: torch.Tensor, i: int) -> torch.Tensor:
+        s = self.segments[i]
         requests = _decode_requests.get()
         n = rows.shape[0] if requests is None else requests
         if n > self.small_rows:
@@ -176,6 +194,11 @@ class GGUFWeight(QuantizedWeight):
             # however many drafted rows it has (small_rows -1)
             return self._ext.linear(rows, s.data, s.qtype, 0 if requests is None else -1)
         if self._vnni is not None and rows.dtype == torch.bfloat16 and n <= self.vnni_rows:
+            if self._tiles is not None:  # any number of rows, 8 a call: each row's result is its own
+                step = self._amx8.max_rows()
+                parts = [self._amx8.linear(rows[r : r + step], self._tiles[i], s.qtype, s.data.shape[0], s.cols)
+                         for r in range(0, rows.shape[0], step)]
+                return parts[0] if len(parts) == 1 else torch.cat(parts)
             return self._vnni.linear(rows, s.data, s.qtype)
         return self._ext.linear(rows, s.data, s.qtype, max(self.small_rows, rows.shape[0]))
 
@@ -187,12 +210,12 @@ class GGUFWeight(QuantizedWeight):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and len(self.segments) == 1:  # a layer's input as the model passes it: no reshapes
-            return self._segment(x, self.segments[0])
+            return self._segment(x, 0)
         rows = x.reshape(-1, x.shape[-1])
         if len(self.segments) == 1:
-            y = self._segment(rows, self.segments[0])
+            y = self._segment(rows, 0)
         else:
-            y = torch.cat([self._segment(rows, s) for s in self.segments], dim=-1)
+            y = torch.cat([self._segment(rows, i) for i in range(len(self.segments))], dim=-1)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
@@ -200,4 +223,9 @@ class GGUFWeight(QuantizedWeight):
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.segments)
+        return sum(s.nbytes for s in self.segments) + sum(t.numel() for t in self._tiles or [])
+
+    @property
+    def tiles(self) -> list[torch.Tensor]:
+        """The segments packed for the AMX int8 kernel (empty unless ``pack_tiles`` packed them)."""
+        return list(self._tiles or [])

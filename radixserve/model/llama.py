@@ -221,11 +221,16 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, Linear) and isinstance(m._quant, GGUFWeight):
                 m._quant.small_rows = small_rows
 
+    def pack_block_tiles(self) -> int:
+        """Pack the GGUF weights the AMX int8 kernel takes (``GGUFWeight.pack_tiles``); how many."""
+        return sum(m._quant.pack_tiles() for m in self.modules() if isinstance(m, Linear) and isinstance(m._quant, GGUFWeight))
+
     def weight_bytes(self) -> int:
         """Bytes of every weight the forward reads: parameters, GGUF blocks, packed and quantized copies
         (storage shared by two of them, as the tied embedding and LM head, counted once)."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        blocks = [s.data for m in linears if isinstance(m._quant, GGUFWeight) for s in m._quant.segments]
+        blocks = [t for m in linears if isinstance(m._quant, GGUFWeight) for t in (
+            *(s.data for s in m._quant.segments), *m._quant.tiles)]
         if self.embed_blocks is not None:
             blocks.append(self.embed_blocks.data)
         sizes = {t.data_ptr(): t.numel() * t.element_size()

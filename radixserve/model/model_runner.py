@@ -122,6 +122,8 @@ class ModelRunner:
         self.quantized_linears = self._quantize(quant_max_rows, quant_kernel)
         if self.model.dtype != self.dtype:
             self.model.cast_(self.dtype)
+        # a bfloat16 model's decode rows on AMX int8: one kernel for a request's rows and its drafts
+        self.tiled_linears = self.model.pack_block_tiles() if self.dtype == torch.bfloat16 and in_blocks else 0
         self.packed_linears = self.model.pack_linears(drop_plain_weights=True) if pack_weights else 0
         from radixserve.model.gguf_file import clear_gguf_cache, open_gguf
 
@@ -168,6 +170,8 @@ class ModelRunner:
     def _log_loaded(self, config: ModelConfig) -> None:
         if self.quantization == "gguf":
             q = f"kept in their GGUF blocks ({', '.join(self.block_types())})"
+            if self.tiled_linears:
+                q += f", {self.tiled_linears} also packed for AMX int8 tiles (decode and verify rows)"
         elif self.quantized_linears:
             q = f"quantized ({self.quantization}, up to {self.quant_max_rows} rows)"
         else:
