@@ -42,8 +42,9 @@
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VNNI__) && defined(__linux__) && !defined(RADIXSERVE_NO_SIMD)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
+
 #define RADIXSERVE_AMX8 1
 #endif
 
@@ -113,21 +114,7 @@ torch::Tensor pack(const torch::Tensor& w, int64_t type) {
 }
 
 #ifdef RADIXSERVE_AMX8
-bool amx_permitted() {
-    static const bool ok = [] {
-        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-    }();
-    return ok;
-}
 
-struct alignas(64) TileConfig {
-    uint8_t palette = 1;
-    uint8_t start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
 
 // x quantized: per group, A rows (hi rows, lo rows, then a row of ones where there is room);
 // per row and span its step; per row and group step * sum(qa)
@@ -269,7 +256,7 @@ void run_rows(const uint8_t* pp, int64_t rec, const Act& q, int64_t n, O* y) {
     // ~8 KiB of weights per task at the least (a 576-wide layer's block is ~6 KiB)
     const int64_t grain = std::max<int64_t>(1, 8192 / (q.groups * rec));
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-        TileConfig c;
+        amx::TileConfig c;
         for (int t = 0; t < 2; ++t) c.rows[t] = static_cast<uint8_t>(q.arows), c.colsb[t] = 64;           // C
         for (int t = 2; t < 4; ++t) c.rows[t] = static_cast<uint8_t>(q.arows), c.colsb[t] = kGroup;       // A
         for (int t = 4; t < 6; ++t) c.rows[t] = kGroup / 4, c.colsb[t] = 64;                              // B
@@ -304,7 +291,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
                 "packed is not this weight's pack()");
     torch::Tensor y = torch::empty({m, n}, x.options());
 #ifdef RADIXSERVE_AMX8
-    TORCH_CHECK(amx_permitted(), "the kernel may not use the AMX tile registers here");
+    TORCH_CHECK(amx::permitted(), "the kernel may not use the AMX tile registers here");
     const torch::Tensor xc = x.contiguous();
     Act q;
     const uint8_t* pp = packed.data_ptr<uint8_t>();
@@ -332,7 +319,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
 
 bool available() {
 #ifdef RADIXSERVE_AMX8
-    return amx_permitted();
+    return amx::permitted();
 #else
     return false;
 #endif

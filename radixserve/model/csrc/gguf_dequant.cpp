@@ -19,8 +19,7 @@
 #include <vector>
 
 #if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 #include "gguf_unpack.h"
@@ -718,27 +717,10 @@ bool bf16_tile(int64_t type, const uint8_t* wp, int64_t rb, int64_t first, int64
 // transposed into the output as it is stored. Each output element sums its K chunks in order, so
 // an input row's result does not depend on the other rows of the call.
 
-// Linux gives a process the AMX register state only once it has asked for it.
-bool amx_permitted() {
-    static const bool ok = [] {
-        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-    }();
-    return ok;
-}
-
-struct alignas(64) TileConfig {
-    uint8_t palette = 1;
-    uint8_t start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: C (16 x 16 float32); 4-5: A (16 weight rows x 32 bf16); 6-7: B (16 pairs x 16 inputs).
 // Set by each thread before its tiles: the configuration is per thread, and oneDNN sets its own.
 inline void amx_configure() {
-    TileConfig c;
+    amx::TileConfig c;
     for (int t = 0; t < 8; ++t) {
         c.colsb[t] = 64;
         c.rows[t] = 16;
@@ -888,7 +870,7 @@ constexpr int64_t kAmxMaxRows = 1024;
 
 bool amx_kernel(int64_t type, const uint8_t* wp, int64_t rb, int64_t n, const uint16_t* xp, int64_t m, int64_t k,
                 at::BFloat16* yp, bool any_rows) {
-    if ((m > kAmxMaxRows && !any_rows) || k % 32 || !amx_permitted()) return false;
+    if ((m > kAmxMaxRows && !any_rows) || k % 32 || !amx::permitted()) return false;
     return with_expander(type, [&](auto t) { linear_amx<decltype(t)>(wp, rb, n, xp, m, k, yp); });
 }
 #endif
@@ -1029,7 +1011,7 @@ bool has_bf16_kernel() {
 
 bool has_amx_kernel() {
 #ifdef RADIXSERVE_GGUF_AMX
-    return amx_permitted();
+    return amx::permitted();
 #else
     return false;
 #endif
