@@ -19,7 +19,7 @@ With AMX, inputs past ``small_rows`` (default 4 there) take gguf_dequant.cpp's A
 expanded to bf16 tiles in cache, tdpbf16ps) up to about a thousand rows, the tiles and GEMM past it;
 and with AMX int8, Q4_0 / Q4_1 / Q8_0 weights packed by ``pack_tiles`` take csrc/gguf_amx8.cpp in
 the VNNI kernel's place (integer tiles, each group's sum exact: a decode row costs what it did, a
-further row of a verify step a fifth of what it did).
+further row of a verify step about a sixth of what it did).
 float32 models keep the float kernel, their exact reference. A fused linear whose parts have
 different types (Q4_K_M files keep some ``attn_v`` / ``ffn_down`` in Q6_K) holds one segment per
 type and writes each segment's columns of the output.
@@ -172,8 +172,9 @@ class GGUFWeight(QuantizedWeight):
     def pack_tiles(self) -> bool:
         """Where the CPU has AMX int8 and every segment's type packs (Q4_0, Q4_1, Q8_0): keep the
         segments also laid out for csrc/gguf_amx8.cpp, which then takes the bfloat16 inputs the VNNI
-        kernel would (a decode row costs the same, each further row of a speculative verify step a
-        fifth or less). The blocks stay for the larger inputs (their pages are the file's)."""
+        kernel would (a decode row costs the same, each further row of a speculative verify step about
+        a sixth). The blocks stay for the larger inputs (their pages are the file's), so these weights
+        are held twice."""
         amx8 = amx8_ext()
         if self._vnni is None or amx8 is None or not all(amx8.supported(s.qtype) for s in self.segments):
             return False
