@@ -114,8 +114,6 @@ torch::Tensor pack(const torch::Tensor& w, int64_t type) {
 }
 
 #ifdef RADIXSERVE_AMX8
-
-
 // x quantized: per group, A rows (hi rows, lo rows, then a row of ones where there is room);
 // per row and span its step; per row and group step * sum(qa)
 struct Act {
@@ -175,6 +173,7 @@ void run_block(const uint8_t* rec0, int64_t rec, const Act& q, O* y, int64_t ldy
         const int b = static_cast<int>(g & 1);
         const uint8_t* r = rec0 + g * rec;
         const uint8_t* bsrc = r;
+        // the payload four groups ahead (past the weight's end a prefetch is only a hint, never a fault)
         for (int64_t o = 0; o < kPayload; o += 64) _mm_prefetch(reinterpret_cast<const char*>(r + 4 * rec + o), _MM_HINT_T0);
         __m512i sw = _mm512_setzero_si512();
         if constexpr (Bits == 4) {
