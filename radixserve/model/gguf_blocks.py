@@ -168,6 +168,7 @@ class GGUFWeight(QuantizedWeight):
         self.vnni_rows = VNNI_MAX_ROWS_K if k_quants else VNNI_MAX_ROWS
         self._tiles: list[torch.Tensor] | None = None  # pack_tiles(): the segments for the AMX int8 kernel
         self._amx8: Any = None
+        self._tile_rows = 0  # rows one call of that kernel takes
 
     def pack_tiles(self) -> bool:
         """Where the CPU has AMX int8 and every segment's type packs (Q4_0, Q4_1, Q8_0): keep the
@@ -179,7 +180,7 @@ class GGUFWeight(QuantizedWeight):
         if self._vnni is None or amx8 is None or not all(amx8.supported(s.qtype) for s in self.segments):
             return False
         self._tiles = [amx8.pack(s.data.reshape(-1, s.data.shape[-1]), s.qtype) for s in self.segments]
-        self._amx8 = amx8
+        self._amx8, self._tile_rows = amx8, int(amx8.max_rows())
         return True
 
     @property
@@ -196,7 +197,7 @@ class GGUFWeight(QuantizedWeight):
             return self._ext.linear(rows, s.data, s.qtype, 0 if requests is None else -1)
         if self._vnni is not None and rows.dtype == torch.bfloat16 and n <= self.vnni_rows:
             if self._tiles is not None:  # any number of rows, 8 a call: each row's result is its own
-                step = self._amx8.max_rows()
+                step = self._tile_rows
                 parts = [self._amx8.linear(rows[r : r + step], self._tiles[i], s.qtype, s.data.shape[0], s.cols)
                          for r in range(0, rows.shape[0], step)]
                 return parts[0] if len(parts) == 1 else torch.cat(parts)
